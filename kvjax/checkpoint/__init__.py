@@ -1,0 +1,1 @@
+"""Checkpoint sources (registry names, GGUF files, Hugging Face directories) and the Orbax store."""

@@ -1,0 +1,113 @@
+"""The converted-checkpoint directory: Orbax params, kvjax config, tokenizer, provenance; written atomically.
+
+Layout of ``<dir>/``: ``kvjax_config.json`` (``ModelConfig``), ``params/`` (Orbax, float32),
+``tokenizer/`` (``save_pretrained`` output, optional), ``source.json`` (what it was converted from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import jax
+import numpy as np
+
+from kvjax.checkpoint.errors import CheckpointError
+from kvjax.config import ModelConfig
+from kvjax.params import Params, abstract_flat, params_from_flat, shape_mismatches
+
+CONFIG_FILE = "kvjax_config.json"
+SOURCE_FILE = "source.json"
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def read_source(path: str) -> dict | None:
+    try:
+        with open(os.path.join(path, SOURCE_FILE)) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _nest(flat: dict) -> dict:
+    """``{"layers.wq": x}`` -> ``{"layers": {"wq": x}}`` (Orbax keys may not contain dots)."""
+    tree: dict = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def write_checkpoint(path: str, cfg: ModelConfig, flat: dict[str, np.ndarray], tokenizer=None,
+                     source: dict | None = None) -> None:
+    """Write atomically: everything goes to a temporary sibling directory that is renamed into place."""
+    import orbax.checkpoint as ocp
+
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(os.path.join(tmp, "params"), _nest({k: np.asarray(v, np.float32) for k, v in flat.items()}))
+            ckpt.wait_until_finished()
+        if tokenizer is not None:
+            tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+        with open(os.path.join(tmp, SOURCE_FILE), "w") as f:
+            json.dump(source or {}, f, indent=1)
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:  # written last: marks a complete checkpoint
+            f.write(cfg.to_json())
+        if os.path.isdir(path):  # a stale conversion (its source changed): replace it
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_config(path: str) -> ModelConfig:
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            return ModelConfig.from_json(f.read())
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}/{CONFIG_FILE} is missing or corrupt: {e}") from e
+
+
+def read_checkpoint(path: str, dtype) -> Params:
+    """Restore params (cast to ``dtype``) after checking every stored shape against the config."""
+    import orbax.checkpoint as ocp
+
+    cfg = read_config(path)
+    params_dir = os.path.join(path, "params")
+    if not os.path.isdir(params_dir):
+        raise CheckpointError(f"{path} has no params/ directory")
+    with ocp.StandardCheckpointer() as ckpt:
+        try:
+            stored = _flatten(ckpt.metadata(params_dir).item_metadata.tree)
+        except Exception as e:
+            raise CheckpointError(f"{params_dir} is corrupt: cannot read its metadata ({e})") from e
+        if problems := shape_mismatches(cfg, {k: tuple(m.shape) for k, m in stored.items()}):
+            raise CheckpointError(f"{path} does not match its config ({len(problems)} problems):\n  "
+                                  + "\n  ".join(problems))
+        try:
+            tree = ckpt.restore(params_dir, _nest(abstract_flat(cfg, np.float32)))
+        except Exception as e:
+            raise CheckpointError(f"{params_dir} is corrupt: {type(e).__name__}: {e}") from e
+    flat = _flatten(tree)
+    return params_from_flat(cfg, {k: jax.device_put(np.asarray(v).astype(dtype)) for k, v in flat.items()})

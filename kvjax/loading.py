@@ -1,0 +1,120 @@
+"""``kvjax.load`` and ``kvjax.load_tokenizer``: one entry point for every checkpoint source.
+
+A source is a registry name (``kvjax.checkpoint.registry.REGISTRY``), a ``.gguf`` file, a Hugging Face
+directory (``config.json`` + safetensors) or a converted kvjax checkpoint directory. GGUF and HF sources
+are converted once into ``<checkpoint dir>/<name>/`` (Orbax) and later loads reuse that conversion.
+The checkpoint dir is ``$KVJAX_CHECKPOINTS`` if set, else ``checkpoints/`` at the repository root.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.checkpoint import store
+from kvjax.checkpoint.errors import CheckpointError
+from kvjax.checkpoint.registry import REGISTRY
+from kvjax.params import Params
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+CONVERTER_VERSION = 1  # bump when conversion changes, so stale conversions are redone
+
+
+def checkpoint_root() -> str:
+    return os.environ.get("KVJAX_CHECKPOINTS") or str(Path(__file__).resolve().parent.parent / "checkpoints")
+
+
+def _fingerprint(path: str) -> dict:
+    """Identity of a conversion's source: path, sizes and modification times of its files."""
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, f) for f in os.listdir(path) if f.endswith((".safetensors", ".json")))
+    return {"converter": CONVERTER_VERSION, "source": os.path.abspath(path),
+            "files": [[os.path.basename(f), os.path.getsize(f), int(os.stat(f).st_mtime)] for f in files]}
+
+
+def _resolve(source: str) -> tuple[str, str, str | None]:
+    """``(kind, source path, checkpoint dir)`` with kind in {"checkpoint", "gguf", "hf"}."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"source must be a registry name or a path, got {type(source).__name__}")
+    source = os.fspath(source)
+    if source in REGISTRY:
+        return "gguf", REGISTRY[source].path(), os.path.join(checkpoint_root(), source)
+    if os.path.isdir(source) and store.is_checkpoint(source):
+        return "checkpoint", source, None
+    if os.path.isfile(source) and source.endswith(".gguf"):
+        return "gguf", source, os.path.join(checkpoint_root(), Path(source).stem)
+    if os.path.isdir(source) and os.path.isfile(os.path.join(source, "config.json")):
+        tag = hashlib.sha1(os.path.abspath(source).encode()).hexdigest()[:8]
+        return "hf", source, os.path.join(checkpoint_root(), f"{Path(source).resolve().name}-{tag}")
+    if os.path.exists(source):
+        raise CheckpointError(f"source={source!r} exists but is neither a .gguf file, a Hugging Face directory "
+                              f"(with config.json) nor a kvjax checkpoint (with {store.CONFIG_FILE})")
+    raise CheckpointError(f"source={source!r} is not a registry name (known: {sorted(REGISTRY)}) "
+                          "nor an existing file or directory")
+
+
+def _tokenizer_from_source(kind: str, path: str):
+    from transformers import AutoTokenizer
+
+    if kind == "gguf":
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _ensure_converted(source: str) -> str:
+    """Path of a kvjax checkpoint for ``source``, converting it first if needed."""
+    kind, path, target = _resolve(source)
+    if kind == "checkpoint":
+        return path
+    fingerprint = _fingerprint(path)
+    if store.is_checkpoint(target) and store.read_source(target) == fingerprint:
+        return target
+    from kvjax.checkpoint.gguf_file import read_gguf
+    from kvjax.checkpoint.hf_dir import read_hf_dir
+
+    start = time.perf_counter()
+    cfg, flat = (read_gguf if kind == "gguf" else read_hf_dir)(path)
+    try:
+        tokenizer = _tokenizer_from_source(kind, path)
+    except (OSError, ValueError):  # a bare weights directory without tokenizer files
+        tokenizer = None
+    store.write_checkpoint(target, cfg, flat, tokenizer, fingerprint)
+    print(f"kvjax: converted {source} -> {target} in {time.perf_counter() - start:.1f}s")
+    return target
+
+
+def load(source: str, dtype="float32") -> Params:
+    """Params (carrying their ``ModelConfig``) from a registry name, GGUF, HF directory or kvjax checkpoint.
+
+    dtype: "float32" or "bfloat16" (or the jnp dtype).
+    """
+    key = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if key not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+    return store.read_checkpoint(_ensure_converted(source), np.dtype(DTYPES[key]))
+
+
+def load_tokenizer(source: str):
+    """The ``transformers`` tokenizer of a source (converting a registry/GGUF/HF source if needed)."""
+    from transformers import AutoTokenizer
+
+    kind, path, _ = _resolve(source)
+    directory = _ensure_converted(source) if kind != "hf" else path
+    tok_dir = os.path.join(directory, "tokenizer") if kind != "hf" else directory
+    if not os.path.isdir(tok_dir):
+        raise CheckpointError(f"source={source!r} has no tokenizer ({tok_dir} is missing)")
+    return AutoTokenizer.from_pretrained(tok_dir)
+
+
+def chat_tokens(tokenizer, message: str | list[dict], system: str | None = None) -> list[int]:
+    """Token ids of a chat prompt (one user message or a list of messages) ending with the assistant turn."""
+    messages = [{"role": "user", "content": message}] if isinstance(message, str) else list(message)
+    if system is not None:
+        messages = [{"role": "system", "content": system}] + messages
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

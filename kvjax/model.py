@@ -1,0 +1,60 @@
+"""The decoder as plain functions: embed, a ``lax.scan`` over stacked layers, final norm and logits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import Segment
+from kvjax.params import LayerParams, Params
+from kvjax.rope import apply_rope, inverse_frequencies
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32 and returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale * normed.astype(x.dtype)
+
+
+def decoder_layer(cfg, x: jax.Array, p: LayerParams, layer_cache, seg: Segment, inv_freq):
+    """One pre-norm block. x: [B, T, D]; p and layer_cache are one layer's slices."""
+    h = rms_norm(x, p.attn_norm, cfg.norm_eps)
+    q = jnp.einsum("btd,dhk->bthk", h, p.wq)
+    k = jnp.einsum("btd,dhk->bthk", h, p.wk)
+    v = jnp.einsum("btd,dhk->bthk", h, p.wv)
+    if cfg.qkv_bias:
+        q, k, v = q + p.bq, k + p.bk, v + p.bv
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p.q_norm, cfg.norm_eps), rms_norm(k, p.k_norm, cfg.norm_eps)
+    q, k = apply_rope(q, seg.positions, inv_freq), apply_rope(k, seg.positions, inv_freq)
+    attn, layer_cache = layer_cache.attend(q, k, v, seg)
+    x = x + jnp.einsum("bthk,hkd->btd", attn, p.wo)
+    h = rms_norm(x, p.mlp_norm, cfg.norm_eps)
+    gated = jax.nn.silu(jnp.einsum("btd,df->btf", h, p.w_gate)) * jnp.einsum("btd,df->btf", h, p.w_up)
+    return x + jnp.einsum("btf,fd->btd", gated, p.w_down), layer_cache
+
+
+def decode_hidden(params: Params, tokens: jax.Array, positions: jax.Array, cache):
+    """Run new tokens [B, T] at ``positions`` [B, T] through every layer against ``cache``.
+
+    Returns the final-normed hidden states [B, T, D] and the updated cache.
+    """
+    cfg = params.config
+    inv_freq = inverse_frequencies(cfg)
+    seg = Segment(positions=positions.astype(jnp.int32))
+    x = jnp.take(params.embed, tokens, axis=0)
+
+    def body(x, layer):
+        p, layer_cache = layer
+        return decoder_layer(cfg, x, p, layer_cache, seg, inv_freq)
+
+    x, cache = jax.lax.scan(body, x, (params.layers, cache))
+    return rms_norm(x, params.final_norm, cfg.norm_eps), cache
+
+
+def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
+    """[..., D] -> float32 logits [..., V] (tied embeddings use ``embed``)."""
+    if params.lm_head is None:
+        return jnp.einsum("...d,vd->...v", hidden, params.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)

@@ -1,0 +1,130 @@
+"""Parameter pytrees and the one table that declares every tensor's shape and logical axes.
+
+Shapes use: L layers, V vocab, D d_model, H query heads, Hk KV heads, K head_dim, F d_ff.
+Every ``LayerParams`` leaf carries the leading L axis, so the forward pass scans over it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.config import ModelConfig
+
+
+@struct.dataclass
+class LayerParams:
+    attn_norm: jax.Array  # [L, D]
+    wq: jax.Array  # [L, D, H, K]
+    wk: jax.Array  # [L, D, Hk, K]
+    wv: jax.Array  # [L, D, Hk, K]
+    wo: jax.Array  # [L, H, K, D]
+    mlp_norm: jax.Array  # [L, D]
+    w_gate: jax.Array  # [L, D, F]
+    w_up: jax.Array  # [L, D, F]
+    w_down: jax.Array  # [L, F, D]
+    bq: jax.Array | None = None  # [L, H, K] (Qwen2)
+    bk: jax.Array | None = None  # [L, Hk, K]
+    bv: jax.Array | None = None  # [L, Hk, K]
+    q_norm: jax.Array | None = None  # [L, K] (Qwen3)
+    k_norm: jax.Array | None = None  # [L, K]
+
+
+@struct.dataclass
+class Params:
+    """Model weights plus their (static) config."""
+
+    config: ModelConfig = struct.field(pytree_node=False)
+    embed: jax.Array  # [V, D]
+    layers: LayerParams
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None = None  # [D, V]; None when tied to ``embed``
+
+    @property
+    def dtype(self):
+        return self.embed.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]  # logical axis names, one per dim
+    init: str = "normal"  # "normal" or "ones" (norm scales)
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """Flat ``path -> ParamSpec`` for every tensor ``cfg`` has (``layers.wq`` etc.)."""
+    L, V, D, H, Hk, K, F = (cfg.n_layers, cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
+                            cfg.head_dim, cfg.d_ff)
+    s = {
+        "embed": ParamSpec((V, D), ("vocab", "embed")),
+        "final_norm": ParamSpec((D,), ("embed",), "ones"),
+        "layers.attn_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+        "layers.wq": ParamSpec((L, D, H, K), ("layers", "embed", "heads", "head_dim")),
+        "layers.wk": ParamSpec((L, D, Hk, K), ("layers", "embed", "kv_heads", "head_dim")),
+        "layers.wv": ParamSpec((L, D, Hk, K), ("layers", "embed", "kv_heads", "head_dim")),
+        "layers.wo": ParamSpec((L, H, K, D), ("layers", "heads", "head_dim", "embed")),
+        "layers.mlp_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+        "layers.w_gate": ParamSpec((L, D, F), ("layers", "embed", "ffw")),
+        "layers.w_up": ParamSpec((L, D, F), ("layers", "embed", "ffw")),
+        "layers.w_down": ParamSpec((L, F, D), ("layers", "ffw", "embed")),
+    }
+    if not cfg.tie_embeddings:
+        s["lm_head"] = ParamSpec((D, V), ("embed", "vocab"))
+    if cfg.qkv_bias:
+        s["layers.bq"] = ParamSpec((L, H, K), ("layers", "heads", "head_dim"))
+        s["layers.bk"] = ParamSpec((L, Hk, K), ("layers", "kv_heads", "head_dim"))
+        s["layers.bv"] = ParamSpec((L, Hk, K), ("layers", "kv_heads", "head_dim"))
+    if cfg.qk_norm:
+        s["layers.q_norm"] = ParamSpec((L, K), ("layers", "head_dim"), "ones")
+        s["layers.k_norm"] = ParamSpec((L, K), ("layers", "head_dim"), "ones")
+    return s
+
+
+def params_from_flat(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
+    """Build ``Params`` from a flat ``path -> array`` dict holding exactly ``param_specs(cfg)``."""
+    layers = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith("layers.")}
+    return Params(config=cfg, embed=flat["embed"], layers=LayerParams(**layers), final_norm=flat["final_norm"],
+                  lm_head=flat.get("lm_head"))
+
+
+def params_to_flat(params: Params) -> dict[str, Any]:
+    """Inverse of ``params_from_flat`` (absent optional tensors are left out)."""
+    flat = {"embed": params.embed, "final_norm": params.final_norm, "lm_head": params.lm_head}
+    flat |= {f"layers.{f.name}": getattr(params.layers, f.name) for f in dataclasses.fields(LayerParams)}
+    return {k: v for k, v in flat.items() if v is not None}
+
+
+def shape_mismatches(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Every tensor whose shape differs from the spec, or that is missing or unexpected."""
+    specs = param_specs(cfg)
+    problems = [f"{k}: expected {specs[k].shape}, found {tuple(shapes[k])}"
+                for k in specs if k in shapes and tuple(shapes[k]) != specs[k].shape]
+    problems += [f"{k}: expected {specs[k].shape}, missing" for k in specs if k not in shapes]
+    problems += [f"{k}: unexpected tensor of shape {tuple(shapes[k])}" for k in shapes if k not in specs]
+    return problems
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
+    """Random weights (normal(0, scale); norm scales near one) for tests and benchmarks."""
+    specs = param_specs(cfg)
+    keys = jax.random.split(key, len(specs))
+    flat = {}
+    for k, (path, spec) in zip(keys, sorted(specs.items())):
+        x = jax.random.normal(k, spec.shape, jnp.float32) * scale
+        flat[path] = (1.0 + x if spec.init == "ones" else x).astype(dtype)
+    return params_from_flat(cfg, flat)
+
+
+def cast_params(params: Params, dtype) -> Params:
+    """All weights in ``dtype`` (norm scales included; norms compute in float32)."""
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+
+
+def abstract_flat(cfg: ModelConfig, dtype) -> dict[str, jax.ShapeDtypeStruct]:
+    return {k: jax.ShapeDtypeStruct(s.shape, np.dtype(dtype)) for k, s in param_specs(cfg).items()}
