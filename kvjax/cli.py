@@ -1,0 +1,66 @@
+"""Command line: ``python -m kvjax generate --model smollm2-135m-instruct --chat "..."``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _generate(args) -> int:
+    import kvjax
+
+    start = time.perf_counter()
+    params = kvjax.load(args.model, dtype=args.dtype)
+    tokenizer = kvjax.load_tokenizer(args.model)
+    if args.chat is not None:
+        ids = kvjax.chat_tokens(tokenizer, args.chat, system=args.system)
+    else:
+        ids = tokenizer(args.prompt)["input_ids"]
+    print(f"[{args.model}: loaded in {time.perf_counter() - start:.1f}s, prompt {len(ids)} tokens]",
+          file=sys.stderr)
+    start, new = time.perf_counter(), []
+    stream = kvjax.generate_stream(params, ids, max_new_tokens=args.max_new_tokens, chunk=args.chunk,
+                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                   seed=args.seed)
+    printed = ""
+    for (chunk,) in stream:
+        new.extend(int(t) for t in chunk)
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        print(text[len(printed):], end="", flush=True)
+        printed = text
+    print()
+    print(f"[{len(new)} tokens in {time.perf_counter() - start:.1f}s, compilation included]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kvjax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt or a chat message, streaming the answer",
+                       description="Generate text with a Llama/Qwen model, streaming tokens as they are decoded.")
+    g.add_argument("--model", default="smollm2-135m-instruct",
+                   help="registry name, .gguf file, Hugging Face directory or kvjax checkpoint "
+                        "(default: %(default)s)")
+    text = g.add_mutually_exclusive_group(required=True)
+    text.add_argument("--chat", metavar="MESSAGE", help="a user message, wrapped in the model's chat template")
+    text.add_argument("--prompt", metavar="TEXT", help="raw text to continue (no chat template)")
+    g.add_argument("--system", help="system message for --chat (default: the template's own)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off")
+    g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default: %(default)s)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
+    g.add_argument("--chunk", type=int, default=4, help="decode steps between streamed outputs")
+    g.set_defaults(run=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError) as e:  # CheckpointError included: clear messages, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random models, the real SmolLM2 weights, and the --runslow switch."""
+
+import jax
+import pytest
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow real-model evaluation: pass --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    import kvjax
+
+    return kvjax.load(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    import kvjax
+
+    return kvjax.load_tokenizer(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path():
+    from kvjax.checkpoint.registry import REGISTRY
+
+    return REGISTRY[SMOLLM2].path()
+
+
+@pytest.fixture
+def checkpoint_root(tmp_path, monkeypatch):
+    """Conversions of this test go to a temporary directory."""
+    root = tmp_path / "checkpoints"
+    monkeypatch.setenv("KVJAX_CHECKPOINTS", str(root))
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    import kvjax
+
+    cfg = kvjax.ModelConfig(arch="llama", vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                            head_dim=8, d_ff=48, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-5,
+                            eos_token_ids=(3,), pad_token_id=0)
+    return kvjax.init_params(cfg, jax.random.key(0), scale=0.3)
+
+
+@pytest.fixture
+def count_compiles():
+    """``with count_compiles() as box:`` counts XLA backend compilations in ``box["n"]``."""
+    import contextlib
+
+    from jax import monitoring
+
+    @contextlib.contextmanager
+    def counter():
+        box = {"n": 0}
+
+        def listener(event, duration, **kwargs):
+            if event == "/jax/core/compile/backend_compile_duration":
+                box["n"] += 1
+
+        monitoring.register_event_duration_secs_listener(listener)
+        try:
+            yield box
+        finally:
+            monitoring.unregister_event_duration_listener(listener)
+
+    return counter

@@ -1,0 +1,153 @@
+"""Bad input gets a clear error naming the argument or the file, never a crash deep inside XLA."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.checkpoint import store
+from test_parity_hf import CASES, make_hf_model
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    make_hf_model(*CASES["llama-gqa-llama3rope-untied"], tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_unknown_registry_name_lists_known_names():
+    with pytest.raises(kvjax.CheckpointError, match=r"source='smollm9'.*smollm2-135m-instruct"):
+        kvjax.load("smollm9")
+
+
+def test_missing_paths(tmp_path):
+    with pytest.raises(kvjax.CheckpointError, match="not a registry name"):
+        kvjax.load(str(tmp_path / "absent.gguf"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(kvjax.CheckpointError, match="neither a .gguf file"):
+        kvjax.load(str(tmp_path / "empty"))
+
+
+def test_bad_dtype_argument(tiny_llama):
+    with pytest.raises(ValueError, match="dtype='float16'"):
+        kvjax.load("smollm2-135m-instruct", dtype="float16")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_gguf(tmp_path, checkpoint_root, smollm2_gguf_path, damage):
+    bad = tmp_path / "bad.gguf"
+    if damage == "garbage":
+        bad.write_bytes(b"not a gguf file at all" * 100)
+    else:
+        with open(smollm2_gguf_path, "rb") as f:
+            bad.write_bytes(f.read(5_000_000))
+    with pytest.raises(kvjax.CheckpointError, match="bad.gguf"):
+        kvjax.load(str(bad))
+    assert not checkpoint_root.exists() or not any(checkpoint_root.iterdir())
+
+
+def test_truncated_safetensors(hf_dir, checkpoint_root):
+    f = hf_dir / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: os.path.getsize(f) // 2])
+    with pytest.raises(kvjax.CheckpointError, match="truncated"):
+        kvjax.load(str(hf_dir))
+
+
+def test_shape_mismatch_lists_every_tensor(hf_dir, checkpoint_root):
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["intermediate_size"] += 8
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(kvjax.CheckpointError) as err:
+        kvjax.load(str(hf_dir))
+    message = str(err.value)
+    assert "(9 problems)" in message  # gate, up and down of each of the 3 layers, in one error
+    for layer in range(3):
+        assert f"model.layers.{layer}.mlp.down_proj.weight -> layers.w_down: expected (104, 64), found (96, 64)" \
+            in message
+
+
+def test_missing_tensor_is_reported(hf_dir, checkpoint_root, tmp_path):
+    import safetensors.numpy as stn
+    from kvjax.checkpoint.hf_dir import read_safetensors_index, _read_tensor
+
+    index = read_safetensors_index(str(hf_dir / "model.safetensors"))
+    tensors = {k: _read_tensor(*v) for k, v in index.items() if k != "model.layers.1.self_attn.k_proj.weight"}
+    stn.save_file(tensors, str(hf_dir / "model.safetensors"))
+    with pytest.raises(kvjax.CheckpointError, match=r"layers.wk: missing layers \[1\]"):
+        kvjax.load(str(hf_dir))
+
+
+def test_converted_checkpoint_damage(hf_dir, checkpoint_root):
+    kvjax.load(str(hf_dir))
+    (ckpt,) = [p for p in checkpoint_root.iterdir()]
+    kvjax.load(str(ckpt))  # a converted directory is itself a source
+
+    cfg = json.loads((ckpt / store.CONFIG_FILE).read_text())
+    cfg["d_model"] = 48
+    (ckpt / store.CONFIG_FILE).write_text(json.dumps(cfg))
+    with pytest.raises(kvjax.CheckpointError, match=r"embed: expected \(211, 48\), found \(211, 64\)"):
+        kvjax.load(str(ckpt))
+
+    cfg["d_model"] = 64
+    (ckpt / store.CONFIG_FILE).write_text(json.dumps(cfg))
+    for f in (ckpt / "params").rglob("*"):
+        if f.is_file() and "manifest" not in f.name and f.parent.name == "d":
+            f.write_bytes(b"\0" * 10)
+    with pytest.raises(kvjax.CheckpointError, match="corrupt"):
+        kvjax.load(str(ckpt))
+
+    (ckpt / store.CONFIG_FILE).write_text("{broken")
+    with pytest.raises(kvjax.CheckpointError, match="kvjax_config.json is missing or corrupt"):
+        kvjax.load(str(ckpt))
+
+
+def test_conversion_is_atomic(hf_dir, checkpoint_root, monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(store, "_nest", fail)
+    with pytest.raises(RuntimeError, match="disk full"):
+        kvjax.load(str(hf_dir))
+    assert list(checkpoint_root.iterdir()) == []  # neither a partial checkpoint nor a temporary directory
+    monkeypatch.undo()
+    assert kvjax.load(str(hf_dir)).config.n_layers == 3
+
+
+def test_reconverts_when_source_changes(hf_dir, checkpoint_root):
+    a = kvjax.load(str(hf_dir))
+    make_hf_model(*CASES["llama-gqa-llama3rope-untied"], hf_dir, seed=1)
+    os.utime(hf_dir / "model.safetensors", (1, 1))
+    b = kvjax.load(str(hf_dir))
+    assert not np.array_equal(np.asarray(a.embed), np.asarray(b.embed))
+
+
+@pytest.mark.parametrize("tokens, error, match", [
+    ([], ValueError, r"tokens\[0\] is empty"),
+    (np.zeros((0, 5), np.int32), ValueError, "tokens is an empty batch"),
+    (np.array([], np.int32), ValueError, r"tokens\[0\] is empty"),
+    ([[1, 2], []], ValueError, r"tokens\[1\] is empty"),
+    (np.array([1.0, 2.0]), TypeError, "tokens must hold integer token ids, got dtype float64"),
+    (np.array([1, 200]), ValueError, r"tokens\[0\] holds ids outside \[0, 97\)"),
+    (np.zeros((1, 2, 3), np.int32), ValueError, "tokens must be 1-D"),
+])
+def test_bad_tokens(tiny_llama, tokens, error, match):
+    with pytest.raises(error, match=match):
+        kvjax.generate(tiny_llama, tokens, max_new_tokens=2)
+
+
+def test_prompt_beyond_context(tiny_llama):
+    with pytest.raises(ValueError, match="prompt length 500 \\+ max_new_tokens 20 exceeds the model's context of 512"):
+        kvjax.generate(tiny_llama, np.ones(500, np.int32), max_new_tokens=20)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        kvjax.generate(tiny_llama, np.ones(5, np.int32), max_new_tokens=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-1.0), "temperature=-1.0"), (dict(top_k=-2), "top_k=-2"), (dict(top_p=0.0), "top_p=0.0"),
+])
+def test_bad_sampling(tiny_llama, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        kvjax.generate(tiny_llama, np.ones(5, np.int32), max_new_tokens=2, **kwargs)

@@ -1,0 +1,108 @@
+"""Full-cache generation: decode equals a full forward, batching/padding, stopping, sampling, no recompiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.generate import Generation
+from kvjax.sampling import Sampling, sample
+
+
+def random_prompt(n, seed, vocab=97):
+    return np.random.default_rng(seed).integers(4, vocab, n).astype(np.int32)
+
+
+def test_prefill_then_decode_equals_full_forward(tiny_llama):
+    prompt = random_prompt(11, 0)
+    gen = Generation(tiny_llama, prompt, 9, Sampling(), seed=0, stop_ids=())
+    step_logits = [np.asarray(gen.state.logits[0])]
+    new = []
+    for _ in range(9):
+        new.append(int(gen.run(1)[0][0]))
+        step_logits.append(np.asarray(gen.state.logits[0]))
+    full = np.asarray(kvjax.forward(tiny_llama, np.concatenate([prompt, new])))[0]
+    for i, logits in enumerate(step_logits):
+        np.testing.assert_allclose(logits, full[len(prompt) - 1 + i], atol=1e-5)
+        if i < len(new):
+            assert new[i] == np.argmax(full[len(prompt) - 1 + i])
+
+
+def test_batch_with_padding_equals_each_row_alone(tiny_llama):
+    prompts = [random_prompt(n, seed) for seed, n in enumerate([5, 17, 40, 1])]
+    batch = kvjax.generate(tiny_llama, prompts, max_new_tokens=12)
+    assert len(batch) == len(prompts)
+    for prompt, row in zip(prompts, batch):
+        np.testing.assert_array_equal(row, kvjax.generate(tiny_llama, prompt, max_new_tokens=12))
+
+
+def test_batch_rows_stop_independently(tiny_llama):
+    prompts = [random_prompt(n, 10 + n) for n in (6, 9, 14)]
+    free = kvjax.generate(tiny_llama, prompts, max_new_tokens=10, stop_ids=())
+    stop = int(free[1][3])  # row 1 stops after its 4th token; others stop at their first occurrence, if any
+    stopped = kvjax.generate(tiny_llama, prompts, max_new_tokens=10, stop_ids=(stop,))
+    for full, got in zip(free, stopped):
+        hits = np.flatnonzero(full == stop)
+        expected = full[: hits[0] + 1] if hits.size else full
+        np.testing.assert_array_equal(got, expected)
+    assert len(stopped[1]) <= 4
+
+
+def test_two_dimensional_batch_returns_list(tiny_llama):
+    out = kvjax.generate(tiny_llama, np.stack([random_prompt(8, 1), random_prompt(8, 2)]), max_new_tokens=3,
+                         stop_ids=())
+    assert isinstance(out, list) and [len(o) for o in out] == [3, 3]
+
+
+def test_stream_yields_the_generated_tokens(tiny_llama):
+    prompt = random_prompt(13, 3)
+    chunks = list(kvjax.generate_stream(tiny_llama, prompt, max_new_tokens=10, chunk=3, stop_ids=()))
+    assert len(chunks) == 4
+    np.testing.assert_array_equal(np.concatenate([c[0] for c in chunks]),
+                                  kvjax.generate(tiny_llama, prompt, max_new_tokens=10, stop_ids=()))
+
+
+def test_same_bucket_does_not_recompile(tiny_llama, count_compiles):
+    kvjax.generate(tiny_llama, random_prompt(20, 0), max_new_tokens=8)
+    kvjax.generate(tiny_llama, random_prompt(20, 0), max_new_tokens=8, temperature=0.7, seed=1)
+    with count_compiles() as compiles:
+        kvjax.generate(tiny_llama, random_prompt(25, 1), max_new_tokens=8)  # same bucket (32), other prompt
+        kvjax.generate(tiny_llama, random_prompt(31, 2), max_new_tokens=20)  # same cache capacity
+        kvjax.generate(tiny_llama, random_prompt(17, 3), max_new_tokens=5, temperature=0.7, seed=5)
+    assert compiles["n"] == 0
+    with count_compiles() as compiles:  # the counter does see compilations
+        kvjax.generate(tiny_llama, random_prompt(100, 1), max_new_tokens=8)
+    assert compiles["n"] > 0
+
+
+def test_sampling_seeded_and_greedy_limits(tiny_llama):
+    prompt = random_prompt(9, 4)
+    greedy = kvjax.generate(tiny_llama, prompt, max_new_tokens=12, stop_ids=())
+    hot = dict(max_new_tokens=12, stop_ids=(), temperature=5.0)
+    np.testing.assert_array_equal(kvjax.generate(tiny_llama, prompt, top_k=1, **hot), greedy)
+    np.testing.assert_array_equal(kvjax.generate(tiny_llama, prompt, top_p=1e-6, **hot), greedy)
+    a = kvjax.generate(tiny_llama, prompt, seed=7, **hot)
+    np.testing.assert_array_equal(a, kvjax.generate(tiny_llama, prompt, seed=7, **hot))
+    assert not np.array_equal(a, kvjax.generate(tiny_llama, prompt, seed=8, **hot))
+
+
+@pytest.mark.parametrize("sampling, expected", [
+    (Sampling(temperature=1.0), [0.5, 0.3, 0.2, 0.0]),
+    (Sampling(temperature=1.0, top_k=2), [0.625, 0.375, 0.0, 0.0]),
+    (Sampling(temperature=1.0, top_p=0.6), [0.625, 0.375, 0.0, 0.0]),
+    (Sampling(temperature=1.0, top_p=0.4), [1.0, 0.0, 0.0, 0.0]),
+])
+def test_sampling_frequencies(sampling, expected):
+    probs = np.array([0.5, 0.3, 0.2, 0.0])
+    logits = jnp.log(jnp.asarray(np.tile(probs, (20000, 1)), jnp.float32))
+    counts = np.bincount(np.asarray(sample(logits, jax.random.key(0), sampling)), minlength=4) / 20000
+    np.testing.assert_allclose(counts, expected, atol=0.015)
+
+
+@pytest.mark.smollm2
+def test_smollm2_batch_of_chats_equals_alone(smollm2, smollm2_tokenizer):
+    chats = [kvjax.chat_tokens(smollm2_tokenizer, q) for q in ("What is 2+2?", "Name a large animal.")]
+    batch = kvjax.generate(smollm2, chats, max_new_tokens=12)
+    for ids, row in zip(chats, batch):
+        np.testing.assert_array_equal(row, kvjax.generate(smollm2, np.array(ids), max_new_tokens=12))

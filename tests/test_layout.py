@@ -1,0 +1,31 @@
+"""Project layout promises: kernels import as kvjax.kernels only, and CI runs the README's test command."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_kernels_import_as_kvjax_kernels():
+    import kvjax.kernels
+
+    assert Path(kvjax.kernels.__file__).resolve() == ROOT / "kernels" / "__init__.py"
+
+
+def test_transformers_does_not_mistake_our_kernels_folder_for_the_kernels_package():
+    # Run from the repository root, where `kernels/` sits on sys.path as the current directory.
+    probe = "from transformers.utils.import_utils import is_kernels_available as f; print(f())"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    commands = [line.strip() for line in readme.splitlines() if line.startswith("bash scripts/setup.sh")]
+    assert len(commands) >= 2, "the README's first two commands run the main job and the tests"
+    assert commands[1] in ci.splitlines()
+    assert "pytest" in commands[1] and "kvjax generate" in commands[0]
+    assert os.access(ROOT / ".ci" / "run", os.X_OK)
