@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.attention import gqa_attention
+from kvjax.ops import attention_with_scores
 from kvjax.config import ModelConfig
 
 
@@ -15,10 +15,17 @@ from kvjax.config import ModelConfig
 class Segment:
     """The new tokens of one forward call, shared by all layers.
 
-    positions: [B, T] int32 absolute positions (rows are right-padded; padded queries' outputs are unused).
+    positions: [B, T] int32 absolute positions (rows are right-padded; padded queries' outputs are unused);
+    valid: [B, T] bool, False for padding; query_weights: [B, T] float32 scoring queries, or None;
+    seen: [B] int32 one past the newest valid position after this call; evict: bool scalar, whether this
+    call ends with an eviction. Only ``positions`` matters to the full cache.
     """
 
     positions: jax.Array
+    valid: jax.Array | None = None
+    query_weights: jax.Array | None = None
+    seen: jax.Array | None = None
+    evict: jax.Array | None = None
 
 
 @struct.dataclass
@@ -48,4 +55,4 @@ class FullCache:
         v_all = write(self.v, v.swapaxes(1, 2).astype(self.v.dtype), start)
         slots = jnp.arange(self.capacity)
         mask = (slots[None, None, :] <= seg.positions[:, :, None])[:, None]  # [B, 1, T, S]
-        return gqa_attention(q, k_all, v_all, mask), FullCache(k=k_all, v=v_all)
+        return attention_with_scores(q, k_all, v_all, mask)[0], FullCache(k=k_all, v=v_all)

@@ -10,36 +10,39 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.cache import FullCache
+from kvjax.budget_cache import BudgetCache
+from kvjax.cache import FullCache, Segment
+from kvjax.engine import Eviction, decode_segment, extend
 from kvjax.model import decode_hidden, logits_from_hidden
 from kvjax.params import Params
 from kvjax.sampling import Sampling, sample
+from kvjax.scorers import make_policy
 
 MIN_BUCKET = 32
 CAPACITY_STEP = 256
 
 
-def prompt_bucket(n: int) -> int:
-    """Padded prompt length: the next power of two >= n (at least ``MIN_BUCKET``)."""
-    return max(MIN_BUCKET, 1 << (n - 1).bit_length())
+def prompt_bucket(n: int, multiple: int = 1) -> int:
+    """Padded prompt length: the next power of two >= n (at least ``MIN_BUCKET``), rounded up to ``multiple``."""
+    return -(-max(MIN_BUCKET, 1 << (n - 1).bit_length()) // multiple) * multiple
 
 
-def cache_capacity(bucket: int, max_new_tokens: int) -> int:
-    """Static cache length: prompt bucket + new tokens, rounded up to ``CAPACITY_STEP``."""
-    return -(-(bucket + max_new_tokens) // CAPACITY_STEP) * CAPACITY_STEP
+def round_capacity(n: int) -> int:
+    """Static lengths that depend on the request are rounded up to ``CAPACITY_STEP`` to share compilations."""
+    return -(-n // CAPACITY_STEP) * CAPACITY_STEP
 
 
 @struct.dataclass
 class DecodeState:
     """Everything the decode loop carries.
 
-    cache: FullCache [L, B, Hk, C, K]; tokens: [B, C] prompt and generated ids (pad after ``lengths``);
-    lengths: [B] tokens held per row; n_new: [B] generated so far; done: [B]; logits: [B, V] float32
+    cache: FullCache or BudgetCache; out: [B, N] generated ids (pad after ``n_new``); lengths: [B] tokens
+    seen per row (the next position); n_new: [B] generated so far; done: [B]; logits: [B, V] float32
     next-token logits; key: PRNG key; step: scalar loop counter.
     """
 
-    cache: FullCache
-    tokens: jax.Array
+    cache: FullCache | BudgetCache
+    out: jax.Array
     lengths: jax.Array
     n_new: jax.Array
     done: jax.Array
@@ -48,40 +51,57 @@ class DecodeState:
     step: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("capacity",))
-def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, key: jax.Array, capacity: int) -> DecodeState:
-    """tokens: [B, P] right-padded prompts with ``lengths`` [B] valid tokens each."""
-    cfg = params.config
+def _start_state(params: Params, cache, lengths, last_hidden, key, out_width: int) -> DecodeState:
+    B = lengths.shape[0]
+    return DecodeState(cache=cache, out=jnp.full((B, out_width), params.config.pad_token_id, jnp.int32),
+                       lengths=lengths, n_new=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool),
+                       logits=logits_from_hidden(params, last_hidden), key=key, step=jnp.zeros((), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "out_width"))
+def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, key: jax.Array, capacity: int,
+            out_width: int) -> DecodeState:
+    """Full cache. tokens: [B, P] right-padded prompts with ``lengths`` [B] valid tokens each."""
     B, P = tokens.shape
-    cache = FullCache.init(cfg, B, capacity, params.dtype)
+    cache = FullCache.init(params.config, B, capacity, params.dtype)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    hidden, cache = decode_hidden(params, tokens, positions, cache)
+    hidden, cache = decode_hidden(params, tokens, cache, Segment(positions=positions))
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    buffer = jnp.full((B, capacity), cfg.pad_token_id, jnp.int32).at[:, :P].set(tokens)
-    return DecodeState(cache=cache, tokens=buffer, lengths=lengths, n_new=jnp.zeros(B, jnp.int32),
-                       done=jnp.zeros(B, bool), logits=logits_from_hidden(params, last), key=key,
-                       step=jnp.zeros((), jnp.int32))
+    return _start_state(params, cache, lengths, last, key, out_width)
 
 
-@functools.partial(jax.jit, static_argnames=("sampling", "stop_ids"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("ev", "out_width", "decode_slots"))
+def extend_budget(params: Params, cache: BudgetCache | None, tokens: jax.Array, start: jax.Array,
+                  lengths: jax.Array, key: jax.Array, ev: Eviction, out_width: int,
+                  decode_slots: int) -> DecodeState:
+    """Budget cache: feed tokens [B, P] at ``start`` [B] into ``cache`` (None = empty) under the protocol."""
+    slots = ev.extend_slots(tokens.shape[1])
+    if cache is None:
+        cache = BudgetCache.init(params.config, ev.policy, tokens.shape[0], slots, params.dtype)
+    cache, last = extend(params, cache.resize(slots), tokens, start, lengths, ev)
+    return _start_state(params, cache.resize(decode_slots), start + lengths, last, key, out_width)
+
+
+@functools.partial(jax.jit, static_argnames=("sampling", "stop_ids", "ev"), donate_argnames=("state",))
 def decode(params: Params, state: DecodeState, max_new_tokens: jax.Array, stop_step: jax.Array,
-           sampling: Sampling, stop_ids: tuple[int, ...]) -> DecodeState:
+           sampling: Sampling, stop_ids: tuple[int, ...], ev: Eviction | None = None) -> DecodeState:
     """Generate until every row is done (stop id or ``max_new_tokens``) or ``state.step == stop_step``."""
     pad = params.config.pad_token_id
-    rows = jnp.arange(state.tokens.shape[0])
+    rows = jnp.arange(state.out.shape[0])
 
     def cond(s: DecodeState):
         return (s.step < stop_step) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
         key, sub = jax.random.split(s.key)
-        tok = jnp.where(s.done, pad, sample(s.logits, sub, sampling))
         active = ~s.done
-        tokens = s.tokens.at[rows, s.lengths].set(jnp.where(active, tok, s.tokens[rows, s.lengths]))
+        tok = jnp.where(active, sample(s.logits, sub, sampling), pad)
+        out = s.out.at[rows, s.n_new].set(jnp.where(active, tok, s.out[rows, s.n_new]))
         n_new = s.n_new + active
         done = s.done | jnp.isin(tok, jnp.asarray(stop_ids, jnp.int32)) | (n_new >= max_new_tokens)
-        hidden, cache = decode_hidden(params, tok[:, None], s.lengths[:, None], s.cache)
-        return DecodeState(cache=cache, tokens=tokens, lengths=s.lengths + active, n_new=n_new, done=done,
+        seg = decode_segment(ev, s.step, s.lengths, active)
+        hidden, cache = decode_hidden(params, tok[:, None], s.cache, seg)
+        return DecodeState(cache=cache, out=out, lengths=s.lengths + active, n_new=n_new, done=done,
                            logits=logits_from_hidden(params, hidden[:, 0]), key=key, step=s.step + 1)
 
     return jax.lax.while_loop(cond, body, state)
@@ -92,7 +112,7 @@ def _forward(params: Params, tokens: jax.Array) -> jax.Array:
     B, T = tokens.shape
     cache = FullCache.init(params.config, B, T, params.dtype)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, _ = decode_hidden(params, tokens, positions, cache)
+    hidden, _ = decode_hidden(params, tokens, cache, Segment(positions=positions))
     return logits_from_hidden(params, hidden)
 
 
@@ -130,11 +150,22 @@ def forward(params: Params, tokens) -> jax.Array:
     return _forward(params, jnp.asarray(np.stack(rows)))
 
 
+def pad_rows(rows: list[np.ndarray], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad 1-D rows to [B, width]; returns the padded ids and the lengths [B]."""
+    padded = np.full((len(rows), width), pad, np.int32)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    return padded, np.array([len(r) for r in rows], np.int32)
+
+
 class Generation:
-    """Prepared generation of a batch: validation, padding and buckets, then streamed or whole decoding."""
+    """One batch request: validation, padding and buckets, prefill, then streamed or whole decoding.
+
+    ev=None uses the full cache; otherwise the budget cache and eviction engine configured by ``ev``.
+    """
 
     def __init__(self, params: Params, tokens, max_new_tokens: int, sampling: Sampling, seed: int,
-                 stop_ids: Sequence[int] | None):
+                 stop_ids: Sequence[int] | None, ev: Eviction | None = None):
         cfg = params.config
         self.rows, self.batched = check_tokens(tokens, cfg.vocab_size)
         if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
@@ -143,47 +174,73 @@ class Generation:
         if longest + max_new_tokens > cfg.max_seq_len:
             raise ValueError(f"tokens: prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "
                              f"model's context of {cfg.max_seq_len} tokens")
-        self.params, self.max_new, self.sampling = params, int(max_new_tokens), sampling
+        self.params, self.max_new, self.sampling, self.ev = params, int(max_new_tokens), sampling, ev
         self.stop_ids = tuple(sorted(cfg.eos_token_ids if stop_ids is None else stop_ids))
-        bucket = prompt_bucket(longest)
-        padded = np.full((len(self.rows), bucket), cfg.pad_token_id, np.int32)
-        for i, r in enumerate(self.rows):
-            padded[i, : len(r)] = r
-        self.prompt_lengths = np.array([len(r) for r in self.rows], np.int32)
-        self.state = prefill(params, jnp.asarray(padded), jnp.asarray(self.prompt_lengths),
-                             jax.random.key(seed), capacity=cache_capacity(bucket, self.max_new))
+        out_width = round_capacity(self.max_new)
+        bucket = prompt_bucket(longest, 1 if ev is None else ev.block_size)
+        padded, lengths = pad_rows(self.rows, bucket, cfg.pad_token_id)
+        key = jax.random.key(seed)
+        if ev is None:
+            self.state = prefill(params, jnp.asarray(padded), jnp.asarray(lengths), key,
+                                 capacity=round_capacity(bucket + self.max_new), out_width=out_width)
+        else:
+            decode_slots = ev.decode_slots(round_capacity(self.max_new))
+            self.state = extend_budget(params, None, jnp.asarray(padded), jnp.zeros(len(self.rows), jnp.int32),
+                                       jnp.asarray(lengths), key, ev=ev, out_width=out_width,
+                                       decode_slots=decode_slots)
 
     def run(self, steps: int) -> list[np.ndarray]:
         """Decode up to ``steps`` more tokens; returns each row's new tokens since the previous call."""
         before = np.asarray(self.state.n_new)
         stop = int(self.state.step) + steps
         self.state = decode(self.params, self.state, jnp.int32(self.max_new), jnp.int32(stop), self.sampling,
-                            self.stop_ids)
-        tokens, n_new = np.asarray(self.state.tokens), np.asarray(self.state.n_new)
-        start = self.prompt_lengths + before
-        return [tokens[i, start[i]: self.prompt_lengths[i] + n_new[i]] for i in range(len(self.rows))]
+                            self.stop_ids, self.ev)
+        out, n_new = np.asarray(self.state.out), np.asarray(self.state.n_new)
+        return [out[i, before[i]: n_new[i]] for i in range(len(self.rows))]
 
     @property
     def finished(self) -> bool:
         return bool(np.all(np.asarray(self.state.done)))
 
 
-def generate(params: Params, tokens, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None):
+def eviction_settings(budget: int | None, scorer: str, protocol: str, block_size: int, evict_every: int,
+                      decode_evict: bool, **policy) -> Eviction | None:
+    """The static ``Eviction`` for generate's keyword arguments (None = full cache)."""
+    if budget is None:
+        return None
+    return Eviction(make_policy(scorer, budget, **policy), protocol=protocol, block_size=block_size,
+                    evict_every=evict_every, decode_evict=decode_evict)
+
+
+def generate(params: Params, tokens, max_new_tokens: int = 64, *, budget: int | None = None,
+             scorer: str = "snapkv", protocol: str = "blockwise", block_size: int = 128, n_sink: int = 4,
+             window: int | None = None, obs_window: int = 32, pool: str | None = None, kernel: int = 7,
+             aggregate: str = "mean", evict_every: int = 1, decode_evict: bool = True, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None):
     """New tokens for a prompt (1-D ids -> 1-D array) or a batch (2-D array / list of 1-D -> list of arrays).
 
+    budget=None keeps the full cache. Otherwise every layer keeps at most ``budget`` tokens per KV head,
+    chosen by ``scorer`` (see ``kvjax.scorers.SCORERS`` and docs/eviction.md) under ``protocol``
+    ("blockwise": evict after every ``block_size`` prompt tokens; "prefill": prefill, then evict once);
+    decoding evicts every ``evict_every`` tokens unless ``decode_evict`` is False. ``n_sink`` first and
+    ``window`` most recent tokens are never evicted (window=None: the scorer's default).
     Generation stops at ``max_new_tokens`` or after a stop id (default: the model's EOS ids), which is
     included in the output. Rows of a batch are right-padded; each row's tokens equal running it alone.
     """
-    gen = Generation(params, tokens, max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop_ids)
+    ev = eviction_settings(budget, scorer, protocol, block_size, evict_every, decode_evict, n_sink=n_sink,
+                           window=window, obs_window=obs_window, pool=pool, kernel=kernel, aggregate=aggregate)
+    gen = Generation(params, tokens, max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop_ids, ev)
     out = gen.run(gen.max_new)
     return out if gen.batched else out[0]
 
 
 def generate_stream(params: Params, tokens, max_new_tokens: int = 64, *, chunk: int = 4, temperature: float = 0.0,
-                    top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                    stop_ids: Sequence[int] | None = None) -> Iterator[list[np.ndarray]]:
+                    top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None,
+                    budget: int | None = None, scorer: str = "snapkv", protocol: str = "blockwise",
+                    block_size: int = 128, evict_every: int = 1, decode_evict: bool = True,
+                    **policy) -> Iterator[list[np.ndarray]]:
     """Like ``generate`` but yields each row's newest tokens every ``chunk`` decode steps."""
-    gen = Generation(params, tokens, max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop_ids)
+    ev = eviction_settings(budget, scorer, protocol, block_size, evict_every, decode_evict, **policy)
+    gen = Generation(params, tokens, max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop_ids, ev)
     while not gen.finished:
         yield gen.run(chunk)

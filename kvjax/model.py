@@ -35,14 +35,13 @@ def decoder_layer(cfg, x: jax.Array, p: LayerParams, layer_cache, seg: Segment, 
     return x + jnp.einsum("btf,fd->btd", gated, p.w_down), layer_cache
 
 
-def decode_hidden(params: Params, tokens: jax.Array, positions: jax.Array, cache):
-    """Run new tokens [B, T] at ``positions`` [B, T] through every layer against ``cache``.
+def decode_hidden(params: Params, tokens: jax.Array, cache, seg: Segment):
+    """Run new tokens [B, T] at ``seg.positions`` [B, T] through every layer against ``cache``.
 
     Returns the final-normed hidden states [B, T, D] and the updated cache.
     """
     cfg = params.config
     inv_freq = inverse_frequencies(cfg)
-    seg = Segment(positions=positions.astype(jnp.int32))
     x = jnp.take(params.embed, tokens, axis=0)
 
     def body(x, layer):
@@ -54,7 +53,7 @@ def decode_hidden(params: Params, tokens: jax.Array, positions: jax.Array, cache
 
 
 def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
-    """[..., D] -> float32 logits [..., V] (tied embeddings use ``embed``)."""
+    """[..., D] -> float32 logits [..., V] (tied embeddings use ``embed``); the matmul runs in the params' dtype."""
     if params.lm_head is None:
-        return jnp.einsum("...d,vd->...v", hidden, params.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,vd->...v", hidden, params.embed).astype(jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden, params.lm_head).astype(jnp.float32)

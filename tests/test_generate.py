@@ -106,3 +106,11 @@ def test_smollm2_batch_of_chats_equals_alone(smollm2, smollm2_tokenizer):
     batch = kvjax.generate(smollm2, chats, max_new_tokens=12)
     for ids, row in zip(chats, batch):
         np.testing.assert_array_equal(row, kvjax.generate(smollm2, np.array(ids), max_new_tokens=12))
+
+
+def test_bfloat16_batch_generates(tiny_llama):
+    from kvjax.params import cast_params
+
+    prompts = [random_prompt(7, 1), random_prompt(12, 2)]
+    out = kvjax.generate(cast_params(tiny_llama, "bfloat16"), prompts, max_new_tokens=4, stop_ids=())
+    assert [len(o) for o in out] == [4, 4]
