@@ -100,13 +100,13 @@ class BudgetCache:
         if col is not None:
             state = update_state(self.policy, state, col, seg.query_weights.sum(-1) > 0)
         cache = self.replace(k=k_all, v=v_all, pos=pos, state=state)
-        if self.slots <= self.policy.budget:  # everything fits: eviction is a no-op
-            return out, cache
         return out, jax.lax.cond(seg.evict, lambda c: c.evict(seg.seen), lambda c: c, cache)
 
     def evict(self, seen: jax.Array) -> BudgetCache:
         """One layer: keep ``budget`` slots per (row, KV head); seen: [B] one past the newest position."""
         p, b = self.policy, self.policy.budget
+        if self.slots <= b:  # everything fits: only the state reset remains
+            return self.replace(state=jnp.zeros_like(self.state)) if p.spec.reset_after_evict else self
         pos = self.pos
         valid = pos >= 0
         protected = valid & ((pos < p.n_sink) | (pos >= seen[:, None, None] - p.window))

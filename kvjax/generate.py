@@ -158,36 +158,48 @@ def pad_rows(rows: list[np.ndarray], width: int, pad: int) -> tuple[np.ndarray, 
     return padded, np.array([len(r) for r in rows], np.int32)
 
 
-class Generation:
-    """One batch request: validation, padding and buckets, prefill, then streamed or whole decoding.
+def check_max_new(max_new_tokens) -> int:
+    if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    return int(max_new_tokens)
 
-    ev=None uses the full cache; otherwise the budget cache and eviction engine configured by ``ev``.
+
+def check_context(cfg, longest: int, max_new_tokens: int, what: str = "prompt length") -> None:
+    if longest + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(f"tokens: {what} {longest} + max_new_tokens {max_new_tokens} exceeds the model's "
+                         f"context of {cfg.max_seq_len} tokens")
+
+
+class Generation:
+    """A batch being decoded: streamed (``run`` in chunks) or whole (one ``run``).
+
+    ev=None means a full cache; otherwise the budget cache and eviction engine configured by ``ev``.
     """
 
-    def __init__(self, params: Params, tokens, max_new_tokens: int, sampling: Sampling, seed: int,
-                 stop_ids: Sequence[int] | None, ev: Eviction | None = None):
+    def __init__(self, params: Params, state: DecodeState, max_new_tokens: int, sampling: Sampling,
+                 stop_ids: Sequence[int] | None, ev: Eviction | None):
+        self.params, self.state, self.max_new, self.sampling, self.ev = params, state, max_new_tokens, sampling, ev
+        self.stop_ids = tuple(sorted(params.config.eos_token_ids if stop_ids is None else stop_ids))
+
+    @classmethod
+    def from_prompts(cls, params: Params, rows: list[np.ndarray], max_new_tokens: int, sampling: Sampling,
+                     seed: int, stop_ids: Sequence[int] | None, ev: Eviction | None) -> Generation:
+        """Validate lengths, pad to the bucket and prefill (full cache or the eviction protocol)."""
         cfg = params.config
-        self.rows, self.batched = check_tokens(tokens, cfg.vocab_size)
-        if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-        longest = max(len(r) for r in self.rows)
-        if longest + max_new_tokens > cfg.max_seq_len:
-            raise ValueError(f"tokens: prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "
-                             f"model's context of {cfg.max_seq_len} tokens")
-        self.params, self.max_new, self.sampling, self.ev = params, int(max_new_tokens), sampling, ev
-        self.stop_ids = tuple(sorted(cfg.eos_token_ids if stop_ids is None else stop_ids))
-        out_width = round_capacity(self.max_new)
+        max_new_tokens = check_max_new(max_new_tokens)
+        longest = max(len(r) for r in rows)
+        check_context(cfg, longest, max_new_tokens)
         bucket = prompt_bucket(longest, 1 if ev is None else ev.block_size)
-        padded, lengths = pad_rows(self.rows, bucket, cfg.pad_token_id)
-        key = jax.random.key(seed)
+        padded, lengths = pad_rows(rows, bucket, cfg.pad_token_id)
+        out_width, key = round_capacity(max_new_tokens), jax.random.key(seed)
         if ev is None:
-            self.state = prefill(params, jnp.asarray(padded), jnp.asarray(lengths), key,
-                                 capacity=round_capacity(bucket + self.max_new), out_width=out_width)
+            state = prefill(params, jnp.asarray(padded), jnp.asarray(lengths), key,
+                            capacity=round_capacity(bucket + max_new_tokens), out_width=out_width)
         else:
-            decode_slots = ev.decode_slots(round_capacity(self.max_new))
-            self.state = extend_budget(params, None, jnp.asarray(padded), jnp.zeros(len(self.rows), jnp.int32),
-                                       jnp.asarray(lengths), key, ev=ev, out_width=out_width,
-                                       decode_slots=decode_slots)
+            state = extend_budget(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
+                                  jnp.asarray(lengths), key, ev=ev, out_width=out_width,
+                                  decode_slots=ev.decode_slots(out_width))
+        return cls(params, state, max_new_tokens, sampling, stop_ids, ev)
 
     def run(self, steps: int) -> list[np.ndarray]:
         """Decode up to ``steps`` more tokens; returns each row's new tokens since the previous call."""
@@ -196,16 +208,17 @@ class Generation:
         self.state = decode(self.params, self.state, jnp.int32(self.max_new), jnp.int32(stop), self.sampling,
                             self.stop_ids, self.ev)
         out, n_new = np.asarray(self.state.out), np.asarray(self.state.n_new)
-        return [out[i, before[i]: n_new[i]] for i in range(len(self.rows))]
+        return [out[i, before[i]: n_new[i]] for i in range(len(n_new))]
 
     @property
     def finished(self) -> bool:
         return bool(np.all(np.asarray(self.state.done)))
 
 
-def eviction_settings(budget: int | None, scorer: str, protocol: str, block_size: int, evict_every: int,
-                      decode_evict: bool, **policy) -> Eviction | None:
-    """The static ``Eviction`` for generate's keyword arguments (None = full cache)."""
+def eviction_settings(budget: int | None, scorer: str = "snapkv", protocol: str = "blockwise",
+                      block_size: int = 128, evict_every: int = 1, decode_evict: bool = True,
+                      **policy) -> Eviction | None:
+    """The static ``Eviction`` for the eviction keyword arguments (budget=None: full cache, None)."""
     if budget is None:
         return None
     return Eviction(make_policy(scorer, budget, **policy), protocol=protocol, block_size=block_size,
@@ -220,27 +233,29 @@ def generate(params: Params, tokens, max_new_tokens: int = 64, *, budget: int | 
     """New tokens for a prompt (1-D ids -> 1-D array) or a batch (2-D array / list of 1-D -> list of arrays).
 
     budget=None keeps the full cache. Otherwise every layer keeps at most ``budget`` tokens per KV head,
-    chosen by ``scorer`` (see ``kvjax.scorers.SCORERS`` and docs/eviction.md) under ``protocol``
-    ("blockwise": evict after every ``block_size`` prompt tokens; "prefill": prefill, then evict once);
-    decoding evicts every ``evict_every`` tokens unless ``decode_evict`` is False. ``n_sink`` first and
-    ``window`` most recent tokens are never evicted (window=None: the scorer's default).
+    chosen by ``scorer`` (``kvjax.scorers.SCORERS``; semantics in docs/eviction.md) under ``protocol``
+    ("blockwise": evict after every ``block_size`` prompt tokens; "prefill": prefill in blocks, then evict
+    once); decoding evicts every ``evict_every`` tokens unless ``decode_evict`` is False. The ``n_sink``
+    first and ``window`` most recent tokens are never evicted (window=None: the scorer's default);
+    ``obs_window``, ``pool``, ``kernel`` and ``aggregate`` tune the scorer.
     Generation stops at ``max_new_tokens`` or after a stop id (default: the model's EOS ids), which is
     included in the output. Rows of a batch are right-padded; each row's tokens equal running it alone.
     """
     ev = eviction_settings(budget, scorer, protocol, block_size, evict_every, decode_evict, n_sink=n_sink,
                            window=window, obs_window=obs_window, pool=pool, kernel=kernel, aggregate=aggregate)
-    gen = Generation(params, tokens, max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop_ids, ev)
+    rows, batched = check_tokens(tokens, params.config.vocab_size)
+    gen = Generation.from_prompts(params, rows, max_new_tokens, Sampling(temperature, top_k, top_p), seed,
+                                  stop_ids, ev)
     out = gen.run(gen.max_new)
-    return out if gen.batched else out[0]
+    return out if batched else out[0]
 
 
 def generate_stream(params: Params, tokens, max_new_tokens: int = 64, *, chunk: int = 4, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None,
-                    budget: int | None = None, scorer: str = "snapkv", protocol: str = "blockwise",
-                    block_size: int = 128, evict_every: int = 1, decode_evict: bool = True,
-                    **policy) -> Iterator[list[np.ndarray]]:
-    """Like ``generate`` but yields each row's newest tokens every ``chunk`` decode steps."""
-    ev = eviction_settings(budget, scorer, protocol, block_size, evict_every, decode_evict, **policy)
-    gen = Generation(params, tokens, max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop_ids, ev)
+                    budget: int | None = None, **eviction) -> Iterator[list[np.ndarray]]:
+    """Like ``generate`` (same eviction keywords) but yields each row's newest tokens every ``chunk`` steps."""
+    rows, _ = check_tokens(tokens, params.config.vocab_size)
+    gen = Generation.from_prompts(params, rows, max_new_tokens, Sampling(temperature, top_k, top_p), seed,
+                                  stop_ids, eviction_settings(budget, **eviction))
     while not gen.finished:
         yield gen.run(chunk)

@@ -10,9 +10,6 @@ Entry point: :func:`run_reference`. Lower-level pieces used by the self-tests: :
 
 Readings chosen where ``docs/eviction.md`` leaves room (see the module's tests and report):
 
-* "tova and snapkv reset the state of every kept token to 0 after an eviction" is read as: only when the
-  eviction point actually removed tokens (the kept list held more than ``b``). An eviction point at which
-  ``<= b`` tokens are kept is a no-op. ``Reference(reset_at_every_point=True)`` gives the other reading.
 * "max over the ``kernel`` neighbours centred on the token": for an even ``kernel`` the window of index
   ``i`` is ``i - kernel // 2 … i - kernel // 2 + kernel - 1`` (PyTorch ``pool1d(padding=kernel // 2)``
   truncated to the input length, as in SnapKV's code). For odd kernels this is the symmetric window.
@@ -218,8 +215,7 @@ class Reference:
 
     def __init__(self, params, *, scorer: str, budget: int | None, protocol: str = "blockwise",
                  block_size: int = 16, n_sink: int = 0, window: int = 0, obs_window: int = 32, pool: str = "max",
-                 kernel: int = 7, aggregate: str = "mean", evict_every: int = 1, decode_evict: bool = True,
-                 reset_at_every_point: bool = False):
+                 kernel: int = 7, aggregate: str = "mean", evict_every: int = 1, decode_evict: bool = True):
         if scorer not in SCORERS:
             raise ValueError(f"scorer={scorer!r}; expected one of {SCORERS}")
         if protocol not in PROTOCOLS:
@@ -243,7 +239,6 @@ class Reference:
         self.n_sink, self.window, self.obs_window = n_sink, window, obs_window
         self.pool, self.kernel, self.aggregate = pool, kernel, aggregate
         self.evict_every, self.decode_evict = evict_every, decode_evict
-        self.reset_at_every_point = reset_at_every_point
 
         L, Hk, K = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         self.G = cfg.n_heads // cfg.n_kv_heads
@@ -309,8 +304,10 @@ class Reference:
 
     def _evict(self, layer: int, kh: int):
         slots = self.cache[layer][kh]
-        if self.budget is None or len(slots) <= self.budget:
-            if self.budget is not None and self.reset_at_every_point and self.scorer in ("tova", "snapkv"):
+        if self.budget is None:
+            return
+        if len(slots) <= self.budget:
+            if self.scorer in ("tova", "snapkv"):  # the reset happens at every eviction point
                 for s in slots:
                     s.state[:] = 0.0
             return
