@@ -1,0 +1,87 @@
+"""Compress once, ask many times: ``kvjax.prefill`` returns a compressed context, ``kvjax.decode`` continues it.
+
+The context is never consumed: every ``decode`` starts from a copy, so one compressed cache can answer
+several questions (KVzip's query-agnostic setting).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.budget_cache import BudgetCache
+from kvjax.engine import Eviction
+from kvjax.generate import (DecodeState, Generation, check_context, check_max_new, check_tokens, eviction_settings,
+                            extend_budget, pad_rows, prompt_bucket, round_capacity)
+from kvjax.params import Params
+from kvjax.sampling import Sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """A batch of prompts prefilled into a budget cache.
+
+    cache: BudgetCache with ``budget`` + spare slots; lengths: [B] tokens seen per row; logits: [B, V]
+    next-token logits after each row's last token; ev: the eviction settings it was built with.
+    """
+
+    cache: BudgetCache
+    lengths: np.ndarray
+    logits: jax.Array
+    ev: Eviction
+    batched: bool
+
+
+def prefill(params: Params, tokens, *, budget: int = 1024, scorer: str = "snapkv", protocol: str = "blockwise",
+            block_size: int = 128, evict_every: int = 1, decode_evict: bool = True, **policy) -> Context:
+    """Prefill and compress prompts (1-D or a batch) under a budget; keywords as in ``kvjax.generate``."""
+    if budget is None:
+        raise ValueError("budget=None: prefill builds a compressed context; use kvjax.generate for a full cache")
+    ev = eviction_settings(budget, scorer, protocol, block_size, evict_every, decode_evict, **policy)
+    rows, batched = check_tokens(tokens, params.config.vocab_size)
+    longest = max(len(r) for r in rows)
+    check_context(params.config, longest, 0)
+    padded, lengths = pad_rows(rows, prompt_bucket(longest, block_size), params.config.pad_token_id)
+    state = extend_budget(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32), jnp.asarray(lengths),
+                          jax.random.key(0), ev=ev, out_width=1, decode_slots=ev.decode_slots(0))
+    return Context(cache=state.cache, lengths=lengths, logits=state.logits, ev=ev, batched=batched)
+
+
+@functools.partial(jax.jit, static_argnames=("out_width", "slots"))
+def _resume(cache: BudgetCache, lengths, logits, key, out_width: int, slots: int) -> DecodeState:
+    """A decode state over the context's cache (pass copies: jit may forward inputs that decode donates)."""
+    B = lengths.shape[0]
+    return DecodeState(cache=cache.resize(slots), out=jnp.zeros((B, out_width), jnp.int32),
+                       lengths=lengths, n_new=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool), logits=logits,
+                       key=key, step=jnp.zeros((), jnp.int32))
+
+
+def decode(params: Params, context: Context, tokens=None, max_new_tokens: int = 64, *, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None):
+    """Continue a context: feed ``tokens`` (e.g. a question; one row per context row, optional) under the
+    context's protocol, then generate. Returns new tokens shaped like the prompts given to ``prefill``."""
+    max_new = check_max_new(max_new_tokens)
+    ev, cfg = context.ev, params.config
+    out_width, key = round_capacity(max_new), jax.random.key(seed)
+    slots = ev.decode_slots(out_width)
+    if tokens is None:
+        check_context(cfg, int(context.lengths.max()), max_new, what="context length")
+        copies = jax.tree.map(jnp.copy, (context.cache, context.logits))
+        state = _resume(copies[0], jnp.asarray(context.lengths), copies[1], key, out_width=out_width, slots=slots)
+    else:
+        rows, _ = check_tokens(tokens if context.batched else [np.asarray(tokens)], cfg.vocab_size)
+        if len(rows) != len(context.lengths):
+            raise ValueError(f"tokens: {len(rows)} rows for a context of {len(context.lengths)} rows")
+        check_context(cfg, int(max(context.lengths + [len(r) for r in rows])), max_new,
+                      what="context plus new tokens")
+        padded, lengths = pad_rows(rows, prompt_bucket(max(len(r) for r in rows), ev.block_size), cfg.pad_token_id)
+        state = extend_budget(params, context.cache, jnp.asarray(padded), jnp.asarray(context.lengths),
+                              jnp.asarray(lengths), key, ev=ev, out_width=out_width, decode_slots=slots)
+    gen = Generation(params, state, max_new, Sampling(temperature, top_k, top_p), stop_ids, ev)
+    out = gen.run(max_new)
+    return out if context.batched else out[0]

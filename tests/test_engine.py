@@ -1,0 +1,165 @@
+"""The eviction engine end to end: full-cache equivalence, cache invariants (property tests), compressed
+contexts, memory, compilation, and proof on SmolLM2 that eviction really happens."""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import kvjax
+from kvjax.generate import Generation, eviction_settings
+from kvjax.sampling import Sampling
+
+SCORERS = sorted(kvjax.SCORERS)
+
+
+def prompts_of(lengths, seed=0, vocab=97):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, vocab, n).astype(np.int32) for n in lengths]
+
+
+@pytest.mark.parametrize("protocol", ["blockwise", "prefill"])
+@pytest.mark.parametrize("scorer", SCORERS)
+def test_budget_covering_everything_equals_full_cache(tiny_llama, scorer, protocol):
+    prompts = prompts_of([45, 12])
+    full = Generation.from_prompts(tiny_llama, prompts, 10, Sampling(), 0, (), None)
+    ev = eviction_settings(budget=64, scorer=scorer, protocol=protocol, block_size=16, window=8, obs_window=8)
+    budgeted = Generation.from_prompts(tiny_llama, prompts, 10, Sampling(), 0, (), ev)
+    np.testing.assert_allclose(np.asarray(budgeted.state.logits), np.asarray(full.state.logits), atol=1e-5)
+    for a, b in zip(full.run(10), budgeted.run(10)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(np.asarray(budgeted.state.logits), np.asarray(full.state.logits), atol=1e-5)
+    assert np.asarray(budgeted.state.cache.moments.count).sum() == 0
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_cache_invariants(tiny_llama, data):
+    scorer = data.draw(st.sampled_from(SCORERS))
+    protocol = data.draw(st.sampled_from(["blockwise", "prefill"]))
+    lengths = data.draw(st.lists(st.integers(1, 70), min_size=1, max_size=3))
+    n_sink = data.draw(st.integers(0, 4))
+    window = data.draw(st.integers(0, 6))
+    budget = data.draw(st.integers(n_sink + window + 1, 40))
+    block = data.draw(st.sampled_from([1, 5, 8, 16]))
+    evict_every = data.draw(st.sampled_from([1, 2, 4]))
+    ev = eviction_settings(budget=budget, scorer=scorer, protocol=protocol, block_size=block, n_sink=n_sink,
+                           window=window, obs_window=4, evict_every=evict_every)
+    window = ev.policy.window
+    gen = Generation.from_prompts(tiny_llama, prompts_of(lengths, seed=len(lengths)), 6, Sampling(), 0, (), ev)
+
+    def check(seen, limit):
+        pos = np.asarray(gen.state.cache.pos)  # [L, B, Hk, S]
+        for row, n_seen in enumerate(seen):
+            for heads in pos[:, row]:
+                for slots in heads:
+                    valid = slots[slots >= 0]
+                    assert np.all(slots[: len(valid)] == valid), "valid slots form a prefix"
+                    assert np.all(np.diff(valid) > 0), "sorted by position, no duplicates"
+                    assert len(valid) <= limit
+                    assert valid.size == 0 or valid.max() < n_seen, "no padded or future token"
+                    must_keep = set(range(min(n_sink, n_seen))) | set(range(max(0, n_seen - window), n_seen))
+                    assert must_keep <= set(valid.tolist()), "sinks and the recent window are kept"
+                    assert len(valid) == min(n_seen, limit) or len(valid) == min(n_seen, budget)
+
+    check(lengths, budget)
+    for step in range(1, 7):
+        gen.run(1)
+        at_point = step % evict_every == 0
+        check([n + step for n in lengths], budget if at_point else budget + step % evict_every)
+
+
+def test_streamingllm_keeps_sinks_and_the_most_recent(tiny_llama):
+    ev = eviction_settings(budget=20, scorer="streamingllm", block_size=8, n_sink=4)
+    gen = Generation.from_prompts(tiny_llama, prompts_of([50]), 1, Sampling(), 0, (), ev)
+    pos = np.asarray(gen.state.cache.pos)
+    expected = list(range(4)) + list(range(34, 50))
+    for heads in pos[:, 0]:
+        for slots in heads:
+            assert slots[slots >= 0].tolist() == expected
+
+
+def test_compressed_context_answers_several_questions(tiny_llama):
+    context = kvjax.prefill(tiny_llama, prompts_of([60])[0], budget=24, scorer="snapkv", block_size=16,
+                            obs_window=8)
+    q1, q2 = prompts_of([5, 9], seed=1)
+    a1 = kvjax.decode(tiny_llama, context, q1, max_new_tokens=6, stop_ids=())
+    a2 = kvjax.decode(tiny_llama, context, q2, max_new_tokens=6, stop_ids=())
+    np.testing.assert_array_equal(kvjax.decode(tiny_llama, context, q1, max_new_tokens=6, stop_ids=()), a1)
+    assert not np.array_equal(a1, a2)
+    plain = kvjax.decode(tiny_llama, context, max_new_tokens=6, stop_ids=())  # no question: continue
+    np.testing.assert_array_equal(kvjax.decode(tiny_llama, context, max_new_tokens=6, stop_ids=()), plain)
+    assert len(plain) == 6
+
+
+def test_context_with_room_for_everything_equals_full_cache(tiny_llama):
+    ctx_tokens, question = prompts_of([40, 7], seed=2)
+    context = kvjax.prefill(tiny_llama, ctx_tokens, budget=80, scorer="h2o", block_size=16)
+    got = kvjax.decode(tiny_llama, context, question, max_new_tokens=8, stop_ids=())
+    full = kvjax.generate(tiny_llama, np.concatenate([ctx_tokens, question]), max_new_tokens=8, stop_ids=())
+    np.testing.assert_array_equal(got, full)
+
+
+def test_blockwise_cache_size_does_not_depend_on_the_prompt(tiny_llama):
+    sizes = {n: kvjax.cache_bytes(kvjax.prefill(tiny_llama, prompts_of([n])[0], budget=32, scorer="h2o",
+                                               block_size=16).cache)
+             for n in (20, 100, 400)}
+    assert len(set(sizes.values())) == 1
+    cfg = tiny_llama.config
+    slots = 32 + 1  # budget + one decode spare
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * slots * cfg.head_dim * 4
+    assert sizes[20] > kv  # positions, scores and moments come on top of keys and values
+
+
+def test_same_request_shape_does_not_recompile(tiny_llama, count_compiles):
+    settings = dict(budget=24, scorer="h2o", protocol="blockwise", block_size=16, max_new_tokens=5)
+    kvjax.generate(tiny_llama, prompts_of([30])[0], **settings)
+    with count_compiles() as compiles:
+        kvjax.generate(tiny_llama, prompts_of([25], seed=3)[0], **settings)  # same bucket (32)
+        kvjax.generate(tiny_llama, prompts_of([19], seed=4)[0], **{**settings, "max_new_tokens": 9})
+    assert compiles["n"] == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(budget=8, scorer="snapkv", obs_window=4, n_sink=4), r"budget=8 must be larger than n_sink \+ window = 4 \+ 4"),
+    (dict(budget=0), "budget=0 must be an integer >= 1"),
+    (dict(budget=64, block_size=0), "block_size=0 must be an integer >= 1"),
+    (dict(budget=64, evict_every=0), "evict_every=0 must be an integer >= 1"),
+    (dict(budget=64, scorer="magic"), "scorer='magic' is unknown; valid scorers: h2o, snapkv, streamingllm, tova"),
+    (dict(budget=64, protocol="lazy"), "protocol='lazy' must be one of"),
+    (dict(budget=64, pool="median"), "pool='median' must be one of"),
+    (dict(budget=64, pool="max", kernel=4), "kernel=4 must be odd"),
+    (dict(budget=64, aggregate="median"), "aggregate='median' must be one of"),
+])
+def test_bad_eviction_arguments(tiny_llama, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        kvjax.generate(tiny_llama, prompts_of([10])[0], max_new_tokens=2, **kwargs)
+
+
+def test_prompt_beyond_context_with_budget(tiny_llama):
+    with pytest.raises(ValueError, match="exceeds the model's context of 512"):
+        kvjax.generate(tiny_llama, np.ones(510, np.int32), max_new_tokens=8, budget=64)
+
+
+def test_prompt_shorter_than_the_observation_window(tiny_llama):
+    # Documented: every prompt token is then a scoring query; nothing is evicted below the budget anyway.
+    out = kvjax.generate(tiny_llama, prompts_of([5])[0], max_new_tokens=40, budget=20, scorer="snapkv",
+                         obs_window=8, protocol="prefill", stop_ids=())
+    assert len(out) == 40
+
+
+NEEDLE = "The special magic number is 7341295. "
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 30
+QUESTION = "What is the special magic number mentioned in the text above? Answer with the number only."
+
+
+@pytest.mark.smollm2
+def test_eviction_is_real_on_a_needle(smollm2, smollm2_tokenizer):
+    ids = kvjax.chat_tokens(smollm2_tokenizer, NEEDLE + FILLER + "\n\n" + QUESTION)
+    assert len(ids) > 700
+    full = smollm2_tokenizer.decode(kvjax.generate(smollm2, ids, max_new_tokens=20))
+    assert "7341295" in full
+    # 4 sinks + 124 recent tokens cannot hold the needle near the start of the context.
+    evicted = smollm2_tokenizer.decode(kvjax.generate(smollm2, ids, max_new_tokens=20, budget=128,
+                                                      scorer="streamingllm"))
+    assert "7341295" not in evicted
