@@ -6,10 +6,18 @@ import argparse
 import sys
 import time
 
+from kvjax.engine import PROTOCOLS
+from kvjax.scorers import SCORERS
+
 
 def _generate(args) -> int:
     import kvjax
+    from kvjax.generate import eviction_settings
 
+    eviction = {} if args.budget is None else dict(
+        scorer=args.scorer, protocol=args.protocol, block_size=args.block_size, n_sink=args.n_sink,
+        window=args.window, evict_every=args.evict_every, decode_evict=not args.no_decode_evict)
+    eviction_settings(args.budget, **eviction)  # bad settings fail before the model loads
     start = time.perf_counter()
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
@@ -22,7 +30,7 @@ def _generate(args) -> int:
     start, new = time.perf_counter(), []
     stream = kvjax.generate_stream(params, ids, max_new_tokens=args.max_new_tokens, chunk=args.chunk,
                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                   seed=args.seed)
+                                   seed=args.seed, budget=args.budget, **eviction)
     printed = ""
     for (chunk,) in stream:
         new.extend(int(t) for t in chunk)
@@ -53,6 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default: %(default)s)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
     g.add_argument("--chunk", type=int, default=4, help="decode steps between streamed outputs")
+    e = g.add_argument_group("eviction (active with --budget; see docs/eviction.md)")
+    e.add_argument("--budget", type=int, help="KV slots kept per layer and KV head (default: full cache)")
+    e.add_argument("--scorer", default="snapkv", choices=sorted(SCORERS), help="eviction scorer (default: %(default)s)")
+    e.add_argument("--protocol", default="blockwise", choices=PROTOCOLS,
+                   help="blockwise: evict after every prompt block; prefill: prefill, then evict once")
+    e.add_argument("--block-size", type=int, default=128, help="prompt block size (default: %(default)s)")
+    e.add_argument("--n-sink", type=int, default=4, help="first tokens never evicted (default: %(default)s)")
+    e.add_argument("--window", type=int, help="most recent tokens never evicted (default: the scorer's)")
+    e.add_argument("--evict-every", type=int, default=1, help="decode steps between evictions (default: 1)")
+    e.add_argument("--no-decode-evict", action="store_true", help="do not evict while decoding")
     g.set_defaults(run=_generate)
     return parser
 

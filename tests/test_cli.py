@@ -1,0 +1,33 @@
+"""The command line: streamed generation with and without eviction, help, and clear errors."""
+
+import pytest
+
+from kvjax.cli import main
+
+
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--model", "--chat", "--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p",
+                   "--seed", "--dtype", "--budget", "--scorer", "--protocol", "--block-size", "--n-sink",
+                   "--window", "--evict-every", "--no-decode-evict"):
+        assert option in text
+
+
+def test_bad_budget_is_a_clear_error_before_loading(capsys):
+    assert main(["generate", "--model", "no-such-model", "--chat", "hi", "--budget", "8"]) == 2
+    assert "budget=8 must be larger than n_sink + window" in capsys.readouterr().err
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    assert main(["generate", "--model", "no-such-model", "--chat", "hi"]) == 2
+    assert "source='no-such-model' is not a registry name" in capsys.readouterr().err
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("extra", [[], ["--budget", "64", "--scorer", "h2o"]])
+def test_chat_streams_the_answer(capsys, extra):
+    assert main(["generate", "--chat", "What is the capital of France?", "--max-new-tokens", "16"] + extra) == 0
+    assert "Paris" in capsys.readouterr().out
