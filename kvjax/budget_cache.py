@@ -1,7 +1,7 @@
 """The fixed-budget KV cache: static slot count, original positions, scorer state, moments of the evicted.
 
-All leaves carry the leading layer axis L; the model scans over it and calls ``attend`` on one layer's
-slice. Invariant per (layer, row, KV head): valid slots form a prefix, sorted by position; empty slots
+All leaves carry the leading layer axis L; the model's layer scan calls ``attend(layer, ...)``, which works
+on that layer's slice and writes it back. Invariant per (layer, row, KV head): valid slots form a prefix, sorted by position; empty slots
 (position -1) follow.
 """
 
@@ -80,8 +80,14 @@ class BudgetCache:
         return self.replace(k=pad(self.k, -2), v=pad(self.v, -2), pos=pad(self.pos, -1, -1),
                             state=pad(self.state, -1))
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, seg: Segment) -> tuple[jax.Array, BudgetCache]:
-        """One layer: append k, v [B, T, Hk, K], attend q [B, T, H, K], update scores, evict if asked."""
+    def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+               seg: Segment) -> tuple[jax.Array, BudgetCache]:
+        """Layer ``layer`` of the stacked cache: see ``attend_slice``."""
+        out, updated = jax.tree.map(lambda x: x[layer], self).attend_slice(q, k, v, seg)
+        return out, jax.tree.map(lambda full, new: full.at[layer].set(new), self, updated)
+
+    def attend_slice(self, q: jax.Array, k: jax.Array, v: jax.Array, seg: Segment) -> tuple[jax.Array, BudgetCache]:
+        """One layer's slice: append k, v [B, T, Hk, K], attend q [B, T, H, K], update scores, evict if asked."""
         count = (self.pos >= 0).sum(-1)  # [B, Hk]
         new_pos = jnp.where(seg.valid, seg.positions, -1)[:, None, :]  # [B, 1, T]
         T = q.shape[1]
@@ -134,5 +140,5 @@ class BudgetCache:
 
 
 def cache_bytes(cache) -> int:
-    """Bytes allocated by a cache pytree (every array leaf)."""
-    return sum(x.nbytes for x in jax.tree.leaves(cache))
+    """Bytes allocated by a cache pytree (every array leaf; abstract shapes from ``jax.eval_shape`` too)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))

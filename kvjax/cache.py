@@ -1,5 +1,7 @@
-"""KV caches. A cache is a pytree whose leaves all carry a leading layer axis; the model scans over it and
-calls ``attend`` on each layer's slice, the one place where caching and eviction plug into the model."""
+"""KV caches. A cache is a pytree whose leaves all carry a leading layer axis; the model's layer scan carries
+it and calls ``cache.attend(layer, q, k, v, segment)``, the one place where caching and eviction plug into
+the model. Updating the stacked cache in place (instead of scanning over per-layer slices, which copies the
+whole cache every step) keeps decoding memory traffic at one read of the cache."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.ops import attention_with_scores
+
+PREFILL_CHUNK = 256  # query chunk of the full-cache causal prefill
 from kvjax.config import ModelConfig
 
 
@@ -18,10 +22,12 @@ class Segment:
     positions: [B, T] int32 absolute positions (rows are right-padded; padded queries' outputs are unused);
     valid: [B, T] bool, False for padding; query_weights: [B, T] float32 scoring queries, or None;
     seen: [B] int32 one past the newest valid position after this call; evict: bool scalar, whether this
-    call ends with an eviction. Only ``positions`` matters to the full cache.
+    call ends with an eviction; from_start (static): positions are ``0 … T-1`` in every row (a prefill into
+    an empty cache), which lets the full cache skip the masked upper triangle.
     """
 
     positions: jax.Array
+    from_start: bool = struct.field(pytree_node=False, default=False)
     valid: jax.Array | None = None
     query_weights: jax.Array | None = None
     seen: jax.Array | None = None
@@ -47,12 +53,22 @@ class FullCache:
     def capacity(self) -> int:
         return self.k.shape[-2]
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, seg: Segment) -> tuple[jax.Array, FullCache]:
-        """One layer: write k, v [B, T, Hk, K] at their positions, attend q [B, T, H, K] causally."""
-        start = seg.positions[:, 0]
-        write = jax.vmap(lambda buf, new, s: jax.lax.dynamic_update_slice_in_dim(buf, new, s, axis=1))
-        k_all = write(self.k, k.swapaxes(1, 2).astype(self.k.dtype), start)
-        v_all = write(self.v, v.swapaxes(1, 2).astype(self.v.dtype), start)
+    def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+               seg: Segment) -> tuple[jax.Array, FullCache]:
+        """Layer ``layer``: write k, v [B, T, Hk, K] at their positions (in place), attend q [B, T, H, K]."""
+        B, T, Hk, _ = k.shape
+        index = (layer, jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None], seg.positions[:, None, :])
+        cache = FullCache(k=self.k.at[index].set(k.swapaxes(1, 2).astype(self.k.dtype)),
+                          v=self.v.at[index].set(v.swapaxes(1, 2).astype(self.v.dtype)))
+        k_layer, v_layer = cache.k[layer], cache.v[layer]
+        if seg.from_start and T > PREFILL_CHUNK and T % PREFILL_CHUNK == 0:
+            # Causal prefill: query chunk c only needs the keys of chunks 0..c.
+            outs = []
+            for end in range(PREFILL_CHUNK, T + 1, PREFILL_CHUNK):
+                causal = jnp.arange(end)[None, :] <= jnp.arange(end - PREFILL_CHUNK, end)[:, None]
+                outs.append(attention_with_scores(q[:, end - PREFILL_CHUNK: end], k_layer[:, :, :end],
+                                                  v_layer[:, :, :end], causal[None, None])[0])
+            return jnp.concatenate(outs, axis=1), cache
         slots = jnp.arange(self.capacity)
         mask = (slots[None, None, :] <= seg.positions[:, :, None])[:, None]  # [B, 1, T, S]
-        return attention_with_scores(q, k_all, v_all, mask)[0], FullCache(k=k_all, v=v_all)
+        return attention_with_scores(q, k_layer, v_layer, mask)[0], cache

@@ -65,7 +65,7 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, key: jax.Arra
     B, P = tokens.shape
     cache = FullCache.init(params.config, B, capacity, params.dtype)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    hidden, cache = decode_hidden(params, tokens, cache, Segment(positions=positions))
+    hidden, cache = decode_hidden(params, tokens, cache, Segment(positions=positions, from_start=True))
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return _start_state(params, cache, lengths, last, key, out_width)
 
@@ -112,7 +112,7 @@ def _forward(params: Params, tokens: jax.Array) -> jax.Array:
     B, T = tokens.shape
     cache = FullCache.init(params.config, B, T, params.dtype)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, _ = decode_hidden(params, tokens, cache, Segment(positions=positions))
+    hidden, _ = decode_hidden(params, tokens, cache, Segment(positions=positions, from_start=True))
     return logits_from_hidden(params, hidden)
 
 

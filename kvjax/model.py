@@ -17,8 +17,9 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale * normed.astype(x.dtype)
 
 
-def decoder_layer(cfg, x: jax.Array, p: LayerParams, layer_cache, seg: Segment, inv_freq):
-    """One pre-norm block. x: [B, T, D]; p and layer_cache are one layer's slices."""
+def decoder_layer(cfg, x: jax.Array, p: LayerParams, layer: jax.Array, cache, seg: Segment, inv_freq):
+    """One pre-norm block. x: [B, T, D]; p is the layer's parameter slice; ``cache`` holds every layer and
+    ``cache.attend(layer, ...)`` reads and updates layer ``layer`` of it."""
     h = rms_norm(x, p.attn_norm, cfg.norm_eps)
     q = jnp.einsum("btd,dhk->bthk", h, p.wq)
     k = jnp.einsum("btd,dhk->bthk", h, p.wk)
@@ -28,11 +29,11 @@ def decoder_layer(cfg, x: jax.Array, p: LayerParams, layer_cache, seg: Segment, 
     if cfg.qk_norm:
         q, k = rms_norm(q, p.q_norm, cfg.norm_eps), rms_norm(k, p.k_norm, cfg.norm_eps)
     q, k = apply_rope(q, seg.positions, inv_freq), apply_rope(k, seg.positions, inv_freq)
-    attn, layer_cache = layer_cache.attend(q, k, v, seg)
+    attn, cache = cache.attend(layer, q, k, v, seg)
     x = x + jnp.einsum("bthk,hkd->btd", attn, p.wo)
     h = rms_norm(x, p.mlp_norm, cfg.norm_eps)
     gated = jax.nn.silu(jnp.einsum("btd,df->btf", h, p.w_gate)) * jnp.einsum("btd,df->btf", h, p.w_up)
-    return x + jnp.einsum("btf,fd->btd", gated, p.w_down), layer_cache
+    return x + jnp.einsum("btf,fd->btd", gated, p.w_down), cache
 
 
 def decode_hidden(params: Params, tokens: jax.Array, cache, seg: Segment):
@@ -44,11 +45,13 @@ def decode_hidden(params: Params, tokens: jax.Array, cache, seg: Segment):
     inv_freq = inverse_frequencies(cfg)
     x = jnp.take(params.embed, tokens, axis=0)
 
-    def body(x, layer):
-        p, layer_cache = layer
-        return decoder_layer(cfg, x, p, layer_cache, seg, inv_freq)
+    def body(carry, layer):
+        x, cache = carry
+        p, index = layer
+        return decoder_layer(cfg, x, p, index, cache, seg, inv_freq), None
 
-    x, cache = jax.lax.scan(body, x, (params.layers, cache))
+    layers = (params.layers, jnp.arange(cfg.n_layers, dtype=jnp.int32))
+    (x, cache), _ = jax.lax.scan(body, (x, cache), layers)
     return rms_norm(x, params.final_norm, cfg.norm_eps), cache
 
 

@@ -16,7 +16,7 @@ def random_prompt(n, seed, vocab=97):
 
 def test_prefill_then_decode_equals_full_forward(tiny_llama):
     prompt = random_prompt(11, 0)
-    gen = Generation(tiny_llama, prompt, 9, Sampling(), seed=0, stop_ids=())
+    gen = Generation.from_prompts(tiny_llama, [prompt], 9, Sampling(), 0, (), None)
     step_logits = [np.asarray(gen.state.logits[0])]
     new = []
     for _ in range(9):
