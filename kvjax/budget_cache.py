@@ -13,6 +13,7 @@ from flax import struct
 
 from kvjax.cache import Segment
 from kvjax.config import ModelConfig
+from kvjax.moments import corrected_attention, moment_informed_eviction
 from kvjax.ops import attention_with_scores
 from kvjax.scorers import Policy, priority, update_state
 
@@ -102,7 +103,10 @@ class BudgetCache:
         pos = write(self.pos, jnp.broadcast_to(new_pos, (new_pos.shape[0], Hk, T)), 0)
         state = write(self.state, jnp.zeros(self.state.shape[:3] + (T,), jnp.float32), 1)
         mask = (pos >= 0)[:, :, None, :] & (pos[:, :, None, :] <= seg.positions[:, None, :, None])
-        out, col = attention_with_scores(q, k_all, v_all, mask, seg.query_weights)
+        p = self.policy
+        out, lse, col = attention_with_scores(q, k_all, v_all, mask, seg.query_weights, p.score_kind)
+        if p.moment_correction:
+            out = corrected_attention(out, lse, q, self.moments, p.zeroth_order)
         if col is not None:
             state = update_state(self.policy, state, col, seg.query_weights.sum(-1) > 0)
         cache = self.replace(k=k_all, v=v_all, pos=pos, state=state)
@@ -117,26 +121,56 @@ class BudgetCache:
         valid = pos >= 0
         protected = valid & ((pos < p.n_sink) | (pos >= seen[:, None, None] - p.window))
         unprotected = valid & ~protected
-        prio = priority(p, self.state, pos, unprotected)
+        prio = priority(p, self.state, pos, unprotected, self.v)
+        if p.moment_eviction:
+            n_evict = jnp.maximum(valid.sum(-1) - b, 0)
+            evicted = moment_informed_eviction(prio, unprotected, n_evict, self.k, self.v, self.moments,
+                                               p.zeroth_order, self.slots - b)
+            prio = jnp.where(evicted, 0.0, 1.0)
         key = jnp.where(unprotected, prio, jnp.where(protected, jnp.inf, -jnp.inf))
+        drop = lowest_slots(key, pos, self.slots - b)
+        # Stable partition: kept slots first (valid ones stay in position order, empty ones after them).
+        dest = jnp.where(drop, b + jnp.cumsum(drop, -1) - 1, jnp.cumsum(~drop, -1) - 1)
         slot = jnp.broadcast_to(jnp.arange(self.slots), pos.shape)
-        # Highest key first; ties -> later position first.
-        _, _, order = jax.lax.sort((-key, -pos, slot), dimension=-1, num_keys=2)
-        keep, drop = order[..., :b], order[..., b:]
-        kept_pos = jnp.take_along_axis(pos, keep, -1)
-        _, keep = jax.lax.sort((jnp.where(kept_pos >= 0, kept_pos, jnp.iinfo(jnp.int32).max), keep),
-                               dimension=-1, num_keys=1)  # back to position order, empty ones last
-        index = jnp.concatenate([keep, drop], -1)
+        index = jnp.zeros_like(slot).at[_rows(dest) + (dest,)].set(slot)
         gather = lambda x: jnp.take_along_axis(x, index[..., None], axis=-2)  # noqa: E731
         new_pos = jnp.take_along_axis(pos, index, -1).at[..., b:].set(-1)
         if p.spec.reset_after_evict:
             new_state = jnp.zeros_like(self.state)
         else:
             new_state = jnp.take_along_axis(self.state, index[:, :, None, :], -1).at[..., b:].set(0.0)
-        dropped = (jnp.take_along_axis(pos, drop, -1) >= 0).astype(jnp.float32)
-        take_drop = lambda x: jnp.take_along_axis(x, drop[..., None], axis=-2)  # noqa: E731
+        dropped_slots = index[..., b:]
+        take = lambda x: jnp.take_along_axis(x, dropped_slots[..., None], axis=-2)  # noqa: E731
+        dropped = (jnp.take_along_axis(pos, dropped_slots, -1) >= 0).astype(jnp.float32)
         return self.replace(k=gather(self.k), v=gather(self.v), pos=new_pos, state=new_state,
-                            moments=self.moments.add(dropped, take_drop(self.k), take_drop(self.v)))
+                            moments=self.moments.add(dropped, take(self.k), take(self.v)))
+
+
+def _rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Broadcast (row, head) indices for scattering along the last axis of x [B, Hk, S]."""
+    B, Hk, _ = x.shape
+    return jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None]
+
+
+UNROLLED_DROPS = 8  # up to this many evictions per step, repeated argmins beat a full sort
+
+
+def lowest_slots(key: jax.Array, pos: jax.Array, n: int) -> jax.Array:
+    """[B, Hk, S] mask of the ``n`` slots of lowest key; among equal keys the earlier position goes first.
+
+    Valid slots are a position-sorted prefix and empty slots (key -inf) follow, so "earlier slot" means
+    "earlier position" wherever it matters.
+    """
+    if n <= UNROLLED_DROPS:
+        drop = jnp.zeros(key.shape, bool)
+        for _ in range(n):
+            j = jnp.argmin(jnp.where(drop, jnp.inf, key), axis=-1)  # first minimum: the earliest slot
+            drop = drop | (jnp.arange(key.shape[-1]) == j[..., None])
+        return drop
+    slot = jnp.broadcast_to(jnp.arange(key.shape[-1]), key.shape)
+    _, _, order = jax.lax.sort((key, pos, slot), dimension=-1, num_keys=2)  # lowest key, earliest position
+    rank = jnp.zeros_like(slot).at[_rows(order) + (order,)].set(slot)
+    return rank < n
 
 
 def cache_bytes(cache) -> int:

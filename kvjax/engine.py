@@ -43,6 +43,11 @@ class Eviction:
         """Slots needed to take ``new_tokens`` (a multiple of the block) into a cache holding <= budget."""
         return self.policy.budget + (self.block_size if self.protocol == "blockwise" else new_tokens)
 
+    def decoding(self) -> Eviction:
+        """What decoding depends on, with protocol and block size normalised: one decode compilation then
+        serves every prefill protocol and block size."""
+        return dataclasses.replace(self, protocol="blockwise", block_size=1)
+
     def decode_slots(self, max_new_tokens: int) -> int:
         return self.policy.budget + (self.evict_every if self.decode_evict else max_new_tokens)
 

@@ -178,7 +178,8 @@ class Generation:
 
     def __init__(self, params: Params, state: DecodeState, max_new_tokens: int, sampling: Sampling,
                  stop_ids: Sequence[int] | None, ev: Eviction | None):
-        self.params, self.state, self.max_new, self.sampling, self.ev = params, state, max_new_tokens, sampling, ev
+        self.params, self.state, self.max_new, self.sampling = params, state, max_new_tokens, sampling
+        self.ev = None if ev is None else ev.decoding()
         self.stop_ids = tuple(sorted(params.config.eos_token_ids if stop_ids is None else stop_ids))
 
     @classmethod

@@ -9,26 +9,57 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -1e30
+SCORE_KINDS = ("attn", "obcache-value", "obcache-key", "obcache-joint")
 
 
 def attention_with_scores(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                          query_weights: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
-    """Grouped-query attention over cache slots plus the column sums of the attention weights.
+                          query_weights: jax.Array | None = None, score: str = "attn"):
+    """Grouped-query attention over cache slots, its log-sum-exp, and per-slot eviction statistics.
 
     q: [B, T, H, K]; k, v: [B, Hk, S, K]; mask: [B, Hk or 1, T, S] bool (True = visible);
-    query_weights: [B, T] float32 or None.
-    Returns out [B, T, H, K] (q's dtype) and, unless query_weights is None,
-    col [B, Hk, G, S] float32 with col[b, h, g, s] = Σ_t query_weights[b, t] · A[b, h, g, t, s].
-    Softmax is float32; a fully masked query row gets finite garbage, never NaN.
+    query_weights: [B, T] float32 (the scoring queries) or None.
+    Returns out [B, T, H, K] (q's dtype), lse [B, T, H] float32 (log Σ_s exp z over visible slots) and,
+    unless query_weights is None, col [B, Hk, G, S] float32: Σ_t w_t · s_t(slot) with, for query t of query
+    head g, weights A, logits z = q·k/√d, output o (OBCache, Sec. 3.3):
+      attn: A;  obcache-value: A² ‖v‖²;  obcache-key: (A z)² ‖v − o‖²;
+      obcache-joint: A² ‖v‖² + (A z)² ‖v − o‖² + 2 A² z (‖v‖² − v·o).
+    Softmax and statistics are float32; a fully masked query row gets finite garbage, never NaN.
     """
     B, T, H, K = q.shape
     Hk = k.shape[1]
     qg = q.reshape(B, T, Hk, H // Hk, K)
     # Matmuls in the activation dtype (as transformers does; XLA:CPU lacks bf16 x bf16 -> f32 dots).
-    logits = jnp.einsum("bthgk,bhsk->bhgts", qg, k.astype(q.dtype)).astype(jnp.float32)
-    logits = jnp.where(mask[:, :, None], logits / jnp.sqrt(jnp.float32(K)), NEG_INF)
-    weights = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bhgts,bhsk->bthgk", weights.astype(v.dtype), v).reshape(B, T, H, K).astype(q.dtype)
+    z = jnp.einsum("bthgk,bhsk->bhgts", qg, k.astype(q.dtype)).astype(jnp.float32) / jnp.sqrt(jnp.float32(K))
+    visible = mask[:, :, None]
+    logits = jnp.where(visible, z, NEG_INF)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    unnormalised = jnp.exp(logits - top)
+    total = jnp.sum(unnormalised, axis=-1, keepdims=True)
+    weights = unnormalised / total
+    lse = (top + jnp.log(total))[..., 0]  # [B, Hk, G, T]
+    out_f32 = jnp.einsum("bhgts,bhsk->bhgtk", weights.astype(v.dtype), v).astype(jnp.float32)
+    out = out_f32.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K).astype(q.dtype)
+    lse_out = lse.transpose(0, 3, 1, 2).reshape(B, T, H)
     if query_weights is None:
-        return out, None
-    return out, jnp.einsum("bhgts,bt->bhgs", weights, query_weights.astype(jnp.float32))
+        return out, lse_out, None
+    w = query_weights.astype(jnp.float32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    if score == "attn":
+        return out, lse_out, jnp.sum(w * weights, axis=3)
+    vf = v.astype(jnp.float32)
+    v_sq = jnp.sum(vf * vf, -1)[:, :, None, :]  # [B, Hk, 1, S]
+    z = jnp.where(visible, z, 0.0)  # masked logits must not meet the zero weights as -1e30
+    a2 = w * weights * weights  # [B, Hk, G, T, S]
+    col = jnp.zeros(weights.shape[:3] + weights.shape[-1:], jnp.float32)
+    if score in ("obcache-value", "obcache-joint"):
+        col += jnp.sum(a2, axis=3) * v_sq
+    if score in ("obcache-key", "obcache-joint"):
+        az2 = a2 * z * z  # (A z)², weighted
+        o_sq = jnp.sum(out_f32 * out_f32, -1)  # [B, Hk, G, T]
+        v_dot_o = jnp.einsum("bhgts,bhsk,bhgtk->bhgs", az2, vf, out_f32)
+        col += jnp.sum(az2, axis=3) * v_sq - 2 * v_dot_o + jnp.einsum("bhgts,bhgt->bhgs", az2, o_sq)
+    if score == "obcache-joint":
+        a2z = a2 * z
+        col += 2 * (jnp.sum(a2z, axis=3) * v_sq - jnp.einsum("bhgts,bhsk,bhgtk->bhgs", a2z, vf, out_f32))
+    if score not in SCORE_KINDS:
+        raise ValueError(f"score={score!r} must be one of {SCORE_KINDS}")
+    return out, lse_out, col

@@ -1,9 +1,12 @@
-"""Eviction scorers behind one registry, and the static ``Policy`` that configures one.
+"""Eviction scorers: one grammar of names (``base`` or ``base+modifier``) and the static ``Policy``.
 
-Interface (see ``docs/eviction.md``): a scorer says which queries of a step are *scoring queries*
-(``queries``), how their attention column sums ``col [B, Hk, G, S]`` update the per-slot state
-(``update``: accumulate or replace), whether the state is reset after an eviction, and how the state turns
-into an eviction priority (``priority``: group aggregation, then optional pooling along positions).
+Bases say which queries of a step score (``queries``), how their per-slot statistic updates the state
+(accumulate or replace) and whether the state is reset at eviction points; see ``docs/eviction.md``.
+Modifiers change what is scored or how:
+- ``obcache-value|key|joint``: OBCache's output-aware saliency replaces the attention column (OBCache §3.3);
+- ``caote`` / ``fastcaote``: CAOTE's meta-score over the base score (CAOTE §3);
+- ``momentkv`` (MI + NC), ``momentkv-mi``, ``momentkv-nc``, ``momentkv-zeroth`` (MI + NC with the value mean
+  only): MomentKV's moment-informed eviction and normalization-corrected inference (MomentKV §4).
 """
 
 from __future__ import annotations
@@ -24,14 +27,48 @@ class ScorerSpec:
     reset_after_evict: bool
     default_window: str  # "zero" | "quarter" (budget // 4) | "obs" (the observation window)
     default_pool: str = "none"
+    description: str = ""
 
 
 SCORERS: dict[str, ScorerSpec] = {
-    "streamingllm": ScorerSpec("none", "accumulate", False, "zero"),
-    "h2o": ScorerSpec("all", "accumulate", False, "quarter"),
-    "tova": ScorerSpec("last", "replace", True, "zero"),
-    "snapkv": ScorerSpec("window", "accumulate", True, "obs", default_pool="max"),
+    "streamingllm": ScorerSpec("none", "accumulate", False, "zero",
+                               description="the n_sink first and the most recent tokens"),
+    "h2o": ScorerSpec("all", "accumulate", False, "quarter",
+                      description="attention accumulated over every query seen"),
+    "tova": ScorerSpec("last", "replace", True, "zero", description="attention of the newest query"),
+    "snapkv": ScorerSpec("window", "accumulate", True, "obs", default_pool="max",
+                         description="attention of the last obs_window queries, pooled along positions"),
 }
+
+MODIFIERS: dict[str, str] = {
+    "obcache-value": "OBCache value-pruning saliency Σ A² ‖v‖² replaces the attention column",
+    "obcache-key": "OBCache key-pruning saliency Σ (A z)² ‖v − o‖² replaces the attention column",
+    "obcache-joint": "OBCache joint saliency (value + key + 2 Σ A² z (‖v‖² − v·o)) replaces the attention column",
+    "caote": "CAOTE: h/(1−h) ‖Σ h_i v_i − v_j‖ over the base score h normalised to sum 1",
+    "fastcaote": "FastCAOTE: h/(1−h) ‖mean(v) − v_j‖",
+    "momentkv": "MomentKV: moment-informed eviction (score × ‖residual‖, one token at a time) and "
+                "normalization-corrected attention",
+    "momentkv-mi": "MomentKV moment-informed eviction only",
+    "momentkv-nc": "MomentKV normalization-corrected attention only (eviction by the base score)",
+    "momentkv-zeroth": "MomentKV zeroth order: residual v − v̄ and correction by v̄ (no outer-product term)",
+}
+ALIASES = {"momentkv": "snapkv+momentkv"}
+ATTENTION_BASES = ("h2o", "tova", "snapkv")
+
+
+def scorer_names() -> list[str]:
+    """Every valid scorer name."""
+    names = list(SCORERS) + [f"{b}+{m}" for b in ATTENTION_BASES for m in MODIFIERS]
+    return names + ["streamingllm+momentkv-nc"] + list(ALIASES)
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """``"snapkv+caote"`` -> ``("snapkv", "caote")``, validating against the grammar."""
+    full = ALIASES.get(name, name)
+    if not isinstance(name, str) or full not in scorer_names():
+        raise ValueError(f"scorer={name!r} is unknown; valid scorers: {', '.join(sorted(scorer_names()))}")
+    base, _, modifier = full.partition("+")
+    return base, modifier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,18 +88,40 @@ class Policy:
     pool: str
     kernel: int
     aggregate: str
+    modifier: str = ""
 
     @property
     def spec(self) -> ScorerSpec:
         return SCORERS[self.scorer]
 
+    @property
+    def name(self) -> str:
+        return f"{self.scorer}+{self.modifier}" if self.modifier else self.scorer
+
+    @property
+    def score_kind(self) -> str:
+        """What ``kvjax.ops.attention_with_scores`` accumulates: "attn" or an OBCache saliency."""
+        return self.modifier if self.modifier.startswith("obcache") else "attn"
+
+    @property
+    def moment_eviction(self) -> bool:
+        return self.modifier in ("momentkv", "momentkv-mi", "momentkv-zeroth")
+
+    @property
+    def moment_correction(self) -> bool:
+        return self.modifier in ("momentkv", "momentkv-nc", "momentkv-zeroth")
+
+    @property
+    def zeroth_order(self) -> bool:
+        return self.modifier == "momentkv-zeroth"
+
 
 def make_policy(scorer: str, budget: int, *, n_sink: int = 4, window: int | None = None, obs_window: int = 32,
-                pool: str | None = None, kernel: int = 7, aggregate: str = "mean") -> Policy:
-    """Validated ``Policy`` with the papers' defaults for what is left as None."""
-    if scorer not in SCORERS:
-        raise ValueError(f"scorer={scorer!r} is unknown; valid scorers: {', '.join(sorted(SCORERS))}")
-    spec = SCORERS[scorer]
+                pool: str | None = None, kernel: int = 7, aggregate: str | None = None) -> Policy:
+    """Validated ``Policy`` with the papers' defaults for what is left as None (aggregate: ``sum`` for
+    OBCache as in its App. B.5, else ``mean`` as kvpress; the two rank identically)."""
+    base, modifier = split_name(scorer)
+    spec = SCORERS[base]
     for name, value in (("budget", budget), ("obs_window", obs_window), ("kernel", kernel)):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
@@ -79,9 +138,10 @@ def make_policy(scorer: str, budget: int, *, n_sink: int = 4, window: int | None
         raise ValueError(f"pool={pool!r} must be one of {POOLS}")
     if pool != "none" and kernel % 2 == 0:
         raise ValueError(f"kernel={kernel} must be odd (pooling is centred on each token)")
+    aggregate = aggregate or ("sum" if modifier.startswith("obcache") else "mean")
     if aggregate not in AGGREGATES:
         raise ValueError(f"aggregate={aggregate!r} must be one of {AGGREGATES}")
-    return Policy(scorer, budget, n_sink, window, obs_window, pool, kernel, aggregate)
+    return Policy(base, budget, n_sink, window, obs_window, pool, kernel, aggregate, modifier)
 
 
 def query_weights(policy: Policy, positions: jax.Array, valid: jax.Array, end: jax.Array) -> jax.Array | None:
@@ -113,17 +173,16 @@ def update_state(policy: Policy, state: jax.Array, col: jax.Array | None, has_qu
 def _pool(x: jax.Array, present: jax.Array, kind: str, kernel: int) -> jax.Array:
     """1-D pooling over the last axis among ``present`` entries of x [..., S], in slot (= position) order.
 
-    Absent entries are left out of the neighbourhoods: they are skipped over, so a token's neighbours are
-    the nearest present tokens on either side (``max``: missing neighbours ignored; ``avg``: counted as 0).
+    Absent entries are left out of the neighbourhoods: a token's neighbours are the nearest present tokens
+    on either side (``max``: missing neighbours ignored; ``avg``: counted as 0, divided by ``kernel``).
     """
+    present = jnp.broadcast_to(present, x.shape)
     S = x.shape[-1]
-    # Rank present entries consecutively, pool over ranks, then read back per slot.
     rank = jnp.cumsum(present, axis=-1) - 1
     order = jnp.argsort(~present, axis=-1, stable=True)  # present slots first, in slot order
     packed = jnp.take_along_axis(jnp.where(present, x, 0.0), order, axis=-1)
-    n_present = present.sum(-1, keepdims=True)
     fill = -jnp.inf if kind == "max" else 0.0
-    packed = jnp.where(jnp.arange(S) < n_present, packed, fill)
+    packed = jnp.where(jnp.arange(S) < present.sum(-1, keepdims=True), packed, fill)
     half = kernel // 2
     padded = jnp.pad(packed, [(0, 0)] * (x.ndim - 1) + [(half, kernel - 1 - half)], constant_values=fill)
     windows = jnp.stack([padded[..., i: i + S] for i in range(kernel)], axis=-1)
@@ -131,14 +190,44 @@ def _pool(x: jax.Array, present: jax.Array, kind: str, kernel: int) -> jax.Array
     return jnp.where(present, jnp.take_along_axis(pooled, jnp.maximum(rank, 0), axis=-1), x)
 
 
-def priority(policy: Policy, state: jax.Array, pos: jax.Array, unprotected: jax.Array) -> jax.Array:
+def _aggregate(policy: Policy, per_head: jax.Array) -> jax.Array:
+    return {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max}[policy.aggregate](per_head, axis=2)
+
+
+def caote(h: jax.Array, v: jax.Array, valid: jax.Array, fast: bool) -> jax.Array:
+    """CAOTE meta-score per query head. h: [B, Hk, G, S] base scores; v: [B, Hk, S, K]; valid: [B, Hk, S].
+
+    h is normalised to sum 1 over the valid slots; c_j = h_j/(1 − h_j) ‖m − v_j‖ with m = Σ h_i v_i
+    (CAOTE) or the plain mean of the valid values (FastCAOTE).
+    """
+    valid4 = valid[:, :, None, :]
+    h = jnp.where(valid4, jnp.maximum(h, 0.0), 0.0)
+    h = h / jnp.maximum(h.sum(-1, keepdims=True), 1e-30)
+    vf = v.astype(jnp.float32)
+    if fast:
+        mix = (jnp.einsum("bhs,bhsk->bhk", valid.astype(jnp.float32), vf)
+               / jnp.maximum(valid.sum(-1), 1)[..., None])[:, :, None, :]
+    else:
+        mix = jnp.einsum("bhgs,bhsk->bhgk", h, vf)
+    dist = jnp.linalg.norm(mix[:, :, :, None, :] - vf[:, :, None, :, :], axis=-1)  # [B, Hk, G, S]
+    return h / jnp.maximum(1.0 - h, 1e-12) * dist
+
+
+def priority(policy: Policy, state: jax.Array, pos: jax.Array, unprotected: jax.Array, v: jax.Array) -> jax.Array:
     """[B, Hk, S] float32 priority (higher = kept) of the unprotected valid slots.
 
-    state: [B, Hk, G, S]; pos: [B, Hk, S] (-1 = empty); unprotected: [B, Hk, S] valid and evictable.
+    state: [B, Hk, G, S]; pos: [B, Hk, S] (-1 = empty); unprotected: [B, Hk, S] valid and evictable;
+    v: [B, Hk, S, K] cached values (for CAOTE). Plain scores aggregate the query heads, then pool; CAOTE pools
+    and scores per query head, then aggregates (its normalisation is per attention distribution).
     """
     if policy.scorer == "streamingllm":
         return pos.astype(jnp.float32)
-    agg = {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max}[policy.aggregate](state, axis=2)
+    if policy.modifier in ("caote", "fastcaote"):
+        per_head = state
+        if policy.pool != "none":
+            per_head = _pool(per_head, unprotected[:, :, None, :], policy.pool, policy.kernel)
+        return _aggregate(policy, caote(per_head, v, pos >= 0, fast=policy.modifier == "fastcaote"))
+    agg = _aggregate(policy, state)
     if policy.pool != "none":
         agg = _pool(agg, unprotected, policy.pool, policy.kernel)
     return agg

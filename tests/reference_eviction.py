@@ -1,12 +1,18 @@
 """Plain-NumPy (float64) reference of the eviction semantics of ``docs/eviction.md``.
 
 This module is deliberately independent of the JAX engine (``kvjax.engine``, ``kvjax.budget_cache``,
-``kvjax.scorers``, ``kvjax.ops``): it re-implements the decoder of ``kvjax.model`` for one sequence in
-float64 NumPy and keeps, per (layer, KV head), a Python list of kept tokens exactly as the contract
+``kvjax.scorers``, ``kvjax.ops``, ``kvjax.moments``): it re-implements the decoder of ``kvjax.model`` for one
+sequence in float64 NumPy and keeps, per (layer, KV head), a Python list of kept tokens exactly as the contract
 describes. Clarity over speed: loops are used wherever they make the semantics easier to check.
 
 Entry point: :func:`run_reference`. Lower-level pieces used by the self-tests: :class:`Reference`,
-:func:`select_kept`, :func:`pool_priorities`, :func:`full_forward`.
+:func:`parse_scorer`, :func:`select_kept`, :func:`keep_highest`, :func:`pool_priorities`,
+:func:`attention`, :func:`obcache_columns`, :func:`caote_priorities`, :func:`select_moment_informed`,
+:func:`moment_terms`, :func:`nc_correct`, :func:`full_forward`.
+
+Scorer names (the grammar of docs/eviction.md, "Modifiers"): a base (``streamingllm``, ``h2o``, ``tova``,
+``snapkv``), ``base+modifier`` for a base other than ``streamingllm``, ``streamingllm+momentkv-nc``, and the
+alias ``momentkv`` = ``snapkv+momentkv``. See :data:`SCORERS`.
 
 Readings chosen where ``docs/eviction.md`` leaves room (see the module's tests and report):
 
@@ -16,7 +22,17 @@ Readings chosen where ``docs/eviction.md`` leaves room (see the module's tests a
 * Pooling neighbours are the *kept unprotected tokens* only; protected tokens are not neighbours, and
   neighbours past either end of that sequence are "missing".
 * ``near_ties`` counts decisions with ``|a - b| <= 1e-6 * max(|a|, |b|)`` (exact ties included, also
-  ``0 == 0``); ``exact_ties`` (extra key) counts the subset with ``a == b`` exactly.
+  ``0 == 0``); ``exact_ties`` (extra key) counts the subset with ``a == b`` exactly. A top-``b`` selection is
+  one decision (last kept vs first evicted); under MomentKV MI every single eviction is one decision (the
+  chosen minimum vs the next smallest score).
+* OBCache: ``z_ij`` is the raw logit ``q·k/√d`` (not shifted); tokens a scoring query cannot see have
+  ``A_ij = 0`` and contribute nothing (their ``A_ij z_ij`` is taken as 0).
+* CAOTE: ``c_j = +inf`` where ``h_j = 1`` (the token holds all of the normalised mass; the doc's formula
+  divides by zero there). Unreachable with softmax states unless every other weight underflows to 0.
+* MomentKV MI: the base priorities ``P_j`` are computed once per eviction point, over the kept unprotected
+  tokens at its start (snapkv pooling is *not* redone after each single eviction); only the residuals are
+  recomputed, from the statistics updated by each single eviction.
+* MomentKV NC: ``1 − ŵ`` is computed as ``1 − exp(log ŵ)``.
 """
 
 from __future__ import annotations
@@ -28,11 +44,36 @@ import numpy as np
 from kvjax.params import params_to_flat
 from kvjax.rope import inverse_frequencies
 
-SCORERS = ("streamingllm", "h2o", "tova", "snapkv")
+BASES = ("streamingllm", "h2o", "tova", "snapkv")
+OBCACHE = ("obcache-value", "obcache-key", "obcache-joint")
+CAOTE = ("caote", "fastcaote")
+MOMENTKV = ("momentkv", "momentkv-mi", "momentkv-nc", "momentkv-zeroth")
+MODIFIERS = OBCACHE + CAOTE + MOMENTKV
+MI_MODIFIERS = ("momentkv", "momentkv-mi", "momentkv-zeroth")  # moment-informed eviction
+NC_MODIFIERS = ("momentkv", "momentkv-nc", "momentkv-zeroth")  # normalization-corrected inference
+ALIASES = {"momentkv": "snapkv+momentkv"}
+# Every valid scorer name.
+SCORERS = (BASES + tuple(f"{b}+{m}" for b in ("h2o", "tova", "snapkv") for m in MODIFIERS)
+           + ("streamingllm+momentkv-nc",) + tuple(ALIASES))
 PROTOCOLS = ("blockwise", "prefill")
 POOLS = ("max", "avg", "none")
 AGGREGATES = ("sum", "mean", "max")
 NEAR_TIE_RTOL = 1e-6
+S_TILDE_CLAMP = 1e-6  # NC: entries of S̃ of magnitude below this are set to 0 (App. C.2)
+
+
+def parse_scorer(name: str) -> tuple[str, str | None]:
+    """``(base, modifier)`` of a scorer name (``modifier`` None for a plain base); ValueError if invalid."""
+    if name not in SCORERS:
+        raise ValueError(f"scorer={name!r}; expected one of {SCORERS}")
+    name = ALIASES.get(name, name)
+    base, _, modifier = name.partition("+")
+    return base, modifier or None
+
+
+def default_aggregate(scorer: str) -> str:
+    """``sum`` for the OBCache modifiers (OBCache App. B.5), ``mean`` otherwise."""
+    return "sum" if parse_scorer(scorer)[1] in OBCACHE else "mean"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -120,6 +161,82 @@ def full_forward(params, tokens) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Attention of one query head, OBCache columns, NC correction (pure functions)
+# ----------------------------------------------------------------------------------------------------
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: np.ndarray):
+    """One query head over the kept tokens of its KV head. q [T, K], keys/values [N, K], visible [T, N] bool.
+
+    Returns ``z`` [T, N] (raw logits ``q·k/√d``, also where not visible), ``A`` [T, N] (softmax over the visible
+    tokens, 0 elsewhere), ``o`` [T, K] = ``A @ values`` and ``log_z`` [T] = ``log Σ_visible exp z``."""
+    z = q @ keys.T / np.sqrt(q.shape[-1])
+    masked = np.where(visible, z, -np.inf)
+    top = masked.max(axis=-1, keepdims=True)
+    e = np.exp(masked - top)
+    total = e.sum(axis=-1, keepdims=True)
+    A = e / total
+    return z, A, A @ values, (top + np.log(total))[:, 0]
+
+
+def obcache_columns(kind: str, A: np.ndarray, z: np.ndarray, values: np.ndarray, o: np.ndarray) -> np.ndarray:
+    """OBCache saliency [N] summed over the scoring queries (rows of ``A``, ``z``, ``o``).
+
+    value: ``Σ_i A_ij² ‖v_j‖²``; key: ``Σ_i (A_ij z_ij)² ‖v_j − o_i‖²``;
+    joint: value + key + ``2 Σ_i A_ij² z_ij (‖v_j‖² − v_j·o_i)``. ``kind`` is ``value``, ``key`` or ``joint``."""
+    v_sq = np.sum(values * values, axis=1)  # [N]
+    Az = np.where(A > 0, A * z, 0.0)  # a token a query does not see contributes nothing
+    value = np.sum(A * A, axis=0) * v_sq
+    diff = values[None, :, :] - o[:, None, :]  # [S, N, K]: v_j − o_i
+    key = np.sum(Az * Az * np.sum(diff * diff, axis=-1), axis=0)
+    if kind == "value":
+        return value
+    if kind == "key":
+        return key
+    if kind == "joint":
+        cross = 2.0 * np.sum(A * Az * (v_sq[None, :] - o @ values.T), axis=0)  # A² z (‖v‖² − v·o)
+        return value + key + cross
+    raise ValueError(f"OBCache kind={kind!r}")
+
+
+@dataclasses.dataclass
+class Moments:
+    """Moment statistics of the evicted tokens of one (layer, KV head)."""
+    count: int
+    k_sum: np.ndarray  # [K]
+    v_sum: np.ndarray  # [K]
+    vk_sum: np.ndarray  # [K, K], [i, j] = Σ v_i k_j
+
+
+def moment_terms(m: Moments, *, clamp: bool):
+    """``(k̄, v̄, S̃)`` with ``S̃ = S − s_v s_kᵀ / n`` (n > 0); ``clamp`` sets entries with ``|S̃| < 1e-6`` to 0."""
+    n = m.count
+    assert n > 0
+    s_tilde = m.vk_sum - np.outer(m.v_sum, m.k_sum) / n
+    if clamp:
+        s_tilde = np.where(np.abs(s_tilde) < S_TILDE_CLAMP, 0.0, s_tilde)
+    return m.k_sum / n, m.v_sum / n, s_tilde
+
+
+def nc_correct(q: np.ndarray, o: np.ndarray, log_z: np.ndarray, m: Moments, *, zeroth: bool) -> np.ndarray:
+    """MomentKV normalization-corrected outputs [T, K] of queries ``q`` [T, K] (one query head) whose plain
+    outputs over the visible kept tokens are ``o`` [T, K] with ``log_z`` [T]. ``m`` = the KV head's statistics.
+
+    ``ŵ o + (1 − ŵ) f̂`` with ``log ŵ = log Z − logaddexp(log Z, log n + q·k̄/√d)`` and
+    ``f̂ = v̄ + S̃ q / (n √d)`` (``v̄`` for the zeroth-order variant), S̃ clamped. Unchanged when ``n = 0``."""
+    if m.count == 0:
+        return o.copy()
+    n, sqrt_d = m.count, np.sqrt(q.shape[-1])
+    k_bar, v_bar, s_tilde = moment_terms(m, clamp=True)
+    out = np.empty_like(o)
+    for t in range(len(q)):
+        log_w = log_z[t] - np.logaddexp(log_z[t], np.log(n) + q[t] @ k_bar / sqrt_d)
+        w = np.exp(log_w)
+        f_hat = v_bar if zeroth else v_bar + s_tilde @ q[t] / (n * sqrt_d)
+        out[t] = w * o[t] + (1.0 - w) * f_hat
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
 # Eviction decision (pure functions, also used directly by the tests)
 # ----------------------------------------------------------------------------------------------------
 
@@ -157,6 +274,54 @@ def pool_priorities(values: np.ndarray, pool: str, kernel: int) -> np.ndarray:
     return out
 
 
+def protected_mask(positions, *, seen: int, n_sink: int, window: int) -> np.ndarray:
+    """[N] bool: ``position < n_sink`` or ``position >= seen - window``."""
+    positions = np.asarray(positions, np.int64)
+    return (positions < n_sink) | (positions >= seen - window)
+
+
+def base_priorities(positions, states, protected, *, base: str, pool: str = "max", kernel: int = 7,
+                    aggregate: str = "mean") -> np.ndarray:
+    """Priorities of the unprotected tokens (in position order) under a base scorer (step 4 of the doc)."""
+    positions = np.asarray(positions, np.int64)
+    unprotected = np.flatnonzero(~np.asarray(protected, bool))
+    if base == "streamingllm":
+        return positions[unprotected].astype(np.float64)
+    prio = aggregate_states(np.asarray(states, np.float64)[unprotected].reshape(len(unprotected), -1), aggregate)
+    if base == "snapkv":
+        prio = pool_priorities(prio, pool, kernel)
+    return prio
+
+
+def caote_priorities(states, values, protected, *, base: str, fast: bool, pool: str = "max", kernel: int = 7,
+                     aggregate: str = "mean") -> np.ndarray:
+    """CAOTE / FastCAOTE priorities of the unprotected tokens (in position order).
+
+    ``states`` [N, G] base states of all kept tokens, ``values`` [N, K]. Per query head: the base state (pooled
+    per head over the unprotected tokens for ``snapkv``), negatives set to 0, normalised over all kept tokens to
+    ``h``; ``c_j = h_j / (1 − h_j) · ‖m − v_j‖`` with ``m = Σ h_i v_i`` (``caote``) or the mean of the kept values
+    (``fastcaote``); then the group aggregate over the G heads."""
+    states = np.asarray(states, np.float64)
+    values = np.asarray(values, np.float64)
+    n, G = states.shape
+    unprotected = np.flatnonzero(~np.asarray(protected, bool))
+    c = np.zeros((len(unprotected), G))
+    for g in range(G):
+        s = states[:, g].copy()
+        if base == "snapkv":
+            s[unprotected] = pool_priorities(s[unprotected], pool, kernel)
+        s = np.maximum(s, 0.0)
+        total = s.sum()
+        h = s / total if total > 0 else np.zeros(n)
+        m = values.mean(axis=0) if fast else h @ values
+        dist = np.linalg.norm(m[None, :] - values, axis=1)
+        c_g = np.empty(n)
+        for j in range(n):
+            c_g[j] = np.inf if h[j] >= 1.0 else h[j] / (1.0 - h[j]) * dist[j]
+        c[:, g] = c_g[unprotected]
+    return aggregate_states(c, aggregate)
+
+
 @dataclasses.dataclass
 class Decision:
     keep: np.ndarray  # [N] bool, over the input tokens
@@ -165,23 +330,19 @@ class Decision:
     exact_tie: bool
 
 
-def select_kept(positions, states, *, scorer: str, budget: int, seen: int, n_sink: int, window: int,
-                pool: str = "max", kernel: int = 7, aggregate: str = "mean") -> Decision:
-    """Which of the kept tokens (``positions`` [N] ascending, ``states`` [N, G]) survive an eviction point."""
+def is_near_tie(a: float, b: float) -> bool:
+    return bool(abs(a - b) <= NEAR_TIE_RTOL * max(abs(a), abs(b)))
+
+
+def keep_highest(positions, protected, prio, budget: int) -> Decision:
+    """Keep the protected tokens plus the unprotected ones (``prio`` in position order) of highest priority until
+    ``budget`` are kept; ties in favour of the later position."""
     positions = np.asarray(positions, np.int64)
+    protected = np.asarray(protected, bool)
     n = len(positions)
-    assert np.all(np.diff(positions) > 0), "kept tokens must be in position order"
-    protected = (positions < n_sink) | (positions >= seen - window)
-    unprotected = np.flatnonzero(~protected)
-    if scorer == "streamingllm":
-        prio = positions[unprotected].astype(np.float64)
-    else:
-        prio = aggregate_states(np.asarray(states, np.float64)[unprotected].reshape(len(unprotected), -1),
-                                aggregate)
-        if scorer == "snapkv":
-            prio = pool_priorities(prio, pool, kernel)
     if n <= budget:
         return Decision(np.ones(n, bool), prio, False, False)
+    unprotected = np.flatnonzero(~protected)
     n_free = budget - int(protected.sum())
     assert 0 < n_free < len(unprotected), "budget > n_sink + window guarantees this"
     # Highest priority first; among equal priorities the later position first.
@@ -189,9 +350,73 @@ def select_kept(positions, states, *, scorer: str, budget: int, seen: int, n_sin
     keep = protected.copy()
     keep[unprotected[order[:n_free]]] = True
     last_kept, first_evicted = prio[order[n_free - 1]], prio[order[n_free]]
-    gap = abs(last_kept - first_evicted)
-    near = bool(gap <= NEAR_TIE_RTOL * max(abs(last_kept), abs(first_evicted)))
-    return Decision(keep, prio, near, bool(last_kept == first_evicted))
+    return Decision(keep, prio, is_near_tie(last_kept, first_evicted), bool(last_kept == first_evicted))
+
+
+def select_kept(positions, states, *, scorer: str, budget: int, seen: int, n_sink: int, window: int,
+                pool: str = "max", kernel: int = 7, aggregate: str = "mean") -> Decision:
+    """Which of the kept tokens (``positions`` [N] ascending, ``states`` [N, G]) survive an eviction point under a
+    base scorer (``streamingllm``, ``h2o``, ``tova``, ``snapkv``)."""
+    positions = np.asarray(positions, np.int64)
+    assert np.all(np.diff(positions) > 0), "kept tokens must be in position order"
+    protected = protected_mask(positions, seen=seen, n_sink=n_sink, window=window)
+    prio = base_priorities(positions, states, protected, base=scorer, pool=pool, kernel=kernel, aggregate=aggregate)
+    return keep_highest(positions, protected, prio, budget)
+
+
+@dataclasses.dataclass
+class MIDecision:
+    keep: np.ndarray  # [N] bool, over the input tokens
+    evicted: list[int]  # indices into the input tokens, in eviction order
+    scores: list[np.ndarray]  # per single eviction: P_j ‖r_j‖ over all N tokens (nan: protected or gone)
+    near_ties: int
+    exact_ties: int
+
+
+def select_moment_informed(positions, keys, values, protected, priorities, budget: int, moments: Moments, *,
+                           zeroth: bool) -> MIDecision:
+    """MomentKV moment-informed eviction (Algorithm 1 with the base priority in place of α).
+
+    ``priorities`` [number of unprotected] in position order, computed once. Repeats ``E = N − budget`` times:
+    score every unprotected kept token by ``P_j ‖r_j‖`` with ``r_j = v_j − v̄ − S̃ k_j / (n √d)`` (zeroth order:
+    ``v_j − v̄``; ``v_j`` while ``n = 0``) from the current statistics (S̃ not clamped), evict the smallest (ties:
+    the earlier position) and add it to the statistics. ``moments`` is not modified."""
+    positions = np.asarray(positions, np.int64)
+    keys, values = np.asarray(keys, np.float64), np.asarray(values, np.float64)
+    protected = np.asarray(protected, bool)
+    N, K = keys.shape
+    sqrt_d = np.sqrt(K)
+    P = np.full(N, np.nan)
+    P[~protected] = priorities
+    count, k_sum, v_sum, vk_sum = moments.count, moments.k_sum.copy(), moments.v_sum.copy(), moments.vk_sum.copy()
+    keep = np.ones(N, bool)
+    evicted, all_scores, near, exact = [], [], 0, 0
+    for _ in range(max(0, N - budget)):
+        if count > 0:
+            v_bar = v_sum / count
+            s_tilde = vk_sum - np.outer(v_sum, k_sum) / count
+        scores = np.full(N, np.nan)
+        candidates = [j for j in range(N) if keep[j] and not protected[j]]
+        for j in candidates:
+            if count == 0:
+                r = values[j]
+            elif zeroth:
+                r = values[j] - v_bar
+            else:
+                r = values[j] - v_bar - s_tilde @ keys[j] / (count * sqrt_d)
+            scores[j] = P[j] * np.linalg.norm(r)
+        ranked = sorted(candidates, key=lambda j: (scores[j], positions[j]))  # smallest first, then earlier
+        chosen, runner_up = ranked[0], ranked[1]
+        near += is_near_tie(scores[chosen], scores[runner_up])
+        exact += bool(scores[chosen] == scores[runner_up])
+        keep[chosen] = False
+        evicted.append(chosen)
+        all_scores.append(scores)
+        count += 1
+        k_sum = k_sum + keys[chosen]
+        v_sum = v_sum + values[chosen]
+        vk_sum = vk_sum + np.outer(values[chosen], keys[chosen])
+    return MIDecision(keep, evicted, all_scores, near, exact)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -210,14 +435,16 @@ class Slot:
 class Reference:
     """One sequence through the model with the eviction engine of docs/eviction.md.
 
-    ``budget=None`` means no eviction at all (every eviction point is a no-op).
+    ``budget=None`` means no eviction at all (every eviction point is a no-op). ``aggregate=None`` means the
+    scorer's default (``sum`` for the OBCache modifiers, ``mean`` otherwise).
     """
 
     def __init__(self, params, *, scorer: str, budget: int | None, protocol: str = "blockwise",
                  block_size: int = 16, n_sink: int = 0, window: int = 0, obs_window: int = 32, pool: str = "max",
-                 kernel: int = 7, aggregate: str = "mean", evict_every: int = 1, decode_evict: bool = True):
-        if scorer not in SCORERS:
-            raise ValueError(f"scorer={scorer!r}; expected one of {SCORERS}")
+                 kernel: int = 7, aggregate: str | None = None, evict_every: int = 1, decode_evict: bool = True):
+        base, modifier = parse_scorer(scorer)
+        if aggregate is None:
+            aggregate = default_aggregate(scorer)
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol={protocol!r}; expected one of {PROTOCOLS}")
         if pool not in POOLS:
@@ -235,7 +462,13 @@ class Reference:
         self.cfg = cfg = params.config
         self.w = numpy_params(params)
         self.inv_freq = np.asarray(inverse_frequencies(cfg), np.float64)
-        self.scorer, self.budget, self.protocol, self.block_size = scorer, budget, protocol, block_size
+        self.scorer, self.base, self.modifier = scorer, base, modifier
+        self.obcache = modifier.removeprefix("obcache-") if modifier in OBCACHE else None  # value/key/joint
+        self.caote = modifier in CAOTE
+        self.moment_informed = modifier in MI_MODIFIERS
+        self.normalization_corrected = modifier in NC_MODIFIERS
+        self.zeroth = modifier == "momentkv-zeroth"
+        self.budget, self.protocol, self.block_size = budget, protocol, block_size
         self.n_sink, self.window, self.obs_window = n_sink, window, obs_window
         self.pool, self.kernel, self.aggregate = pool, kernel, aggregate
         self.evict_every, self.decode_evict = evict_every, decode_evict
@@ -250,10 +483,14 @@ class Reference:
         self.seen = 0
         self.near_ties = 0
         self.exact_ties = 0
-        # Diagnostics for the tests: every query/key/value ever computed, by layer and position, and a log
-        # of every eviction decision.
-        self.history = [{"q": {}, "k": {}, "v": {}} for _ in range(L)]
+        # Diagnostics for the tests: every query/key/value ever computed and every attention output the layer
+        # used (after any NC correction), by layer and position, and a log of every eviction decision.
+        self.history = [{"q": {}, "k": {}, "v": {}, "o": {}} for _ in range(L)]
         self.evictions: list[dict] = []
+
+    def moments(self, layer: int, kh: int) -> Moments:
+        return Moments(int(self.count[layer, kh]), self.k_sum[layer, kh].copy(), self.v_sum[layer, kh].copy(),
+                       self.vk_sum[layer, kh].copy())
 
     # -- one step ---------------------------------------------------------------------------------------
     def step(self, tokens, positions, scoring, evict_point: bool) -> np.ndarray:
@@ -281,69 +518,87 @@ class Reference:
                 vals = np.stack([s.value for s in slots])
                 kept_pos = np.array([s.position for s in slots])
                 visible = kept_pos[None, :] <= positions[:, None]  # [T, N]
+                moments = self.moments(layer, kh)  # as they were before this step (eviction comes after)
                 for g in range(G):
                     h = kh * G + g
-                    # 2. attend
-                    z = q[:, h] @ keys.T / np.sqrt(cfg.head_dim)
-                    A = softmax(np.where(visible, z, -np.inf))  # [T, N]
-                    attn[:, h] = A @ vals
+                    # 2. attend (MomentKV NC corrects the output the layer uses, not the scores below)
+                    z, A, o, log_z = attention(q[:, h], keys, vals, visible)
+                    if self.normalization_corrected:
+                        attn[:, h] = nc_correct(q[:, h], o, log_z, moments, zeroth=self.zeroth)
+                    else:
+                        attn[:, h] = o
                     # 3. score update
-                    if scoring.any() and self.scorer != "streamingllm":
-                        col = A[scoring].sum(axis=0)  # [N]
+                    if scoring.any() and self.base != "streamingllm":
+                        if self.obcache:
+                            col = obcache_columns(self.obcache, A[scoring], z[scoring], vals, o[scoring])
+                        else:
+                            col = A[scoring].sum(axis=0)  # [N]
                         for j, s in enumerate(slots):
-                            if self.scorer == "tova":
+                            if self.base == "tova":
                                 s.state[g] = col[j]
                             else:  # h2o, snapkv
                                 s.state[g] += col[j]
                 # 4. evict
                 if evict_point:
                     self._evict(layer, kh)
+            for t, p in enumerate(positions):
+                self.history[layer]["o"][int(p)] = attn[t].copy()
             # 5. the rest of the layer (eviction above did not touch this step's attention output)
             x = finish_layer(cfg, w, layer, x, attn)
         return logits_of(cfg, w, x)
 
     def _evict(self, layer: int, kh: int):
-        slots = self.cache[layer][kh]
         if self.budget is None:
             return
-        if len(slots) <= self.budget:
-            if self.scorer in ("tova", "snapkv"):  # the reset happens at every eviction point
-                for s in slots:
-                    s.state[:] = 0.0
-            return
-        positions = [s.position for s in slots]
-        states = np.stack([s.state for s in slots])
-        d = select_kept(positions, states, scorer=self.scorer, budget=self.budget, seen=self.seen,
-                        n_sink=self.n_sink, window=self.window, pool=self.pool, kernel=self.kernel,
-                        aggregate=self.aggregate)
-        self.near_ties += d.near_tie
-        self.exact_ties += d.exact_tie
-        evicted = [s for s, keep in zip(slots, d.keep) if not keep]
-        kept = [s for s, keep in zip(slots, d.keep) if keep]
-        for s in evicted:
-            self.count[layer, kh] += 1
-            self.k_sum[layer, kh] += s.key
-            self.v_sum[layer, kh] += s.value
-            self.vk_sum[layer, kh] += np.outer(s.value, s.key)
-        if self.scorer in ("tova", "snapkv"):
-            for s in kept:
+        slots = self.cache[layer][kh]
+        if len(slots) > self.budget:
+            positions = [s.position for s in slots]
+            states = np.stack([s.state for s in slots])
+            protected = protected_mask(positions, seen=self.seen, n_sink=self.n_sink, window=self.window)
+            opts = dict(pool=self.pool, kernel=self.kernel, aggregate=self.aggregate)
+            if self.caote:
+                prio = caote_priorities(states, np.stack([s.value for s in slots]), protected, base=self.base,
+                                        fast=self.modifier == "fastcaote", **opts)
+            else:
+                prio = base_priorities(positions, states, protected, base=self.base, **opts)
+            if self.moment_informed:
+                d = select_moment_informed(positions, np.stack([s.key for s in slots]),
+                                           np.stack([s.value for s in slots]), protected, prio, self.budget,
+                                           self.moments(layer, kh), zeroth=self.zeroth)
+                keep, order, near, exact = d.keep, d.evicted, d.near_ties, d.exact_ties
+            else:
+                d = keep_highest(positions, protected, prio, self.budget)
+                keep, near, exact = d.keep, int(d.near_tie), int(d.exact_tie)
+                order = [j for j in range(len(slots)) if not keep[j]]
+            self.near_ties += near
+            self.exact_ties += exact
+            for j in order:  # the statistics receive the evicted tokens in eviction order
+                s = slots[j]
+                self.count[layer, kh] += 1
+                self.k_sum[layer, kh] += s.key
+                self.v_sum[layer, kh] += s.value
+                self.vk_sum[layer, kh] += np.outer(s.value, s.key)
+            kept = [s for s, k in zip(slots, keep) if k]
+            self.evictions.append({"layer": layer, "kv_head": kh, "seen": self.seen, "before": positions,
+                                   "states": states, "priorities": prio,
+                                   "kept": [s.position for s in kept], "evicted": [positions[j] for j in order],
+                                   "near_tie": near > 0, "near_ties": near})
+            self.cache[layer][kh] = slots = kept
+        if self.base in ("tova", "snapkv"):  # the reset happens at every eviction point, also one removing nothing
+            for s in slots:
                 s.state[:] = 0.0
-        self.cache[layer][kh] = kept
-        self.evictions.append({"layer": layer, "kv_head": kh, "seen": self.seen, "before": positions,
-                               "kept": [s.position for s in kept], "evicted": [s.position for s in evicted],
-                               "near_tie": d.near_tie})
 
     # -- protocols --------------------------------------------------------------------------------------
     def kept_positions(self) -> list[list[list[int]]]:
         return [[sorted(s.position for s in slots) for slots in layer] for layer in self.cache]
 
     def _prompt_scoring(self, positions: np.ndarray, block_end: int, prompt_len: int) -> np.ndarray:
-        if self.scorer == "streamingllm":
+        if self.base == "streamingllm":
             return np.zeros(len(positions), bool)
-        if self.scorer == "h2o":
+        if self.base == "h2o":
             return np.ones(len(positions), bool)
         end = block_end if self.protocol == "blockwise" else prompt_len
-        if self.scorer == "tova":
+        if self.base == "tova":
             return positions == end - 1
         return positions >= end - self.obs_window  # snapkv; W capped by the block / prompt automatically
 
@@ -391,9 +646,11 @@ class Reference:
 
 
 def run_reference(params, prompt, max_new_tokens, *, scorer, budget, protocol, block_size, n_sink, window,
-                  obs_window=32, pool="max", kernel=7, aggregate="mean", evict_every=1,
+                  obs_window=32, pool="max", kernel=7, aggregate=None, evict_every=1,
                   decode_evict=True) -> dict:
-    """Prefill ``prompt`` under ``protocol`` then greedily decode ``max_new_tokens`` tokens; see module doc."""
+    """Prefill ``prompt`` under ``protocol`` then greedily decode ``max_new_tokens`` tokens; see module doc.
+
+    ``scorer``: any name of :data:`SCORERS`; ``aggregate=None``: ``sum`` for OBCache modifiers, else ``mean``."""
     ref = Reference(params, scorer=scorer, budget=budget, protocol=protocol, block_size=block_size,
                     n_sink=n_sink, window=window, obs_window=obs_window, pool=pool, kernel=kernel,
                     aggregate=aggregate, evict_every=evict_every, decode_evict=decode_evict)

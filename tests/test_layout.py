@@ -29,3 +29,10 @@ def test_ci_runs_the_readme_test_command():
     assert commands[1] in ci.splitlines()
     assert "pytest" in commands[1] and "kvjax generate" in commands[0]
     assert os.access(ROOT / ".ci" / "run", os.X_OK)
+
+
+def test_readme_lists_every_scorer_name():
+    from kvjax.scorers import scorer_names
+
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"| `{name}` |" in readme for name in scorer_names())

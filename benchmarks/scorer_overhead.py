@@ -1,0 +1,79 @@
+"""Cost of each scorer relative to ``snapkv`` at the same budget on SmolLM2: block-wise prefill seconds and
+decode ms/token (eviction after every token).
+
+    .venv/bin/python benchmarks/scorer_overhead.py                          # about 15 minutes on 2 cores
+    .venv/bin/python benchmarks/scorer_overhead.py --scorers snapkv tova momentkv --length 1024
+
+Every scorer runs on the same random prompt; timings are of a second, compiled call (prefill) and of
+``--new-tokens`` decode steps after a compiled warm-up step, best of ``--repeats``. Targets from the papers:
+OBCache-value within 5% of the attention-only score, MomentKV within 25%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import numpy as np
+
+import kvjax
+from kvjax.generate import Generation, eviction_settings
+from kvjax.sampling import Sampling
+from kvjax.scorers import scorer_names
+
+DEFAULT = ["snapkv", "h2o", "tova", "streamingllm", "snapkv+obcache-value", "snapkv+obcache-key",
+           "snapkv+obcache-joint", "h2o+obcache-value", "snapkv+caote", "snapkv+fastcaote", "momentkv",
+           "snapkv+momentkv-mi", "snapkv+momentkv-nc", "snapkv+momentkv-zeroth"]
+TARGETS = {"snapkv+obcache-value": 1.05, "h2o+obcache-value": 1.05, "momentkv": 1.25}
+
+
+def measure(params, prompt, scorer: str, args) -> tuple[float, float]:
+    ev = eviction_settings(args.budget, scorer=scorer, block_size=args.block_size)
+    prefill, decode = [], []
+    for _ in range(args.repeats + 1):  # the first round compiles
+        start = time.perf_counter()
+        gen = Generation.from_prompts(params, [prompt], args.new_tokens + 1, Sampling(), 0, (), ev)
+        jax.block_until_ready(gen.state)
+        prefill.append(time.perf_counter() - start)
+        gen.run(1)
+        start = time.perf_counter()
+        gen.run(args.new_tokens)
+        decode.append((time.perf_counter() - start) / args.new_tokens * 1e3)
+    return min(prefill[1:]), min(decode[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scorers", nargs="+", default=DEFAULT, choices=scorer_names(), metavar="SCORER")
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--length", type=int, default=2048, help="prompt tokens")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    scorers = ["snapkv"] + [s for s in args.scorers if s != "snapkv"]
+
+    params = kvjax.load("smollm2-135m-instruct")
+    prompt = np.random.default_rng(0).integers(100, 40000, args.length).astype(np.int32)
+    rows = {}
+    for i, scorer in enumerate(scorers):
+        print(f"[{i + 1}/{len(scorers)}] {scorer}", file=sys.stderr, flush=True)
+        rows[scorer] = measure(params, prompt, scorer, args)
+    base_prefill, base_decode = rows["snapkv"]
+    print(f"SmolLM2-135M-Instruct, float32, CPU, batch 1, {args.length}-token prompt, budget {args.budget}, "
+          f"block-wise prefill in blocks of {args.block_size}, decode evicting every token; best of "
+          f"{args.repeats}\n")
+    print("| scorer | prefill s | vs snapkv | decode ms/token | vs snapkv | target |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for scorer, (prefill, decode) in rows.items():
+        ratio_p, ratio_d = prefill / base_prefill, decode / base_decode
+        target = TARGETS.get(scorer)
+        verdict = "" if target is None else (
+            f"{'PASS' if max(ratio_p, ratio_d) <= target else 'FAIL'} (<= {target:.2f}x)")
+        print(f"| {scorer} | {prefill:.2f} | {ratio_p:.2f}x | {decode:.1f} | {ratio_d:.2f}x | {verdict} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Output-aware scorers checked against what their formulas approximate: OBCache against the second-order
+Taylor expansion (jax.hessian) and the exact error of removing a token, CAOTE against the exact change of
+the attention output, MomentKV's correction against plain attention and the full cache."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.budget_cache import Moments
+from kvjax.moments import corrected_attention
+from kvjax.ops import attention_with_scores
+from kvjax.scorers import caote, scorer_names
+
+S, W, K, G = 24, 6, 16, 3  # slots, perturbation window, head dim, query heads per KV head
+
+
+def random_head(seed, scale=1.2):
+    """One KV head with G query heads; the window's W queries sit at positions S-W..S-1 (causal)."""
+    r = np.random.default_rng(seed)
+    q = jnp.asarray(r.normal(size=(1, W, G, K)) * scale, jnp.float32)
+    k = jnp.asarray(r.normal(size=(1, 1, S, K)) * scale, jnp.float32)
+    v = jnp.asarray(r.normal(size=(1, 1, S, K)), jnp.float32)
+    mask = (jnp.arange(S)[None, :] <= jnp.arange(S - W, S)[:, None])[None, None]
+    return q, k, v, mask
+
+
+def outputs(q, k, v, mask):
+    return attention_with_scores(q, k, v, mask)[0][0]  # [W, G, K]
+
+
+def taylor_error(q, k, v, mask, slot, kind):
+    """½ f''(0) per query head, f(t) = Σ_i ‖o_i(t) − o_i(0)‖² with the slot's value/key/both scaled by 1 − t."""
+    e = jnp.zeros((S, 1)).at[slot].set(1.0)
+    base = outputs(q, k, v, mask)
+
+    def f(t):
+        kt = k - t * e * k if kind in ("key", "joint") else k
+        vt = v - t * e * v if kind in ("value", "joint") else v
+        return jnp.sum((outputs(q, kt, vt, mask) - base) ** 2, axis=(0, 2))  # [G]
+
+    return 0.5 * jax.hessian(f)(0.0)
+
+
+@pytest.mark.parametrize("kind", ["value", "key", "joint"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_obcache_closed_forms_equal_the_second_order_taylor_expansion(kind, seed):
+    q, k, v, mask = random_head(seed)
+    col = attention_with_scores(q, k, v, mask, jnp.ones((1, W)), f"obcache-{kind}")[2][0, 0]  # [G, S]
+    expected = jnp.stack([taylor_error(q, k, v, mask, slot, kind) for slot in range(S)], axis=-1)
+    np.testing.assert_allclose(np.asarray(col), np.asarray(expected), rtol=1e-4, atol=1e-5)
+
+
+def spearman(a, b):
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return np.corrcoef(ra, rb)[0, 1]
+
+
+def test_obcache_ranks_tokens_closer_to_the_exact_removal_error_than_attention():
+    """Exact error of evicting a token: recompute the window's attention without it (softmax renormalised)."""
+    rho = {name: [] for name in ("attn", "obcache-value", "obcache-key", "obcache-joint")}
+    for seed in range(12):
+        q, k, v, mask = random_head(seed, scale=1.5)
+        base = outputs(q, k, v, mask)
+        exact = np.array([float(jnp.sum((outputs(q, k, v, mask & (jnp.arange(S) != j)) - base) ** 2))
+                          for j in range(S)])
+        for name in rho:
+            col = attention_with_scores(q, k, v, mask, jnp.ones((1, W)), name)[2][0, 0].sum(0)
+            rho[name].append(spearman(np.asarray(col), exact))
+    means = {name: float(np.mean(r)) for name, r in rho.items()}
+    print("mean Spearman rank correlation with the exact removal error:", means)
+    assert means["obcache-joint"] > means["attn"]
+    assert means["obcache-key"] > means["attn"]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_caote_equals_the_exact_output_change_for_one_query(fast):
+    q, k, v, mask = random_head(3)
+    q, mask = q[:, -1:], mask[:, :, -1:]  # one query (TOVA's setting), attending every slot
+    _, _, attn = attention_with_scores(q, k, v, mask, jnp.ones((1, 1)))
+    score = caote(attn, v, jnp.ones((1, 1, S), bool), fast=fast)[0, 0]  # [G, S]
+    base = outputs(q, k, v, mask)[0]  # [G, K]
+    exact = np.stack([np.linalg.norm(np.asarray(outputs(q, k, v, mask & (jnp.arange(S) != j))[0] - base), axis=-1)
+                      for j in range(S)], axis=-1)
+    if fast:  # FastCAOTE swaps the output for the mean value: exact only in that replacement
+        mean_v = np.asarray(v[0, 0]).mean(0)
+        a = np.asarray(attn[0, 0])
+        exact = a / (1 - a) * np.linalg.norm(mean_v[None, None] - np.asarray(v[0, 0])[None], axis=-1)
+    np.testing.assert_allclose(np.asarray(score), exact, rtol=1e-5, atol=1e-6)
+
+
+def moments_of(k_evicted, v_evicted):
+    """Moments of evicted tokens k, v [B, Hk, E, K]."""
+    return Moments(count=jnp.full(k_evicted.shape[:2], float(k_evicted.shape[2])), k_sum=k_evicted.sum(2),
+                   v_sum=v_evicted.sum(2), vk_sum=jnp.einsum("bhei,bhej->bhij", v_evicted, k_evicted))
+
+
+def test_correction_with_nothing_evicted_is_plain_attention():
+    q, k, v, mask = random_head(4)
+    out, lse, _ = attention_with_scores(q, k, v, mask)
+    empty = moments_of(jnp.zeros((1, 1, 0, K)), jnp.zeros((1, 1, 0, K)))
+    np.testing.assert_array_equal(np.asarray(corrected_attention(out, lse, q.reshape(1, W, G, K), empty, False)),
+                                  np.asarray(out))
+
+
+def test_correction_is_exact_when_the_evicted_keys_coincide():
+    """With all evicted keys equal (zero centred spread) Jensen's bound is tight and the moment estimate is
+    the evicted tokens' exact mean value, so the correction recovers the full attention output."""
+    q, k, v, mask = random_head(5)
+    k = k.at[:, :, :8].set(k[:, :, :1])
+    full = attention_with_scores(q, k, v, mask)[0]
+    kept = mask & (jnp.arange(S) >= 8)
+    out, lse, _ = attention_with_scores(q, k, v, kept)
+    corrected = corrected_attention(out, lse, q, moments_of(k[:, :, :8], v[:, :, :8]), False)
+    np.testing.assert_allclose(np.asarray(corrected), np.asarray(full), atol=1e-5)
+    assert np.abs(np.asarray(out) - np.asarray(full)).max() > 1e-2  # plain renormalisation is off
+
+
+@pytest.mark.parametrize("zeroth", [False, True])
+def test_correction_stays_finite_with_large_logits(zeroth):
+    q, k, v, mask = random_head(6)
+    q = q * 80 / jnp.abs(jnp.einsum("btgk,bhsk->bgts", q, k) / np.sqrt(K)).max()  # logits up to ±80
+    kept = mask & (jnp.arange(S) >= 8)
+    out, lse, _ = attention_with_scores(q, k, v, kept)
+    corrected = corrected_attention(out, lse, q, moments_of(k[:, :, :8], v[:, :, :8]), zeroth)
+    assert np.all(np.isfinite(np.asarray(corrected)))
+
+
+def test_every_scorer_name_runs_end_to_end(tiny_llama):
+    prompt = np.random.default_rng(0).integers(4, 97, 60).astype(np.int32)
+    for name in scorer_names():
+        for protocol in ("blockwise", "prefill"):
+            out = kvjax.generate(tiny_llama, prompt, max_new_tokens=4, budget=24, scorer=name, protocol=protocol,
+                                 block_size=16, obs_window=8, stop_ids=())
+            assert len(out) == 4, (name, protocol)
+
+
+def test_unknown_or_invalid_combinations_list_the_valid_names(tiny_llama):
+    for bad in ("snapkv+magic", "streamingllm+caote", "h2o+caote+obcache-key", "obcache-key"):
+        with pytest.raises(ValueError, match=r"is unknown; valid scorers: .*snapkv\+obcache-joint"):
+            kvjax.generate(tiny_llama, np.arange(4, 20), max_new_tokens=2, budget=40, scorer=bad)
