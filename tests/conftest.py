@@ -80,3 +80,11 @@ def count_compiles():
             monitoring.unregister_event_duration_listener(listener)
 
     return counter
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop each module's compiled programs: hundreds of live XLA:CPU executables in one process exhaust
+    the process's memory mappings (a segfault inside XLA's compiler was seen without this)."""
+    yield
+    jax.clear_caches()

@@ -80,3 +80,21 @@ def test_correction_beats_renormalisation_on_real_activations(smollm2, smollm2_t
     plain, nc = np.mean(errors, axis=0)
     print(f" mean  {plain:12.4f}  {nc:9.4f}")
     assert nc < plain
+
+
+SMOKE = ("momentkv", "snapkv+obcache-joint", "h2o+obcache-key", "tova+caote", "snapkv+fastcaote")
+
+
+@pytest.mark.parametrize("names", [SMOKE, pytest.param(None, marks=pytest.mark.slow)], ids=["smoke", "all"])
+def test_output_aware_scorers_answer_on_smollm2(smollm2, smollm2_tokenizer, names):
+    """The France question, compressed to 16 tokens per KV head, still gets "Paris" (all names: --runslow)."""
+    from kvjax.scorers import scorer_names
+
+    import kvjax
+
+    ids = kvjax.chat_tokens(smollm2_tokenizer, "What is the capital of France?")
+    for i, name in enumerate(names or scorer_names()):
+        protocol = ("blockwise", "prefill")[i % 2]
+        out = kvjax.generate(smollm2, ids, max_new_tokens=12, budget=24, scorer=name, protocol=protocol,
+                             block_size=16, obs_window=8)
+        assert "Paris" in smollm2_tokenizer.decode(out), (name, protocol)
