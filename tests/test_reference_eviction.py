@@ -16,11 +16,8 @@ PROTOCOLS = ("blockwise", "prefill")
 
 
 @pytest.fixture(scope="module")
-def params():
-    cfg = kvjax.ModelConfig(arch="llama", vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                            head_dim=8, d_ff=48, max_seq_len=512, norm_eps=1e-5, eos_token_ids=(3,),
-                            pad_token_id=0)
-    return kvjax.init_params(cfg, jax.random.key(0), scale=0.3)
+def params(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

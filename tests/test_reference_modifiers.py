@@ -19,23 +19,7 @@ import reference_eviction
 P, N = 80, 10  # prompt length, new tokens
 
 
-@pytest.fixture(scope="module")
-def params():
-    cfg = kvjax.ModelConfig(arch="llama", vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                            head_dim=8, d_ff=48, max_seq_len=512, norm_eps=1e-5, eos_token_ids=(3,),
-                            pad_token_id=0)
-    return kvjax.init_params(cfg, jax.random.key(0), scale=0.3)
-
-
-@pytest.fixture(scope="module")
-def prompt():
-    return [int(t) for t in np.random.default_rng(0).integers(0, 97, P)]
-
-
-@pytest.fixture(scope="module")
-def no_eviction(params, prompt):
-    return run_reference(params, prompt, N, scorer="h2o", budget=None, protocol="blockwise", block_size=P,
-                         n_sink=0, window=0)
+from test_reference_eviction import no_eviction, params, prompt  # noqa: E402,F401  shared fixtures
 
 
 def options(scorer, budget=20):
