@@ -97,7 +97,7 @@ class BudgetCache:
             put = lambda b, n, c: jax.lax.dynamic_update_slice_in_dim(b, n, c, axis=axis)  # noqa: E731
             return jax.vmap(jax.vmap(put))(buf, new.astype(buf.dtype), count)
 
-        Hk, G = self.pos.shape[1], self.state.shape[2]
+        Hk = self.pos.shape[1]
         k_all = write(self.k, k.swapaxes(1, 2), 0)
         v_all = write(self.v, v.swapaxes(1, 2), 0)
         pos = write(self.pos, jnp.broadcast_to(new_pos, (new_pos.shape[0], Hk, T)), 0)

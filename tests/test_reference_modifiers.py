@@ -6,11 +6,9 @@ the module's :func:`attention`) and keep evicted sets explicitly instead of runn
 
 import itertools
 
-import jax
 import numpy as np
 import pytest
 
-import kvjax
 from reference_eviction import (MODIFIERS, SCORERS, Moments, Reference, caote_priorities, nc_correct,
                                 obcache_columns, parse_scorer, pool_priorities, protected_mask, run_reference,
                                 select_kept, select_moment_informed)
