@@ -14,21 +14,7 @@ from reference_eviction import (MODIFIERS, SCORERS, Moments, Reference, caote_pr
                                 select_kept, select_moment_informed)
 import reference_eviction
 
-P, N = 80, 10  # prompt length, new tokens
-
-
-from test_reference_eviction import no_eviction, params, prompt  # noqa: E402,F401  shared fixtures
-
-
-def options(scorer, budget=20):
-    """Per-base options in the spirit of the docs' defaults table, scaled to the tiny test."""
-    base = parse_scorer(scorer)[0]
-    return {"streamingllm": dict(n_sink=4, window=0), "h2o": dict(n_sink=2, window=budget // 4),
-            "tova": dict(n_sink=0, window=0), "snapkv": dict(n_sink=0, window=8, obs_window=8)}[base]
-
-
-def all_logits(result):
-    return np.stack([result["prefill_logits"], *result["step_logits"]])
+from test_reference_eviction import N, P, defaults, no_eviction, params, prompt  # noqa: F401  (fixtures)
 
 
 def plain_attention(q, keys, values):
@@ -82,25 +68,6 @@ def test_scorer_grammar_and_default_aggregate(params):
         ref = Reference(params, scorer=name, budget=None)
         assert ref.aggregate == ("sum" if "obcache" in name else "mean"), name
         assert Reference(params, scorer=name, budget=None, aggregate="max").aggregate == "max"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Budget covering everything: every name is the full cache (NC too: nothing is evicted, so n = 0 throughout)
-# ---------------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("protocol", ["blockwise", "prefill"])
-@pytest.mark.parametrize("scorer", SCORERS)
-def test_every_name_with_budget_covering_everything_is_the_full_cache(params, prompt, no_eviction, scorer,
-                                                                      protocol):
-    budget = P + N
-    r = run_reference(params, prompt, N, scorer=scorer, budget=budget, protocol=protocol, block_size=16,
-                      **options(scorer, budget))
-    assert r["tokens"] == no_eviction["tokens"]
-    np.testing.assert_allclose(all_logits(r), all_logits(no_eviction), rtol=0, atol=1e-10)
-    assert r["kept_after_prefill"] == [[list(range(P))] * 2] * 2
-    assert r["kept_after_steps"][-1] == [[list(range(P + N))] * 2] * 2
-    assert all(np.all(m == 0) for m in r["moments"].values())
-    assert r["near_ties"] == 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -315,7 +282,7 @@ def test_tova_caote_every_eviction_point_is_the_exact_removal_error(params, prom
 @pytest.mark.parametrize("scorer", ["h2o+fastcaote", "snapkv+caote", "snapkv+fastcaote", "h2o+caote"])
 def test_caote_priorities_in_the_reference_use_the_base_states_and_kept_values(params, prompt, scorer):
     budget = 20
-    opts = options(scorer, budget)
+    opts = defaults(scorer, budget)
     ref = Reference(params, scorer=scorer, budget=budget, protocol="blockwise", block_size=16, pool="avg",
                     kernel=3, **opts)
     ref.run(prompt, N)
@@ -455,7 +422,7 @@ def test_moment_informed_in_the_reference_equals_brute_force(params, prompt, sco
     """Every eviction point of a run: P from the logged base states (base rule), then the brute-force loop with the
     evicted set reconstructed from the log; the moments of the run are the sums over everything evicted."""
     budget = 20
-    opts = options(scorer, budget) | dict(n_sink=1)
+    opts = defaults(scorer, budget) | dict(n_sink=1)
     ref = Reference(params, scorer=scorer, budget=budget, protocol=protocol, block_size=16, **opts)
     r = ref.run(prompt, N)
     base, modifier = parse_scorer(scorer)
@@ -604,7 +571,7 @@ def test_nc_outputs_in_the_reference_equal_the_formula_over_the_evicted_set(para
     """Every output of every query (prefill blocks and decode steps): recompute the corrected output from the
     kept tokens it saw and the set evicted *before its step* (explicit means and centred S̃, no running sums)."""
     budget, m = 20, 16
-    opts = options(scorer, budget)
+    opts = defaults(scorer, budget)
     ref = Reference(params, scorer=scorer, budget=budget, protocol=protocol, block_size=m, evict_every=2, **opts)
     ref.run(prompt, N)
     zeroth = parse_scorer(scorer)[1] == "momentkv-zeroth"
