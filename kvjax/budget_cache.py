@@ -1,8 +1,10 @@
 """The fixed-budget KV cache: static slot count, original positions, scorer state, moments of the evicted.
 
 All leaves carry the leading layer axis L; the model's layer scan calls ``attend(layer, ...)``, which works
-on that layer's slice and writes it back. Invariant per (layer, row, KV head): valid slots form a prefix, sorted by position; empty slots
-(position -1) follow.
+on that layer's slice and writes it back. Keys and values never move once written: a new token takes a free
+slot, an evicted token frees its slot. ``order`` lists the slots of each (layer, row, KV head) by position
+(valid slots first, in increasing position, then the empty ones), which is what pooling and the
+earliest-position tie-break need; evicting edits ``order``, not the keys and values.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class Moments:
 @struct.dataclass
 class BudgetCache:
     """k, v: [L, B, Hk, S, K]; pos: [L, B, Hk, S] int32 original positions (-1 = empty);
-    state: [L, B, Hk, G, S] float32 per-slot, per-query-head scorer state; moments: ``Moments``.
+    state: [L, B, Hk, G, S] float32 per-slot, per-query-head scorer state (zero in empty slots);
+    order: [L, B, Hk, S] int32 the slots by position, valid ones first; moments: ``Moments``.
     S (slots) = budget + spare, where spare holds the tokens of one step before eviction.
     """
 
@@ -50,6 +53,7 @@ class BudgetCache:
     v: jax.Array
     pos: jax.Array
     state: jax.Array
+    order: jax.Array
     moments: Moments
     policy: Policy = struct.field(pytree_node=False)
 
@@ -60,6 +64,7 @@ class BudgetCache:
         return cls(k=jnp.zeros((L, batch, Hk, slots, K), dtype), v=jnp.zeros((L, batch, Hk, slots, K), dtype),
                    pos=jnp.full((L, batch, Hk, slots), -1, jnp.int32),
                    state=jnp.zeros((L, batch, Hk, cfg.group_size, slots), f32),
+                   order=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (L, batch, Hk, slots)),
                    moments=Moments(count=jnp.zeros((L, batch, Hk), f32), k_sum=jnp.zeros((L, batch, Hk, K), f32),
                                    v_sum=jnp.zeros((L, batch, Hk, K), f32),
                                    vk_sum=jnp.zeros((L, batch, Hk, K, K), f32)),
@@ -69,48 +74,55 @@ class BudgetCache:
     def slots(self) -> int:
         return self.pos.shape[-1]
 
+    @property
+    def sorted_pos(self) -> jax.Array:
+        """Positions in ``order``: each (layer, row, KV head)'s valid positions ascending, then -1s."""
+        return jnp.take_along_axis(self.pos, self.order, -1)
+
     def resize(self, slots: int) -> BudgetCache:
-        """Same contents in ``slots`` slots (the valid prefix must fit). Works on stacked or sliced caches."""
+        """Same contents in ``slots`` slots laid out in position order (the valid tokens must fit).
+        Works on stacked or sliced caches."""
+        k, v = (jnp.take_along_axis(x, self.order[..., None], -2) for x in (self.k, self.v))
+        pos, state = self.sorted_pos, jnp.take_along_axis(self.state, self.order[..., None, :], -1)
         grow = slots - self.slots
         if grow <= 0:
             cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, slots, axis=axis)  # noqa: E731
-            return self.replace(k=cut(self.k, -2), v=cut(self.v, -2), pos=cut(self.pos, -1),
-                                state=cut(self.state, -1))
-        pad = lambda x, axis, value=0: jnp.pad(  # noqa: E731
-            x, [(0, 0)] * (x.ndim + axis) + [(0, grow)] + [(0, 0)] * (-axis - 1), constant_values=value)
-        return self.replace(k=pad(self.k, -2), v=pad(self.v, -2), pos=pad(self.pos, -1, -1),
-                            state=pad(self.state, -1))
+            k, v, pos, state = cut(k, -2), cut(v, -2), cut(pos, -1), cut(state, -1)
+        else:
+            pad = lambda x, axis, value=0: jnp.pad(  # noqa: E731
+                x, [(0, 0)] * (x.ndim + axis) + [(0, grow)] + [(0, 0)] * (-axis - 1), constant_values=value)
+            k, v, pos, state = pad(k, -2), pad(v, -2), pad(pos, -1, -1), pad(state, -1)
+        order = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), pos.shape)
+        return self.replace(k=k, v=v, pos=pos, state=state, order=order)
 
     def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                seg: Segment) -> tuple[jax.Array, BudgetCache]:
-        """Layer ``layer`` of the stacked cache: see ``attend_slice``."""
-        out, updated = jax.tree.map(lambda x: x[layer], self).attend_slice(q, k, v, seg)
-        return out, jax.tree.map(lambda full, new: full.at[layer].set(new), self, updated)
-
-    def attend_slice(self, q: jax.Array, k: jax.Array, v: jax.Array, seg: Segment) -> tuple[jax.Array, BudgetCache]:
-        """One layer's slice: append k, v [B, T, Hk, K], attend q [B, T, H, K], update scores, evict if asked."""
-        count = (self.pos >= 0).sum(-1)  # [B, Hk]
-        new_pos = jnp.where(seg.valid, seg.positions, -1)[:, None, :]  # [B, 1, T]
-        T = q.shape[1]
-
-        def write(buf, new, axis):  # per (b, h): buf [..., S, ...], new [..., T, ...], written at count[b, h]
-            put = lambda b, n, c: jax.lax.dynamic_update_slice_in_dim(b, n, c, axis=axis)  # noqa: E731
-            return jax.vmap(jax.vmap(put))(buf, new.astype(buf.dtype), count)
-
-        Hk = self.pos.shape[1]
-        k_all = write(self.k, k.swapaxes(1, 2), 0)
-        v_all = write(self.v, v.swapaxes(1, 2), 0)
-        pos = write(self.pos, jnp.broadcast_to(new_pos, (new_pos.shape[0], Hk, T)), 0)
-        state = write(self.state, jnp.zeros(self.state.shape[:3] + (T,), jnp.float32), 1)
-        mask = (pos >= 0)[:, :, None, :] & (pos[:, :, None, :] <= seg.positions[:, None, :, None])
+        """Layer ``layer``: put k, v [B, T, Hk, K] in the first free slots of ``order`` (written in place in
+        the stacked arrays: keys and values never move), attend q [B, T, H, K], update the scores and evict
+        if ``seg.evict`` says so, which rewrites only the layer's small per-slot arrays."""
+        B, T, Hk, _ = k.shape
+        small = jax.tree.map(lambda x: x[layer], self.replace(k=None, v=None))
+        count = (small.pos >= 0).sum(-1)  # [B, Hk]
+        free = jnp.take_along_axis(small.order, count[..., None] + jnp.arange(T), -1)  # [B, Hk, T]
+        at = _rows(free) + (free,)
+        k_all = self.k.at[(layer,) + at].set(k.swapaxes(1, 2).astype(self.k.dtype))
+        v_all = self.v.at[(layer,) + at].set(v.swapaxes(1, 2).astype(self.v.dtype))
+        new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
+        here = small.replace(k=k_all[layer], v=v_all[layer], pos=small.pos.at[at].set(new_pos))
+        mask = (here.pos >= 0)[:, :, None, :] & (here.pos[:, :, None, :] <= seg.positions[:, None, :, None])
         p = self.policy
-        out, lse, col = attention_with_scores(q, k_all, v_all, mask, seg.query_weights, p.score_kind)
+        out, lse, col = attention_with_scores(q, here.k, here.v, mask, seg.query_weights, p.score_kind)
         if p.moment_correction:
-            out = corrected_attention(out, lse, q, self.moments, p.zeroth_order)
-        if col is not None:
-            state = update_state(self.policy, state, col, seg.query_weights.sum(-1) > 0)
-        cache = self.replace(k=k_all, v=v_all, pos=pos, state=state)
-        return out, jax.lax.cond(seg.evict, lambda c: c.evict(seg.seen), lambda c: c, cache)
+            out = corrected_attention(out, lse, q, here.moments, p.zeroth_order)
+        if col is not None:  # new slots start from zero: empty slots hold a zero state
+            here = here.replace(state=update_state(p, here.state, col, seg.query_weights.sum(-1) > 0))
+        if isinstance(seg.evict, bool):  # known statically: no cond
+            here = here.evict(seg.seen) if seg.evict else here
+        else:
+            here = jax.lax.cond(seg.evict, lambda c: c.evict(seg.seen), lambda c: c, here)
+        small = jax.tree.map(lambda full, x: full.at[layer].set(x), self.replace(k=None, v=None),
+                             here.replace(k=None, v=None))
+        return out, small.replace(k=k_all, v=v_all)
 
     def evict(self, seen: jax.Array) -> BudgetCache:
         """One layer: keep ``budget`` slots per (row, KV head); seen: [B] one past the newest position."""
@@ -121,55 +133,77 @@ class BudgetCache:
         valid = pos >= 0
         protected = valid & ((pos < p.n_sink) | (pos >= seen[:, None, None] - p.window))
         unprotected = valid & ~protected
-        prio = priority(p, self.state, pos, unprotected, self.v)
+        prio = priority(p, self.state, pos, unprotected, self.v, self.order)
+        n_drop = self.slots - b
         if p.moment_eviction:
             n_evict = jnp.maximum(valid.sum(-1) - b, 0)
-            evicted = moment_informed_eviction(prio, unprotected, n_evict, self.k, self.v, self.moments,
-                                               p.zeroth_order, self.slots - b)
+            evicted = moment_informed_eviction(prio, unprotected, n_evict, self.k, self.v, pos, self.moments,
+                                               p.zeroth_order, n_drop)
             prio = jnp.where(evicted, 0.0, 1.0)
         key = jnp.where(unprotected, prio, jnp.where(protected, jnp.inf, -jnp.inf))
-        drop = lowest_slots(key, pos, self.slots - b)
-        # Stable partition: kept slots first (valid ones stay in position order, empty ones after them).
+        key = jnp.take_along_axis(key, self.order, -1)  # in position order: ties go to the earlier position
+        if n_drop <= UNROLLED_DROPS:
+            return self._drop_few(lowest_few(key, n_drop))
+        drop = lowest_slots(key, n_drop)
+        # Stable partition of the order: kept slots first (valid ones stay in position order), dropped after.
         dest = jnp.where(drop, b + jnp.cumsum(drop, -1) - 1, jnp.cumsum(~drop, -1) - 1)
-        slot = jnp.broadcast_to(jnp.arange(self.slots), pos.shape)
-        index = jnp.zeros_like(slot).at[_rows(dest) + (dest,)].set(slot)
-        gather = lambda x: jnp.take_along_axis(x, index[..., None], axis=-2)  # noqa: E731
-        new_pos = jnp.take_along_axis(pos, index, -1).at[..., b:].set(-1)
-        if p.spec.reset_after_evict:
-            new_state = jnp.zeros_like(self.state)
+        rank = jnp.broadcast_to(jnp.arange(self.slots), pos.shape)
+        index = jnp.zeros_like(rank).at[_rows(dest) + (dest,)].set(rank)
+        order = jnp.take_along_axis(self.order, index, -1)
+        return self._release(order, order[..., b:])
+
+    def _drop_few(self, dropped: jax.Array) -> BudgetCache:
+        """Drop the distinct places ``dropped`` [B, Hk, n] of ``order``: one shift per place, highest first,
+        each moving the freed slot to the end of the order (no sort, no gather of keys or values)."""
+        order = self.order
+        rank = jnp.arange(self.slots)
+        slots = jnp.take_along_axis(order, dropped, -1)
+        highest_first = jnp.sort(dropped, axis=-1)[..., ::-1]
+        for i in range(dropped.shape[-1]):
+            place = highest_first[..., i, None]  # [B, Hk, 1]
+            freed = jnp.take_along_axis(order, place, -1)
+            shifted = jnp.concatenate([order[..., 1:], freed], -1)
+            order = jnp.where(rank >= place, shifted, order)
+        return self._release(order, slots)
+
+    def _release(self, order: jax.Array, dropped: jax.Array) -> BudgetCache:
+        """Free the ``dropped`` [B, Hk, E] slots (empty ones among them are left as they are): their tokens
+        join the moments, their position becomes -1 and their state 0; ``order`` is the new order."""
+        take = lambda x: jnp.take_along_axis(x, dropped[..., None], axis=-2)  # noqa: E731
+        weight = (jnp.take_along_axis(self.pos, dropped, -1) >= 0).astype(jnp.float32)
+        freed = jnp.zeros(self.pos.shape, bool).at[_rows(dropped) + (dropped,)].set(True)
+        if self.policy.spec.reset_after_evict:
+            state = jnp.zeros_like(self.state)
         else:
-            new_state = jnp.take_along_axis(self.state, index[:, :, None, :], -1).at[..., b:].set(0.0)
-        dropped_slots = index[..., b:]
-        take = lambda x: jnp.take_along_axis(x, dropped_slots[..., None], axis=-2)  # noqa: E731
-        dropped = (jnp.take_along_axis(pos, dropped_slots, -1) >= 0).astype(jnp.float32)
-        return self.replace(k=gather(self.k), v=gather(self.v), pos=new_pos, state=new_state,
-                            moments=self.moments.add(dropped, take(self.k), take(self.v)))
+            state = jnp.where(freed[:, :, None, :], 0.0, self.state)
+        return self.replace(pos=jnp.where(freed, -1, self.pos), state=state, order=order,
+                            moments=self.moments.add(weight, take(self.k), take(self.v)))
 
 
 def _rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Broadcast (row, head) indices for scattering along the last axis of x [B, Hk, S]."""
+    """Broadcast (row, head) indices for indexing the last axis of [B, Hk, S] arrays with x [B, Hk, ...]."""
     B, Hk, _ = x.shape
     return jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None]
 
 
-UNROLLED_DROPS = 8  # up to this many evictions per step, repeated argmins beat a full sort
+UNROLLED_DROPS = 8  # up to this many evictions per step, repeated argmins and shifts beat a sort
 
 
-def lowest_slots(key: jax.Array, pos: jax.Array, n: int) -> jax.Array:
-    """[B, Hk, S] mask of the ``n`` slots of lowest key; among equal keys the earlier position goes first.
+def lowest_few(key: jax.Array, n: int) -> jax.Array:
+    """[B, Hk, n] distinct indices of the ``n`` lowest entries of key [B, Hk, S] by repeated argmin (the
+    first of equal keys first)."""
+    found = []
+    for _ in range(n):
+        found.append(jnp.argmin(key, axis=-1))
+        key = jnp.where(jnp.arange(key.shape[-1]) == found[-1][..., None], jnp.inf, key)
+    return jnp.stack(found, axis=-1)
 
-    Valid slots are a position-sorted prefix and empty slots (key -inf) follow, so "earlier slot" means
-    "earlier position" wherever it matters.
-    """
-    if n <= UNROLLED_DROPS:
-        drop = jnp.zeros(key.shape, bool)
-        for _ in range(n):
-            j = jnp.argmin(jnp.where(drop, jnp.inf, key), axis=-1)  # first minimum: the earliest slot
-            drop = drop | (jnp.arange(key.shape[-1]) == j[..., None])
-        return drop
-    slot = jnp.broadcast_to(jnp.arange(key.shape[-1]), key.shape)
-    _, _, order = jax.lax.sort((key, pos, slot), dimension=-1, num_keys=2)  # lowest key, earliest position
-    rank = jnp.zeros_like(slot).at[_rows(order) + (order,)].set(slot)
+
+def lowest_slots(key: jax.Array, n: int) -> jax.Array:
+    """[B, Hk, S] mask of the ``n`` lowest entries of key; among equal keys the first goes first."""
+    index = jnp.broadcast_to(jnp.arange(key.shape[-1]), key.shape)
+    _, order = jax.lax.sort((key, index), dimension=-1, num_keys=2)
+    rank = jnp.zeros_like(index).at[_rows(order) + (order,)].set(index)
     return rank < n
 
 

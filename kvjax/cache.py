@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax.config import ModelConfig
 from kvjax.ops import attention_with_scores
 
 PREFILL_CHUNK = 256  # query chunk of the full-cache causal prefill
-from kvjax.config import ModelConfig
 
 
 @struct.dataclass
@@ -21,9 +21,10 @@ class Segment:
 
     positions: [B, T] int32 absolute positions (rows are right-padded; padded queries' outputs are unused);
     valid: [B, T] bool, False for padding; query_weights: [B, T] float32 scoring queries, or None;
-    seen: [B] int32 one past the newest valid position after this call; evict: bool scalar, whether this
-    call ends with an eviction; from_start (static): positions are ``0 … T-1`` in every row (a prefill into
-    an empty cache), which lets the full cache skip the masked upper triangle.
+    seen: [B] int32 one past the newest valid position after this call; evict: whether this call ends with
+    an eviction (a Python bool when known statically, else a traced bool scalar); from_start (static):
+    positions are ``0 … T-1`` in every row (a prefill into an empty cache), which lets the full cache skip
+    the masked upper triangle.
     """
 
     positions: jax.Array

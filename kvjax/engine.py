@@ -71,7 +71,7 @@ def extend(params: Params, cache: BudgetCache, tokens: jax.Array, start: jax.Arr
         valid = offs[None] < lengths[:, None]
         seen = start + jnp.minimum(lengths, (i + 1) * m)
         end = seen if ev.protocol == "blockwise" else start + lengths
-        evict = jnp.bool_(True) if ev.protocol == "blockwise" else i == n_blocks - 1
+        evict = True if ev.protocol == "blockwise" else i == n_blocks - 1
         seg = Segment(positions=positions, valid=valid, query_weights=query_weights(ev.policy, positions, valid, end),
                       seen=seen, evict=evict)
         hidden, cache = decode_hidden(params, jax.lax.dynamic_slice_in_dim(tokens, i * m, m, axis=1), cache, seg)
@@ -91,7 +91,10 @@ def decode_segment(ev: Eviction | None, step: jax.Array, lengths: jax.Array, act
     if ev is None:
         return Segment(positions=positions)
     valid = active[:, None]
-    evict = jnp.bool_(ev.decode_evict) & ((step + 1) % ev.evict_every == 0)
+    if not ev.decode_evict or ev.evict_every == 1:
+        evict = ev.decode_evict  # known statically
+    else:
+        evict = (step + 1) % ev.evict_every == 0
     return Segment(positions=positions, valid=valid,
                    query_weights=query_weights(ev.policy, positions, valid, lengths + 1), seen=lengths + 1,
                    evict=evict)

@@ -49,12 +49,12 @@ def corrected_attention(out: jax.Array, lse: jax.Array, q: jax.Array, moments, z
 
 
 def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict: jax.Array, k: jax.Array,
-                             v: jax.Array, moments, zeroth: bool, max_evict: int) -> jax.Array:
+                             v: jax.Array, pos: jax.Array, moments, zeroth: bool, max_evict: int) -> jax.Array:
     """Algorithm 1's eviction loop, exactly: evict one token at a time, the candidate of lowest
     ``priority · ‖r_j‖`` with r_j = v_j − v̄ − S̃ k_j/(n√d) (r_j = v_j − v̄ if zeroth; r_j = v_j while nothing
-    is evicted), then add it to the statistics before choosing the next. Ties evict the earlier slot.
+    is evicted), then add it to the statistics before choosing the next. Ties evict the earlier position.
 
-    priority, candidates: [B, Hk, S]; n_evict: [B, Hk] tokens to evict; k, v: [B, Hk, S, K]; moments: one
+    priority, candidates, pos: [B, Hk, S]; n_evict: [B, Hk] tokens to evict; k, v: [B, Hk, S, K]; moments: one
     layer's Moments; max_evict: static bound on n_evict. S̃ k_j is kept up to date with rank-one updates
     (S k_j and s_k·k_j), so a step costs O(S·K); MI uses S̃ without the App. C.2 clamp, which guards S̃ q
     in the correction. Returns the evicted mask [B, Hk, S].
@@ -73,7 +73,8 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
             resid = resid - (sk - v_sum[:, :, None, :] * kk_sum[..., None] / n) / (n * scale)
         resid = jnp.where((count > 0)[..., None, None], resid, vf)
         score = jnp.where(candidates & ~evicted, priority * jnp.linalg.norm(resid, axis=-1), jnp.inf)
-        j = jnp.argmin(score, axis=-1)  # first minimum: the earlier slot
+        lowest = score == score.min(-1, keepdims=True)
+        j = jnp.argmin(jnp.where(lowest, pos, jnp.iinfo(jnp.int32).max), axis=-1)  # the earliest position
         active = t < n_evict  # [B, Hk]
         chosen = (jnp.arange(k.shape[2]) == j[..., None]) & active[..., None]
         k_j = jnp.take_along_axis(kf, j[..., None, None], axis=2)[:, :, 0]

@@ -12,6 +12,7 @@ Modifiers change what is scored or how:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -170,24 +171,30 @@ def update_state(policy: Policy, state: jax.Array, col: jax.Array | None, has_qu
     return state + col
 
 
-def _pool(x: jax.Array, present: jax.Array, kind: str, kernel: int) -> jax.Array:
-    """1-D pooling over the last axis among ``present`` entries of x [..., S], in slot (= position) order.
+def _pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.Array) -> jax.Array:
+    """1-D pooling of x [B, Hk, ..., S] along positions, among the ``present`` [B, Hk, S] slots.
 
-    Absent entries are left out of the neighbourhoods: a token's neighbours are the nearest present tokens
-    on either side (``max``: missing neighbours ignored; ``avg``: counted as 0, divided by ``kernel``).
+    ``order`` [B, Hk, S] lists the slots by position. In that order the present (unprotected) slots are one
+    contiguous run: valid slots come first, the sinks are a prefix and the recent window a suffix of them.
+    So a token's neighbours are the present tokens within ``kernel // 2`` places on either side; absent
+    ones are left out (``max``) or counted as 0 (``avg``, divided by ``kernel``). Absent entries of x are
+    returned unchanged.
     """
-    present = jnp.broadcast_to(present, x.shape)
+    extra = x.ndim - 3
+    by_pos = order.reshape(order.shape[:2] + (1,) * extra + order.shape[2:])
+    present = jnp.broadcast_to(jnp.take_along_axis(present, order, -1).reshape(by_pos.shape), x.shape)
+    xs = jnp.take_along_axis(x, jnp.broadcast_to(by_pos, x.shape), -1)
     S = x.shape[-1]
-    rank = jnp.cumsum(present, axis=-1) - 1
-    order = jnp.argsort(~present, axis=-1, stable=True)  # present slots first, in slot order
-    packed = jnp.take_along_axis(jnp.where(present, x, 0.0), order, axis=-1)
     fill = -jnp.inf if kind == "max" else 0.0
-    packed = jnp.where(jnp.arange(S) < present.sum(-1, keepdims=True), packed, fill)
     half = kernel // 2
-    padded = jnp.pad(packed, [(0, 0)] * (x.ndim - 1) + [(half, kernel - 1 - half)], constant_values=fill)
-    windows = jnp.stack([padded[..., i: i + S] for i in range(kernel)], axis=-1)
-    pooled = windows.max(-1) if kind == "max" else windows.sum(-1) / kernel
-    return jnp.where(present, jnp.take_along_axis(pooled, jnp.maximum(rank, 0), axis=-1), x)
+    padded = jnp.pad(jnp.where(present, xs, fill), [(0, 0)] * (x.ndim - 1) + [(half, kernel - 1 - half)],
+                     constant_values=fill)
+    shifted = [padded[..., i: i + S] for i in range(kernel)]
+    pooled = functools.reduce(jnp.maximum, shifted) if kind == "max" else sum(shifted) / kernel
+    pooled = jnp.where(present, pooled, xs)
+    rows = jnp.arange(order.shape[0])[:, None, None], jnp.arange(order.shape[1])[None, :, None]
+    rank = jnp.zeros_like(order).at[rows + (order,)].set(jnp.arange(S, dtype=order.dtype))  # place of each slot
+    return jnp.take_along_axis(pooled, jnp.broadcast_to(rank.reshape(by_pos.shape), x.shape), -1)
 
 
 def _aggregate(policy: Policy, per_head: jax.Array) -> jax.Array:
@@ -213,21 +220,23 @@ def caote(h: jax.Array, v: jax.Array, valid: jax.Array, fast: bool) -> jax.Array
     return h / jnp.maximum(1.0 - h, 1e-12) * dist
 
 
-def priority(policy: Policy, state: jax.Array, pos: jax.Array, unprotected: jax.Array, v: jax.Array) -> jax.Array:
+def priority(policy: Policy, state: jax.Array, pos: jax.Array, unprotected: jax.Array, v: jax.Array,
+             order: jax.Array) -> jax.Array:
     """[B, Hk, S] float32 priority (higher = kept) of the unprotected valid slots.
 
     state: [B, Hk, G, S]; pos: [B, Hk, S] (-1 = empty); unprotected: [B, Hk, S] valid and evictable;
-    v: [B, Hk, S, K] cached values (for CAOTE). Plain scores aggregate the query heads, then pool; CAOTE pools
-    and scores per query head, then aggregates (its normalisation is per attention distribution).
+    v: [B, Hk, S, K] cached values (for CAOTE); order: [B, Hk, S] the slots by position (for pooling).
+    Plain scores aggregate the query heads, then pool; CAOTE pools and scores per query head, then
+    aggregates (its normalisation is per attention distribution).
     """
     if policy.scorer == "streamingllm":
         return pos.astype(jnp.float32)
     if policy.modifier in ("caote", "fastcaote"):
         per_head = state
         if policy.pool != "none":
-            per_head = _pool(per_head, unprotected[:, :, None, :], policy.pool, policy.kernel)
+            per_head = _pool(per_head, unprotected, policy.pool, policy.kernel, order)
         return _aggregate(policy, caote(per_head, v, pos >= 0, fast=policy.modifier == "fastcaote"))
     agg = _aggregate(policy, state)
     if policy.pool != "none":
-        agg = _pool(agg, unprotected, policy.pool, policy.kernel)
+        agg = _pool(agg, unprotected, policy.pool, policy.kernel, order)
     return agg

@@ -49,12 +49,15 @@ def test_cache_invariants(tiny_llama, data):
     gen = Generation.from_prompts(tiny_llama, prompts_of(lengths, seed=len(lengths)), 6, Sampling(), 0, (), ev)
 
     def check(seen, limit):
-        pos = np.asarray(gen.state.cache.pos)  # [L, B, Hk, S]
+        cache = gen.state.cache
+        order = np.asarray(cache.order)
+        assert np.all(np.sort(order, -1) == np.arange(cache.slots)), "order is a permutation of the slots"
+        pos = np.asarray(cache.sorted_pos)  # [L, B, Hk, S]
         for row, n_seen in enumerate(seen):
             for heads in pos[:, row]:
                 for slots in heads:
                     valid = slots[slots >= 0]
-                    assert np.all(slots[: len(valid)] == valid), "valid slots form a prefix"
+                    assert np.all(slots[: len(valid)] == valid), "valid slots come first in the order"
                     assert np.all(np.diff(valid) > 0), "sorted by position, no duplicates"
                     assert len(valid) <= limit
                     assert valid.size == 0 or valid.max() < n_seen, "no padded or future token"
@@ -72,7 +75,7 @@ def test_cache_invariants(tiny_llama, data):
 def test_streamingllm_keeps_sinks_and_the_most_recent(tiny_llama):
     ev = eviction_settings(budget=20, scorer="streamingllm", block_size=8, n_sink=4)
     gen = Generation.from_prompts(tiny_llama, prompts_of([50]), 1, Sampling(), 0, (), ev)
-    pos = np.asarray(gen.state.cache.pos)
+    pos = np.asarray(gen.state.cache.sorted_pos)
     expected = list(range(4)) + list(range(34, 50))
     for heads in pos[:, 0]:
         for slots in heads:
