@@ -128,7 +128,7 @@ class BudgetCache:
         """One layer: keep ``budget`` slots per (row, KV head); seen: [B] one past the newest position."""
         p, b = self.policy, self.policy.budget
         if self.slots <= b:  # everything fits: only the state reset remains
-            return self.replace(state=jnp.zeros_like(self.state)) if p.spec.reset_after_evict else self
+            return self.replace(state=_reset(self.state)) if p.spec.reset_after_evict else self
         pos = self.pos
         valid = pos >= 0
         protected = valid & ((pos < p.n_sink) | (pos >= seen[:, None, None] - p.window))
@@ -173,11 +173,18 @@ class BudgetCache:
         weight = (jnp.take_along_axis(self.pos, dropped, -1) >= 0).astype(jnp.float32)
         freed = jnp.zeros(self.pos.shape, bool).at[_rows(dropped) + (dropped,)].set(True)
         if self.policy.spec.reset_after_evict:
-            state = jnp.zeros_like(self.state)
+            state = _reset(self.state)
         else:
             state = jnp.where(freed[:, :, None, :], 0.0, self.state)
         return self.replace(pos=jnp.where(freed, -1, self.pos), state=state, order=order,
                             moments=self.moments.add(weight, take(self.k), take(self.v)))
+
+
+def _reset(state: jax.Array) -> jax.Array:
+    """Zeros in place of a layer's (finite) state, computed from it: with a data dependency on the old slice,
+    XLA reads it before overwriting it in place; plain zeros made XLA copy the whole stacked state twice per
+    layer (floating-point x * 0 is not folded, because of NaN and inf)."""
+    return state * 0.0
 
 
 def _rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:

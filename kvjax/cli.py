@@ -7,7 +7,7 @@ import sys
 import time
 
 from kvjax.engine import PROTOCOLS
-from kvjax.scorers import SCORERS
+from kvjax.scorers import AGGREGATES, POOLS, SCORERS
 
 
 def _generate(args) -> int:
@@ -16,7 +16,8 @@ def _generate(args) -> int:
 
     eviction = {} if args.budget is None else dict(
         scorer=args.scorer, protocol=args.protocol, block_size=args.block_size, n_sink=args.n_sink,
-        window=args.window, evict_every=args.evict_every, decode_evict=not args.no_decode_evict)
+        window=args.window, obs_window=args.obs_window, pool=args.pool, kernel=args.kernel,
+        aggregate=args.aggregate, evict_every=args.evict_every, decode_evict=not args.no_decode_evict)
     eviction_settings(args.budget, **eviction)  # bad settings fail before the model loads
     start = time.perf_counter()
     params = kvjax.load(args.model, dtype=args.dtype)
@@ -63,12 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunk", type=int, default=4, help="decode steps between streamed outputs")
     e = g.add_argument_group("eviction (active with --budget; see docs/eviction.md)")
     e.add_argument("--budget", type=int, help="KV slots kept per layer and KV head (default: full cache)")
-    e.add_argument("--scorer", default="snapkv", choices=sorted(SCORERS), help="eviction scorer (default: %(default)s)")
+    e.add_argument("--scorer", default="snapkv",
+                   help="eviction scorer: a base (%s) or base+modifier, e.g. snapkv+obcache-joint, h2o+caote, "
+                        "momentkv (every name: README, 'Scorer names'; default: %%(default)s)" % ", ".join(SCORERS))
     e.add_argument("--protocol", default="blockwise", choices=PROTOCOLS,
                    help="blockwise: evict after every prompt block; prefill: prefill, then evict once")
     e.add_argument("--block-size", type=int, default=128, help="prompt block size (default: %(default)s)")
     e.add_argument("--n-sink", type=int, default=4, help="first tokens never evicted (default: %(default)s)")
     e.add_argument("--window", type=int, help="most recent tokens never evicted (default: the scorer's)")
+    e.add_argument("--obs-window", type=int, default=32, help="SnapKV observation window (default: %(default)s)")
+    e.add_argument("--pool", choices=POOLS, help="pooling of scores along positions (default: the scorer's)")
+    e.add_argument("--kernel", type=int, default=7, help="pooling kernel size (default: %(default)s)")
+    e.add_argument("--aggregate", choices=AGGREGATES,
+                   help="how the query heads of a KV head combine (default: sum for OBCache, else mean)")
     e.add_argument("--evict-every", type=int, default=1, help="decode steps between evictions (default: 1)")
     e.add_argument("--no-decode-evict", action="store_true", help="do not evict while decoding")
     g.set_defaults(run=_generate)

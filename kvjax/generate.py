@@ -229,8 +229,9 @@ def eviction_settings(budget: int | None, scorer: str = "snapkv", protocol: str 
 def generate(params: Params, tokens, max_new_tokens: int = 64, *, budget: int | None = None,
              scorer: str = "snapkv", protocol: str = "blockwise", block_size: int = 128, n_sink: int = 4,
              window: int | None = None, obs_window: int = 32, pool: str | None = None, kernel: int = 7,
-             aggregate: str = "mean", evict_every: int = 1, decode_evict: bool = True, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None):
+             aggregate: str | None = None, evict_every: int = 1, decode_evict: bool = True,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop_ids: Sequence[int] | None = None):
     """New tokens for a prompt (1-D ids -> 1-D array) or a batch (2-D array / list of 1-D -> list of arrays).
 
     budget=None keeps the full cache. Otherwise every layer keeps at most ``budget`` tokens per KV head,

@@ -12,7 +12,8 @@ def test_help_lists_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--model", "--chat", "--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p",
                    "--seed", "--dtype", "--budget", "--scorer", "--protocol", "--block-size", "--n-sink",
-                   "--window", "--evict-every", "--no-decode-evict"):
+                   "--window", "--obs-window", "--pool", "--kernel", "--aggregate", "--evict-every",
+                   "--no-decode-evict"):
         assert option in text
 
 
@@ -21,13 +22,19 @@ def test_bad_budget_is_a_clear_error_before_loading(capsys):
     assert "budget=8 must be larger than n_sink + window" in capsys.readouterr().err
 
 
+def test_unknown_scorer_lists_the_valid_names_before_loading(capsys):
+    assert main(["generate", "--model", "no-such-model", "--chat", "hi", "--budget", "64", "--scorer", "magic"]) == 2
+    assert "scorer='magic' is unknown; valid scorers: h2o, h2o+caote" in capsys.readouterr().err
+
+
 def test_unknown_model_is_a_clear_error(capsys):
     assert main(["generate", "--model", "no-such-model", "--chat", "hi"]) == 2
     assert "source='no-such-model' is not a registry name" in capsys.readouterr().err
 
 
 @pytest.mark.smollm2
-@pytest.mark.parametrize("extra", [[], ["--budget", "64", "--scorer", "h2o"]])
+@pytest.mark.parametrize("extra", [[], ["--budget", "64", "--scorer", "h2o"],
+                                   ["--budget", "64", "--scorer", "snapkv+obcache-joint", "--obs-window", "8"]])
 def test_chat_streams_the_answer(capsys, extra):
     assert main(["generate", "--chat", "What is the capital of France?", "--max-new-tokens", "16"] + extra) == 0
     assert "Paris" in capsys.readouterr().out

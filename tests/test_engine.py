@@ -1,7 +1,6 @@
 """The eviction engine end to end: full-cache equivalence, cache invariants (property tests), compressed
 contexts, memory, compilation, and proof on SmolLM2 that eviction really happens."""
 
-import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st

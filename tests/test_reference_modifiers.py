@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from reference_eviction import (MODIFIERS, SCORERS, Moments, Reference, caote_priorities, nc_correct,
-                                obcache_columns, parse_scorer, pool_priorities, protected_mask, run_reference,
+                                obcache_columns, parse_scorer, pool_priorities, protected_mask,
                                 select_kept, select_moment_informed)
 import reference_eviction
 
@@ -554,7 +554,6 @@ def test_nc_clamps_small_entries_of_s_tilde():
 
 def test_nc_is_computed_in_log_space():
     """Logits far beyond exp's range: ŵ from log Z and log n + q·k̄/√d stays finite and correct."""
-    K = 4
     keys, values = np.array([[400.0, 0, 0, 0], [399.0, 0, 0, 0]]), np.array([[1.0, 0, 0, 0], [0, 1.0, 0, 0]])
     q = np.array([8.0, 0, 0, 0])  # logits 1600 and 1596
     gone_k, gone_v = np.array([[400.5, 0, 0, 0]] * 3), np.array([[0, 0, 1.0, 0]] * 3)  # logit 1602
