@@ -31,7 +31,8 @@ def measure(mode: str, length: int, args) -> dict:
     import kvjax
     from kvjax.budget_cache import BudgetCache
     from kvjax.cache import FullCache
-    from kvjax.generate import Generation, eviction_settings, prompt_bucket, round_capacity
+    from kvjax.engine import round_capacity
+    from kvjax.generate import Generation, eviction_settings, prompt_bucket
     from kvjax.sampling import Sampling
 
     params = kvjax.load(MODEL)

@@ -1,11 +1,12 @@
 """Cost of each scorer relative to ``snapkv`` at the same budget on SmolLM2: block-wise prefill seconds and
 decode ms/token (eviction after every token).
 
-    .venv/bin/python benchmarks/scorer_overhead.py                          # about 15 minutes on 2 cores
+    .venv/bin/python benchmarks/scorer_overhead.py                          # about 20 minutes on 2 cores
     .venv/bin/python benchmarks/scorer_overhead.py --scorers snapkv tova momentkv --length 1024
 
-Every scorer runs on the same random prompt; timings are of a second, compiled call (prefill) and of
-``--new-tokens`` decode steps after a compiled warm-up step, best of ``--repeats``. Targets from the papers:
+Every scorer runs on the same random prompt. All are compiled first; then ``--repeats`` rounds measure
+each scorer once per round (so that a drift of the machine's speed hits every scorer alike): block-wise
+prefill seconds and ms per decode step over ``--new-tokens`` steps, best over the rounds. Targets from the papers:
 OBCache-value within 5% of the attention-only score, MomentKV within 25%.
 """
 
@@ -30,18 +31,16 @@ TARGETS = {"snapkv+obcache-value": 1.05, "h2o+obcache-value": 1.05, "momentkv": 
 
 
 def measure(params, prompt, scorer: str, args) -> tuple[float, float]:
+    """(prefill seconds, decode ms/token) of one compiled run."""
     ev = eviction_settings(args.budget, scorer=scorer, block_size=args.block_size)
-    prefill, decode = [], []
-    for _ in range(args.repeats + 1):  # the first round compiles
-        start = time.perf_counter()
-        gen = Generation.from_prompts(params, [prompt], args.new_tokens + 1, Sampling(), 0, (), ev)
-        jax.block_until_ready(gen.state)
-        prefill.append(time.perf_counter() - start)
-        gen.run(1)
-        start = time.perf_counter()
-        gen.run(args.new_tokens)
-        decode.append((time.perf_counter() - start) / args.new_tokens * 1e3)
-    return min(prefill[1:]), min(decode[1:])
+    start = time.perf_counter()
+    gen = Generation.from_prompts(params, [prompt], args.new_tokens + 1, Sampling(), 0, (), ev)
+    jax.block_until_ready(gen.state)
+    prefill = time.perf_counter() - start
+    gen.run(1)
+    start = time.perf_counter()
+    gen.run(args.new_tokens)
+    return prefill, (time.perf_counter() - start) / args.new_tokens * 1e3
 
 
 def main() -> None:
@@ -51,16 +50,21 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=2048, help="prompt tokens")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
     scorers = ["snapkv"] + [s for s in args.scorers if s != "snapkv"]
 
     params = kvjax.load("smollm2-135m-instruct")
     prompt = np.random.default_rng(0).integers(100, 40000, args.length).astype(np.int32)
-    rows = {}
-    for i, scorer in enumerate(scorers):
-        print(f"[{i + 1}/{len(scorers)}] {scorer}", file=sys.stderr, flush=True)
-        rows[scorer] = measure(params, prompt, scorer, args)
+    for i, scorer in enumerate(scorers):  # compile everything first
+        print(f"[compile {i + 1}/{len(scorers)}] {scorer}", file=sys.stderr, flush=True)
+        measure(params, prompt, scorer, args)
+    runs = {scorer: [] for scorer in scorers}
+    for r in range(args.repeats):  # then rounds over all scorers, so that drifts of the machine hit every one
+        print(f"[round {r + 1}/{args.repeats}]", file=sys.stderr, flush=True)
+        for scorer in scorers:
+            runs[scorer].append(measure(params, prompt, scorer, args))
+    rows = {scorer: (min(p for p, _ in got), min(d for _, d in got)) for scorer, got in runs.items()}
     base_prefill, base_decode = rows["snapkv"]
     print(f"SmolLM2-135M-Instruct, float32, CPU, batch 1, {args.length}-token prompt, budget {args.budget}, "
           f"block-wise prefill in blocks of {args.block_size}, decode evicting every token; best of "

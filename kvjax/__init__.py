@@ -7,9 +7,10 @@ from kvjax.context import Context, decode, prefill
 from kvjax.generate import forward, generate, generate_stream
 from kvjax.loading import chat_tokens, load, load_tokenizer
 from kvjax.params import Params, init_params
+from kvjax.prefilled import Prefilled, prefill_full
 from kvjax.sampling import Sampling
 from kvjax.scorers import SCORERS
 
-__all__ = ["SCORERS", "BudgetCache", "CheckpointError", "Context", "ModelConfig", "Params", "Sampling", "cache_bytes",
-           "chat_tokens", "decode", "forward", "generate", "generate_stream", "init_params", "load", "load_tokenizer",
-           "prefill"]
+__all__ = ["SCORERS", "BudgetCache", "CheckpointError", "Context", "ModelConfig", "Params", "Prefilled", "Sampling",
+           "cache_bytes", "chat_tokens", "decode", "forward", "generate", "generate_stream", "init_params", "load",
+           "load_tokenizer", "prefill", "prefill_full"]

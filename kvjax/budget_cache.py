@@ -18,6 +18,7 @@ from kvjax.config import ModelConfig
 from kvjax.moments import corrected_attention, moment_informed_eviction
 from kvjax.ops import attention_with_scores
 from kvjax.scorers import Policy, priority, update_state
+from kvjax.slots import row_head_index
 
 
 @struct.dataclass
@@ -104,7 +105,7 @@ class BudgetCache:
         small = jax.tree.map(lambda x: x[layer], self.replace(k=None, v=None))
         count = (small.pos >= 0).sum(-1)  # [B, Hk]
         free = jnp.take_along_axis(small.order, count[..., None] + jnp.arange(T), -1)  # [B, Hk, T]
-        at = _rows(free) + (free,)
+        at = row_head_index(free) + (free,)
         k_all = self.k.at[(layer,) + at].set(k.swapaxes(1, 2).astype(self.k.dtype))
         v_all = self.v.at[(layer,) + at].set(v.swapaxes(1, 2).astype(self.v.dtype))
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
@@ -138,7 +139,7 @@ class BudgetCache:
         if p.moment_eviction:
             n_evict = jnp.maximum(valid.sum(-1) - b, 0)
             evicted = moment_informed_eviction(prio, unprotected, n_evict, self.k, self.v, pos, self.moments,
-                                               p.zeroth_order, n_drop)
+                                               p.zeroth_order, n_drop, p.mi_batch)
             prio = jnp.where(evicted, 0.0, 1.0)
         key = jnp.where(unprotected, prio, jnp.where(protected, jnp.inf, -jnp.inf))
         key = jnp.take_along_axis(key, self.order, -1)  # in position order: ties go to the earlier position
@@ -148,7 +149,7 @@ class BudgetCache:
         # Stable partition of the order: kept slots first (valid ones stay in position order), dropped after.
         dest = jnp.where(drop, b + jnp.cumsum(drop, -1) - 1, jnp.cumsum(~drop, -1) - 1)
         rank = jnp.broadcast_to(jnp.arange(self.slots), pos.shape)
-        index = jnp.zeros_like(rank).at[_rows(dest) + (dest,)].set(rank)
+        index = jnp.zeros_like(rank).at[row_head_index(dest) + (dest,)].set(rank)
         order = jnp.take_along_axis(self.order, index, -1)
         return self._release(order, order[..., b:])
 
@@ -171,7 +172,7 @@ class BudgetCache:
         join the moments, their position becomes -1 and their state 0; ``order`` is the new order."""
         take = lambda x: jnp.take_along_axis(x, dropped[..., None], axis=-2)  # noqa: E731
         weight = (jnp.take_along_axis(self.pos, dropped, -1) >= 0).astype(jnp.float32)
-        freed = jnp.zeros(self.pos.shape, bool).at[_rows(dropped) + (dropped,)].set(True)
+        freed = jnp.zeros(self.pos.shape, bool).at[row_head_index(dropped) + (dropped,)].set(True)
         if self.policy.spec.reset_after_evict:
             state = _reset(self.state)
         else:
@@ -185,12 +186,6 @@ def _reset(state: jax.Array) -> jax.Array:
     XLA reads it before overwriting it in place; plain zeros made XLA copy the whole stacked state twice per
     layer (floating-point x * 0 is not folded, because of NaN and inf)."""
     return state * 0.0
-
-
-def _rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Broadcast (row, head) indices for indexing the last axis of [B, Hk, S] arrays with x [B, Hk, ...]."""
-    B, Hk, _ = x.shape
-    return jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None]
 
 
 UNROLLED_DROPS = 8  # up to this many evictions per step, repeated argmins and shifts beat a sort
@@ -210,8 +205,7 @@ def lowest_slots(key: jax.Array, n: int) -> jax.Array:
     """[B, Hk, S] mask of the ``n`` lowest entries of key; among equal keys the first goes first."""
     index = jnp.broadcast_to(jnp.arange(key.shape[-1]), key.shape)
     _, order = jax.lax.sort((key, index), dimension=-1, num_keys=2)
-    rank = jnp.zeros_like(index).at[_rows(order) + (order,)].set(index)
-    return rank < n
+    return jnp.zeros_like(index).at[row_head_index(order) + (order,)].set(index) < n
 
 
 def cache_bytes(cache) -> int:

@@ -7,6 +7,7 @@ import sys
 import time
 
 from kvjax.engine import PROTOCOLS
+from kvjax.eval.cli import add_eval_parser
 from kvjax.scorers import AGGREGATES, POOLS, SCORERS
 
 
@@ -17,7 +18,7 @@ def _generate(args) -> int:
     eviction = {} if args.budget is None else dict(
         scorer=args.scorer, protocol=args.protocol, block_size=args.block_size, n_sink=args.n_sink,
         window=args.window, obs_window=args.obs_window, pool=args.pool, kernel=args.kernel,
-        aggregate=args.aggregate, evict_every=args.evict_every, decode_evict=not args.no_decode_evict)
+        aggregate=args.aggregate, mi_batch=args.mi_batch, evict_every=args.evict_every, decode_evict=not args.no_decode_evict)
     eviction_settings(args.budget, **eviction)  # bad settings fail before the model loads
     start = time.perf_counter()
     params = kvjax.load(args.model, dtype=args.dtype)
@@ -77,9 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kernel", type=int, default=7, help="pooling kernel size (default: %(default)s)")
     e.add_argument("--aggregate", choices=AGGREGATES,
                    help="how the query heads of a KV head combine (default: sum for OBCache, else mean)")
+    e.add_argument("--mi-batch", type=int, default=1,
+                   help="MomentKV: tokens evicted per statistics update (1 = exact Algorithm 1; default: 1)")
     e.add_argument("--evict-every", type=int, default=1, help="decode steps between evictions (default: 1)")
     e.add_argument("--no-decode-evict", action="store_true", help="do not evict while decoding")
     g.set_defaults(run=_generate)
+    add_eval_parser(sub)
     return parser
 
 

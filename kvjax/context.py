@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.budget_cache import BudgetCache
-from kvjax.engine import Eviction
+from kvjax.engine import Eviction, round_capacity
 from kvjax.generate import (DecodeState, Generation, check_context, check_max_new, check_tokens, eviction_settings,
-                            extend_budget, pad_rows, prompt_bucket, round_capacity)
+                            extend_budget, pad_rows, prompt_bucket)
 from kvjax.params import Params
 from kvjax.sampling import Sampling
 
@@ -61,17 +61,24 @@ def _resume(cache: BudgetCache, lengths, logits, key, out_width: int, slots: int
                        key=key, step=jnp.zeros((), jnp.int32))
 
 
-def decode(params: Params, context: Context, tokens=None, max_new_tokens: int = 64, *, temperature: float = 0.0,
-           top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None):
+def decode(params: Params, context: Context, tokens=None, max_new_tokens: int = 64, *, evict: bool = True,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+           stop_ids: Sequence[int] | None = None):
     """Continue a context: feed ``tokens`` (e.g. a question; one row per context row, optional) under the
-    context's protocol, then generate. Returns new tokens shaped like the prompts given to ``prefill``."""
+    context's protocol, then generate. Returns new tokens shaped like the prompts given to ``prefill``.
+
+    evict=False appends the tokens and the answer to the compressed context without evicting anything
+    (KVzip's and kvpress's query-agnostic setting: only the context is compressed); MomentKV's correction
+    still applies."""
     max_new = check_max_new(max_new_tokens)
-    ev, cfg = context.ev, params.config
+    cfg = params.config
+    ev = context.ev if evict else context.ev.without_eviction()
+    cache = context.cache if evict else context.cache.replace(policy=ev.policy)
     out_width, key = round_capacity(max_new), jax.random.key(seed)
     slots = ev.decode_slots(out_width)
     if tokens is None:
         check_context(cfg, int(context.lengths.max()), max_new, what="context length")
-        copies = jax.tree.map(jnp.copy, (context.cache, context.logits))
+        copies = jax.tree.map(jnp.copy, (cache, context.logits))
         state = _resume(copies[0], jnp.asarray(context.lengths), copies[1], key, out_width=out_width, slots=slots)
     else:
         rows, _ = check_tokens(tokens if context.batched else [np.asarray(tokens)], cfg.vocab_size)
@@ -80,7 +87,9 @@ def decode(params: Params, context: Context, tokens=None, max_new_tokens: int = 
         check_context(cfg, int(max(context.lengths + [len(r) for r in rows])), max_new,
                       what="context plus new tokens")
         padded, lengths = pad_rows(rows, prompt_bucket(max(len(r) for r in rows), ev.block_size), cfg.pad_token_id)
-        state = extend_budget(params, context.cache, jnp.asarray(padded), jnp.asarray(context.lengths),
+        if not evict:  # room for the appended tokens too
+            slots = ev.extend_slots(padded.shape[1]) + out_width
+        state = extend_budget(params, cache, jnp.asarray(padded), jnp.asarray(context.lengths),
                               jnp.asarray(lengths), key, ev=ev, out_width=out_width, decode_slots=slots)
     gen = Generation(params, state, max_new, Sampling(temperature, top_k, top_p), stop_ids, ev)
     out = gen.run(max_new)

@@ -17,13 +17,21 @@ from kvjax.params import Params
 from kvjax.scorers import Policy, query_weights
 
 PROTOCOLS = ("blockwise", "prefill")
+CAPACITY_STEP = 256
+APPEND = "append"  # internal protocol: feed tokens without any eviction point (``Eviction.without_eviction``)
+
+
+def round_capacity(n: int) -> int:
+    """Static lengths that depend on the request are rounded up to ``CAPACITY_STEP`` to share compilations."""
+    return -(-n // CAPACITY_STEP) * CAPACITY_STEP
 
 
 @dataclasses.dataclass(frozen=True)
 class Eviction:
     """policy: scorer and budget; protocol: "blockwise" (evict after every block of ``block_size``) or
-    "prefill" (prefill in blocks, evict once at the end); decoding evicts every ``evict_every`` tokens
-    (``evict_every`` spare slots) unless ``decode_evict`` is False."""
+    "prefill" (prefill in blocks, evict once at the end), or "append" (no eviction: see
+    ``without_eviction``); decoding evicts every ``evict_every`` tokens (``evict_every`` spare slots) unless
+    ``decode_evict`` is False."""
 
     policy: Policy
     protocol: str = "blockwise"
@@ -32,7 +40,7 @@ class Eviction:
     decode_evict: bool = True
 
     def __post_init__(self):
-        if self.protocol not in PROTOCOLS:
+        if self.protocol not in PROTOCOLS + (APPEND,):
             raise ValueError(f"protocol={self.protocol!r} must be one of {PROTOCOLS}")
         for name in ("block_size", "evict_every"):
             value = getattr(self, name)
@@ -45,8 +53,21 @@ class Eviction:
 
     def decoding(self) -> Eviction:
         """What decoding depends on, with protocol and block size normalised: one decode compilation then
-        serves every prefill protocol and block size."""
+        serves every prefill protocol and block size (and, without eviction, every scorer and budget)."""
+        if not self.decode_evict:
+            return dataclasses.replace(self.without_eviction(), protocol="blockwise")
         return dataclasses.replace(self, protocol="blockwise", block_size=1)
+
+    def without_eviction(self) -> Eviction:
+        """Feeding and decoding that never evict (the cache grows): what a compressed context does with a
+        question that arrives after it (KVzip's and kvpress's query-agnostic setting). Only MomentKV's
+        correction of the attention still depends on the scorer, so the policy keeps just that and the budget
+        rounded up to ``CAPACITY_STEP`` (which sizes the cache): every other scorer and nearby budgets then
+        share one compilation."""
+        nc = self.policy.modifier if self.policy.moment_correction else ""
+        policy = Policy("streamingllm", budget=round_capacity(self.policy.budget), n_sink=0, window=0, obs_window=1, pool="none", kernel=1,
+                        aggregate="mean", modifier=nc)
+        return Eviction(policy, protocol=APPEND, block_size=self.block_size, decode_evict=False)
 
     def decode_slots(self, max_new_tokens: int) -> int:
         return self.policy.budget + (self.evict_every if self.decode_evict else max_new_tokens)
@@ -71,7 +92,7 @@ def extend(params: Params, cache: BudgetCache, tokens: jax.Array, start: jax.Arr
         valid = offs[None] < lengths[:, None]
         seen = start + jnp.minimum(lengths, (i + 1) * m)
         end = seen if ev.protocol == "blockwise" else start + lengths
-        evict = True if ev.protocol == "blockwise" else i == n_blocks - 1
+        evict = {"blockwise": True, "prefill": i == n_blocks - 1, APPEND: False}[ev.protocol]
         seg = Segment(positions=positions, valid=valid, query_weights=query_weights(ev.policy, positions, valid, end),
                       seen=seen, evict=evict)
         hidden, cache = decode_hidden(params, jax.lax.dynamic_slice_in_dim(tokens, i * m, m, axis=1), cache, seg)

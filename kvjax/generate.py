@@ -12,24 +12,18 @@ from flax import struct
 
 from kvjax.budget_cache import BudgetCache
 from kvjax.cache import FullCache, Segment
-from kvjax.engine import Eviction, decode_segment, extend
+from kvjax.engine import Eviction, decode_segment, extend, round_capacity
 from kvjax.model import decode_hidden, logits_from_hidden
 from kvjax.params import Params
 from kvjax.sampling import Sampling, sample
 from kvjax.scorers import make_policy
 
 MIN_BUCKET = 32
-CAPACITY_STEP = 256
 
 
 def prompt_bucket(n: int, multiple: int = 1) -> int:
     """Padded prompt length: the next power of two >= n (at least ``MIN_BUCKET``), rounded up to ``multiple``."""
     return -(-max(MIN_BUCKET, 1 << (n - 1).bit_length()) // multiple) * multiple
-
-
-def round_capacity(n: int) -> int:
-    """Static lengths that depend on the request are rounded up to ``CAPACITY_STEP`` to share compilations."""
-    return -(-n // CAPACITY_STEP) * CAPACITY_STEP
 
 
 @struct.dataclass
@@ -51,7 +45,7 @@ class DecodeState:
     step: jax.Array
 
 
-def _start_state(params: Params, cache, lengths, last_hidden, key, out_width: int) -> DecodeState:
+def start_state(params: Params, cache, lengths, last_hidden, key, out_width: int) -> DecodeState:
     B = lengths.shape[0]
     return DecodeState(cache=cache, out=jnp.full((B, out_width), params.config.pad_token_id, jnp.int32),
                        lengths=lengths, n_new=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool),
@@ -67,7 +61,7 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, key: jax.Arra
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     hidden, cache = decode_hidden(params, tokens, cache, Segment(positions=positions, from_start=True))
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return _start_state(params, cache, lengths, last, key, out_width)
+    return start_state(params, cache, lengths, last, key, out_width)
 
 
 @functools.partial(jax.jit, static_argnames=("ev", "out_width", "decode_slots"))
@@ -79,7 +73,7 @@ def extend_budget(params: Params, cache: BudgetCache | None, tokens: jax.Array, 
     if cache is None:
         cache = BudgetCache.init(params.config, ev.policy, tokens.shape[0], slots, params.dtype)
     cache, last = extend(params, cache.resize(slots), tokens, start, lengths, ev)
-    return _start_state(params, cache.resize(decode_slots), start + lengths, last, key, out_width)
+    return start_state(params, cache.resize(decode_slots), start + lengths, last, key, out_width)
 
 
 @functools.partial(jax.jit, static_argnames=("sampling", "stop_ids", "ev"), donate_argnames=("state",))
@@ -180,6 +174,8 @@ class Generation:
                  stop_ids: Sequence[int] | None, ev: Eviction | None):
         self.params, self.state, self.max_new, self.sampling = params, state, max_new_tokens, sampling
         self.ev = None if ev is None else ev.decoding()
+        if ev is not None and not ev.decode_evict:  # the cache's static policy joins the shared compilation
+            self.state = state.replace(cache=state.cache.replace(policy=self.ev.policy))
         self.stop_ids = tuple(sorted(params.config.eos_token_ids if stop_ids is None else stop_ids))
 
     @classmethod
@@ -229,7 +225,7 @@ def eviction_settings(budget: int | None, scorer: str = "snapkv", protocol: str 
 def generate(params: Params, tokens, max_new_tokens: int = 64, *, budget: int | None = None,
              scorer: str = "snapkv", protocol: str = "blockwise", block_size: int = 128, n_sink: int = 4,
              window: int | None = None, obs_window: int = 32, pool: str | None = None, kernel: int = 7,
-             aggregate: str | None = None, evict_every: int = 1, decode_evict: bool = True,
+             aggregate: str | None = None, mi_batch: int = 1, evict_every: int = 1, decode_evict: bool = True,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop_ids: Sequence[int] | None = None):
     """New tokens for a prompt (1-D ids -> 1-D array) or a batch (2-D array / list of 1-D -> list of arrays).
@@ -239,12 +235,14 @@ def generate(params: Params, tokens, max_new_tokens: int = 64, *, budget: int | 
     ("blockwise": evict after every ``block_size`` prompt tokens; "prefill": prefill in blocks, then evict
     once); decoding evicts every ``evict_every`` tokens unless ``decode_evict`` is False. The ``n_sink``
     first and ``window`` most recent tokens are never evicted (window=None: the scorer's default);
-    ``obs_window``, ``pool``, ``kernel`` and ``aggregate`` tune the scorer.
+    ``obs_window``, ``pool``, ``kernel`` and ``aggregate`` tune the scorer; ``mi_batch`` > 1 lets MomentKV's
+    moment-informed eviction remove that many tokens per statistics update (faster, approximate).
     Generation stops at ``max_new_tokens`` or after a stop id (default: the model's EOS ids), which is
     included in the output. Rows of a batch are right-padded; each row's tokens equal running it alone.
     """
     ev = eviction_settings(budget, scorer, protocol, block_size, evict_every, decode_evict, n_sink=n_sink,
-                           window=window, obs_window=obs_window, pool=pool, kernel=kernel, aggregate=aggregate)
+                           window=window, obs_window=obs_window, pool=pool, kernel=kernel, aggregate=aggregate,
+                           mi_batch=mi_batch)
     rows, batched = check_tokens(tokens, params.config.vocab_size)
     gen = Generation.from_prompts(params, rows, max_new_tokens, Sampling(temperature, top_k, top_p), seed,
                                   stop_ids, ev)

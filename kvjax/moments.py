@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax.slots import row_head_index
+
 CLAMP = 1e-6  # entries of S̃ below this magnitude are set to zero (MomentKV App. C.2)
 
 
@@ -49,21 +51,25 @@ def corrected_attention(out: jax.Array, lse: jax.Array, q: jax.Array, moments, z
 
 
 def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict: jax.Array, k: jax.Array,
-                             v: jax.Array, pos: jax.Array, moments, zeroth: bool, max_evict: int) -> jax.Array:
-    """Algorithm 1's eviction loop, exactly: evict one token at a time, the candidate of lowest
-    ``priority · ‖r_j‖`` with r_j = v_j − v̄ − S̃ k_j/(n√d) (r_j = v_j − v̄ if zeroth; r_j = v_j while nothing
-    is evicted), then add it to the statistics before choosing the next. Ties evict the earlier position.
+                             v: jax.Array, pos: jax.Array, moments, zeroth: bool, max_evict: int,
+                             batch: int = 1) -> jax.Array:
+    """Algorithm 1's eviction loop: evict the candidate of lowest ``priority · ‖r_j‖`` with
+    r_j = v_j − v̄ − S̃ k_j/(n√d) (r_j = v_j − v̄ if zeroth; r_j = v_j while nothing is evicted), add it to the
+    statistics, then choose the next. Ties evict the earlier position.
 
     priority, candidates, pos: [B, Hk, S]; n_evict: [B, Hk] tokens to evict; k, v: [B, Hk, S, K]; moments: one
-    layer's Moments; max_evict: static bound on n_evict. S̃ k_j is kept up to date with rank-one updates
-    (S k_j and s_k·k_j), so a step costs O(S·K); MI uses S̃ without the App. C.2 clamp, which guards S̃ q
-    in the correction. Returns the evicted mask [B, Hk, S].
+    layer's Moments; max_evict: static bound on n_evict. S k_j and s_k·k_j are kept up to date with low-rank
+    updates, so a step costs O(S·K·batch); MI uses S̃ without the App. C.2 clamp, which guards S̃ q in the
+    correction. Returns the evicted mask [B, Hk, S].
+
+    batch = 1 is Algorithm 1 exactly. batch > 1, a faster approximation when a prefill evicts thousands of
+    tokens, evicts the ``batch`` candidates of lowest score under the current statistics per step, then adds
+    them all.
     """
     kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
     scale = jnp.sqrt(jnp.float32(k.shape[-1]))
-    count, k_sum, v_sum = moments.count, moments.k_sum, moments.v_sum
     sk = jnp.einsum("bhij,bhsj->bhsi", moments.vk_sum, kf)  # S k_j
-    kk_sum = jnp.einsum("bhk,bhsk->bhs", k_sum, kf)  # s_k·k_j
+    kk_sum = jnp.einsum("bhk,bhsk->bhs", moments.k_sum, kf)  # s_k·k_j
 
     def step(t, carry):
         evicted, count, k_sum, v_sum, sk, kk_sum = carry
@@ -73,16 +79,21 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
             resid = resid - (sk - v_sum[:, :, None, :] * kk_sum[..., None] / n) / (n * scale)
         resid = jnp.where((count > 0)[..., None, None], resid, vf)
         score = jnp.where(candidates & ~evicted, priority * jnp.linalg.norm(resid, axis=-1), jnp.inf)
-        lowest = score == score.min(-1, keepdims=True)
-        j = jnp.argmin(jnp.where(lowest, pos, jnp.iinfo(jnp.int32).max), axis=-1)  # the earliest position
-        active = t < n_evict  # [B, Hk]
-        chosen = (jnp.arange(k.shape[2]) == j[..., None]) & active[..., None]
-        k_j = jnp.take_along_axis(kf, j[..., None, None], axis=2)[:, :, 0]
-        v_j = jnp.take_along_axis(vf, j[..., None, None], axis=2)[:, :, 0]
-        a = active[..., None].astype(jnp.float32)
-        dots = jnp.einsum("bhk,bhsk->bhs", k_j, kf) * a
-        return (evicted | chosen, count + a[..., 0], k_sum + a * k_j, v_sum + a * v_j,
-                sk + dots[..., None] * v_j[:, :, None, :], kk_sum + dots)
+        if batch == 1:  # argmin, the earliest position among equal scores
+            lowest = score == score.min(-1, keepdims=True)
+            chosen = jnp.argmin(jnp.where(lowest, pos, jnp.iinfo(jnp.int32).max), axis=-1)[..., None]
+        else:
+            index = jnp.broadcast_to(jnp.arange(k.shape[2]), pos.shape)
+            chosen = jax.lax.sort((score, pos, index), dimension=-1, num_keys=2)[2][..., :batch]
+        # [B, Hk, batch] chosen slots, of which the first ``take`` are evicted (the rest weigh 0)
+        take = jnp.clip(n_evict - evicted.sum(-1), 0, batch)
+        w = (jnp.arange(chosen.shape[-1]) < take[..., None]).astype(jnp.float32)
+        k_c = jnp.take_along_axis(kf, chosen[..., None], axis=2) * w[..., None]
+        v_c = jnp.take_along_axis(vf, chosen[..., None], axis=2)
+        dots = jnp.einsum("bhck,bhsk->bhsc", k_c, kf)  # w_c (k_c·k_j)
+        evicted = evicted.at[row_head_index(chosen) + (chosen,)].max(w > 0)
+        return (evicted, count + w.sum(-1), k_sum + k_c.sum(2), v_sum + jnp.einsum("bhc,bhck->bhk", w, v_c),
+                sk + jnp.einsum("bhsc,bhck->bhsk", dots, v_c), kk_sum + dots.sum(-1))
 
-    init = (jnp.zeros(priority.shape, bool), count, k_sum, v_sum, sk, kk_sum)
-    return jax.lax.fori_loop(0, max_evict, step, init)[0]
+    init = (jnp.zeros(priority.shape, bool), moments.count, moments.k_sum, moments.v_sum, sk, kk_sum)
+    return jax.lax.fori_loop(0, -(-max_evict // batch), step, init)[0]

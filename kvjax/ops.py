@@ -53,13 +53,40 @@ def attention_with_scores(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     if score in ("obcache-value", "obcache-joint"):
         col += jnp.sum(a2, axis=3) * v_sq
     if score in ("obcache-key", "obcache-joint"):
-        az2 = a2 * z * z  # (A z)², weighted
-        o_sq = jnp.sum(out_f32 * out_f32, -1)  # [B, Hk, G, T]
-        v_dot_o = jnp.einsum("bhgts,bhsk,bhgtk->bhgs", az2, vf, out_f32)
-        col += jnp.sum(az2, axis=3) * v_sq - 2 * v_dot_o + jnp.einsum("bhgts,bhgt->bhgs", az2, o_sq)
+        col += residual_sums(a2 * z * z, vf, out_f32, lambda dist2, v_res: dist2)  # (A z)² ‖v − o‖²
     if score == "obcache-joint":
-        a2z = a2 * z
-        col += 2 * (jnp.sum(a2z, axis=3) * v_sq - jnp.einsum("bhgts,bhsk,bhgtk->bhgs", a2z, vf, out_f32))
+        col += 2 * residual_sums(a2 * z, vf, out_f32, lambda dist2, v_res: v_res)  # A² z v·(v − o)
     if score not in SCORE_KINDS:
         raise ValueError(f"score={score!r} must be one of {SCORE_KINDS}")
     return out, lse_out, col
+
+
+RESIDUAL_CHUNK = 8  # queries per step of ``residual_sums``
+
+
+def residual_sums(coef: jax.Array, v: jax.Array, o: jax.Array, term) -> jax.Array:
+    """Σ_t coef[t, s] · term(‖v_s − o_t‖², v_s·(v_s − o_t)) -> [B, Hk, G, S], from the differences themselves.
+
+    coef: [B, Hk, G, T, S]; v: [B, Hk, S, K]; o: [B, Hk, G, T, K] float32. Expanding ‖v − o‖² into
+    ‖v‖² − 2 v·o + ‖o‖² cancels catastrophically where a query's output is one value (o ≈ v, the tokens
+    that take all the attention), so the differences are formed, ``RESIDUAL_CHUNK`` queries at a time.
+    """
+    B, Hk, G, T, S = coef.shape
+    c = min(T, RESIDUAL_CHUNK)
+    n = -(-T // c)
+    pad = [(0, 0)] * 3 + [(0, n * c - T)]
+    coef = jnp.pad(coef, pad + [(0, 0)]).reshape(B, Hk, G, n, c, S)
+    o = jnp.pad(o, pad + [(0, 0)]).reshape(B, Hk, G, n, c, -1)
+
+    def chunk(xs):
+        coef_c, o_c = xs  # [B, Hk, G, c, S], [B, Hk, G, c, K]
+
+        def weighted():
+            diff = v[:, :, None, None] - o_c[:, :, :, :, None, :]  # [B, Hk, G, c, S, K]
+            values = term(jnp.sum(diff * diff, -1), jnp.einsum("bhsk,bhgtsk->bhgts", v, diff))
+            return jnp.sum(coef_c * values, axis=3)
+
+        # Most queries of a block do not score (SnapKV, TOVA): skip their chunks.
+        return jax.lax.cond(jnp.any(coef_c != 0), weighted, lambda: jnp.zeros((B, Hk, G, S), jnp.float32))
+
+    return jnp.sum(jax.lax.map(chunk, (jnp.moveaxis(coef, 3, 0), jnp.moveaxis(o, 3, 0))), axis=0)

@@ -17,6 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax.slots import row_head_index
+
 AGGREGATES = ("sum", "mean", "max")
 POOLS = ("none", "max", "avg")
 
@@ -54,6 +56,7 @@ MODIFIERS: dict[str, str] = {
     "momentkv-zeroth": "MomentKV zeroth order: residual v − v̄ and correction by v̄ (no outer-product term)",
 }
 ALIASES = {"momentkv": "snapkv+momentkv"}
+MI_MODIFIERS = ("momentkv", "momentkv-mi", "momentkv-zeroth")  # those with moment-informed eviction
 ATTENTION_BASES = ("h2o", "tova", "snapkv")
 
 
@@ -78,7 +81,8 @@ class Policy:
 
     budget: slots kept per (layer, row, KV head); n_sink: first tokens never evicted; window: most recent
     tokens never evicted; obs_window: scoring queries of "window" scorers; pool/kernel: 1-D pooling of the
-    priorities along positions; aggregate: how the G query heads of a KV head combine.
+    priorities along positions; aggregate: how the G query heads of a KV head combine; mi_batch: tokens
+    MomentKV's moment-informed eviction removes per statistics update (1 = Algorithm 1's exact rule).
     """
 
     scorer: str
@@ -90,6 +94,7 @@ class Policy:
     kernel: int
     aggregate: str
     modifier: str = ""
+    mi_batch: int = 1
 
     @property
     def spec(self) -> ScorerSpec:
@@ -106,7 +111,7 @@ class Policy:
 
     @property
     def moment_eviction(self) -> bool:
-        return self.modifier in ("momentkv", "momentkv-mi", "momentkv-zeroth")
+        return self.modifier in MI_MODIFIERS
 
     @property
     def moment_correction(self) -> bool:
@@ -118,12 +123,12 @@ class Policy:
 
 
 def make_policy(scorer: str, budget: int, *, n_sink: int = 4, window: int | None = None, obs_window: int = 32,
-                pool: str | None = None, kernel: int = 7, aggregate: str | None = None) -> Policy:
+                pool: str | None = None, kernel: int = 7, aggregate: str | None = None, mi_batch: int = 1) -> Policy:
     """Validated ``Policy`` with the papers' defaults for what is left as None (aggregate: ``sum`` for
     OBCache as in its App. B.5, else ``mean`` as kvpress; the two rank identically)."""
     base, modifier = split_name(scorer)
     spec = SCORERS[base]
-    for name, value in (("budget", budget), ("obs_window", obs_window), ("kernel", kernel)):
+    for name, value in (("budget", budget), ("obs_window", obs_window), ("kernel", kernel), ("mi_batch", mi_batch)):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
     if not (isinstance(n_sink, int) and n_sink >= 0):
@@ -142,7 +147,10 @@ def make_policy(scorer: str, budget: int, *, n_sink: int = 4, window: int | None
     aggregate = aggregate or ("sum" if modifier.startswith("obcache") else "mean")
     if aggregate not in AGGREGATES:
         raise ValueError(f"aggregate={aggregate!r} must be one of {AGGREGATES}")
-    return Policy(base, budget, n_sink, window, obs_window, pool, kernel, aggregate, modifier)
+    if mi_batch > 1 and modifier not in MI_MODIFIERS:
+        raise ValueError(f"mi_batch={mi_batch} only applies to MomentKV's moment-informed eviction "
+                         "(scorers ending in +momentkv, +momentkv-mi, +momentkv-zeroth)")
+    return Policy(base, budget, n_sink, window, obs_window, pool, kernel, aggregate, modifier, mi_batch)
 
 
 def query_weights(policy: Policy, positions: jax.Array, valid: jax.Array, end: jax.Array) -> jax.Array | None:
@@ -192,8 +200,7 @@ def _pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.A
     shifted = [padded[..., i: i + S] for i in range(kernel)]
     pooled = functools.reduce(jnp.maximum, shifted) if kind == "max" else sum(shifted) / kernel
     pooled = jnp.where(present, pooled, xs)
-    rows = jnp.arange(order.shape[0])[:, None, None], jnp.arange(order.shape[1])[None, :, None]
-    rank = jnp.zeros_like(order).at[rows + (order,)].set(jnp.arange(S, dtype=order.dtype))  # place of each slot
+    rank = jnp.zeros_like(order).at[row_head_index(order) + (order,)].set(jnp.arange(S, dtype=order.dtype))
     return jnp.take_along_axis(pooled, jnp.broadcast_to(rank.reshape(by_pos.shape), x.shape), -1)
 
 

@@ -132,10 +132,21 @@ def test_same_request_shape_does_not_recompile(tiny_llama, count_compiles):
     (dict(budget=64, pool="median"), "pool='median' must be one of"),
     (dict(budget=64, pool="max", kernel=4), "kernel=4 must be odd"),
     (dict(budget=64, aggregate="median"), "aggregate='median' must be one of"),
+    (dict(budget=64, scorer="momentkv", mi_batch=0), "mi_batch=0 must be an integer >= 1"),
+    (dict(budget=64, scorer="snapkv", mi_batch=4), "mi_batch=4 only applies to MomentKV"),
 ])
 def test_bad_eviction_arguments(tiny_llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
         kvjax.generate(tiny_llama, prompts_of([10])[0], max_new_tokens=2, **kwargs)
+
+
+def test_batched_moment_eviction_runs_and_keeps_the_budget(tiny_llama):
+    ev = eviction_settings(budget=20, scorer="momentkv", protocol="prefill", block_size=16, obs_window=4,
+                           mi_batch=8)
+    gen = Generation.from_prompts(tiny_llama, prompts_of([70]), 3, Sampling(), 0, (), ev)
+    gen.run(3)
+    pos = np.asarray(gen.state.cache.pos)
+    assert ((pos >= 0).sum(-1) == 20).all() and np.asarray(gen.state.cache.moments.count).min() == 70 + 3 - 20
 
 
 def test_prompt_beyond_context_with_budget(tiny_llama):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.generate import Generation, extend_budget, eviction_settings, pad_rows, prompt_bucket, round_capacity
+from kvjax.engine import round_capacity
+from kvjax.generate import Generation, extend_budget, eviction_settings, pad_rows, prompt_bucket
 from kvjax.sampling import Sampling
 from reference_eviction import run_reference
 

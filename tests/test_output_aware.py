@@ -140,3 +140,71 @@ def test_unknown_or_invalid_combinations_list_the_valid_names(tiny_llama):
     for bad in ("snapkv+magic", "streamingllm+caote", "h2o+caote+obcache-key", "obcache-key"):
         with pytest.raises(ValueError, match=r"is unknown; valid scorers: .*snapkv\+obcache-joint"):
             kvjax.generate(tiny_llama, np.arange(4, 20), max_new_tokens=2, budget=40, scorer=bad)
+
+
+@pytest.mark.parametrize("kind", ["key", "joint"])
+def test_obcache_stays_accurate_when_a_query_attends_to_one_token(kind):
+    """Where one token takes nearly all of a query's attention its value is the output (o ≈ v), and the
+    expanded ‖v‖² − 2 v·o + ‖o‖² loses every digit in float32; the scores must still match float64."""
+    q, k, v, mask = random_head(7)
+    k = k.at[0, 0, 5].set(q[0, -1, 0] * 4.0)  # the last query of head 0 puts almost all its weight on slot 5
+    col = attention_with_scores(q, k, v, mask, jnp.ones((1, W)), f"obcache-{kind}")[2][0, 0]  # [G, S]
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q[0], k[0, 0], v[0, 0]))
+    expected = np.zeros((G, S))
+    for t in range(W):
+        for g in range(G):
+            visible = np.asarray(mask[0, 0, t])
+            z = k64 @ q64[t, g] / np.sqrt(K)
+            a = np.where(visible, np.exp(z - z[visible].max()), 0.0)
+            a /= a.sum()
+            o = a @ v64
+            az = a * z
+            expected[g] += az**2 * np.sum((v64 - o) ** 2, -1)
+            if kind == "joint":
+                expected[g] += a**2 * np.sum(v64**2, -1) + 2 * a * az * np.sum(v64 * (v64 - o), -1)
+    assert np.max(np.asarray(attention_with_scores(q, k, v, mask, jnp.ones((1, W)))[2][0, 0, 0])) > 0.99
+    np.testing.assert_allclose(np.asarray(col), expected, rtol=1e-3, atol=1e-7)
+
+
+def batched_eviction_reference(priority, candidates, n_evict, k, v, pos, count, k_sum, v_sum, vk_sum, batch):
+    """NumPy float64: per step, evict the ``batch`` candidates of lowest priority·‖r‖ (ties: earlier
+    position) under the current statistics, then add them all."""
+    evicted = np.zeros(len(priority), bool)
+    while evicted.sum() < n_evict:
+        n = max(count, 1.0)
+        if count > 0:
+            s_tilde = vk_sum - np.outer(v_sum, k_sum) / n
+            resid = v - v_sum / n - k @ s_tilde.T / (n * np.sqrt(k.shape[1]))
+        else:
+            resid = v
+        score = np.where(candidates & ~evicted, priority * np.linalg.norm(resid, axis=1), np.inf)
+        order = sorted(range(len(score)), key=lambda j: (score[j], pos[j]))
+        chosen = [j for j in order if candidates[j] and not evicted[j]][: min(batch, n_evict - evicted.sum())]
+        for j in chosen:
+            evicted[j] = True
+            count, k_sum, v_sum, vk_sum = count + 1, k_sum + k[j], v_sum + v[j], vk_sum + np.outer(v[j], k[j])
+    return evicted
+
+
+@pytest.mark.parametrize("batch", [1, 3, 50])
+def test_batched_moment_eviction_matches_its_numpy_reference(batch):
+    from kvjax.moments import moment_informed_eviction
+
+    r = np.random.default_rng(batch)
+    B, Hk, N = 1, 2, 30
+    k, v = r.normal(size=(B, Hk, N, K)), r.normal(size=(B, Hk, N, K))
+    priority = r.uniform(0.1, 1.0, size=(B, Hk, N))
+    candidates = r.uniform(size=(B, Hk, N)) < 0.8
+    pos = np.stack([r.permutation(N) for _ in range(B * Hk)]).reshape(B, Hk, N).astype(np.int32)
+    gone_k, gone_v = r.normal(size=(B, Hk, 5, K)), r.normal(size=(B, Hk, 5, K))
+    moments = moments_of(jnp.asarray(gone_k, jnp.float32), jnp.asarray(gone_v, jnp.float32))
+    n_evict = np.array([[12, 17]])
+    args = [jnp.asarray(x, jnp.float32) for x in (priority,)] + [jnp.asarray(candidates), jnp.asarray(n_evict),
+                                                                   jnp.asarray(k, jnp.float32),
+                                                                   jnp.asarray(v, jnp.float32), jnp.asarray(pos)]
+    got = np.asarray(moment_informed_eviction(*args, moments, False, 20, batch))
+    for h in range(Hk):
+        want = batched_eviction_reference(priority[0, h], candidates[0, h], n_evict[0, h], k[0, h], v[0, h],
+                                          pos[0, h], 5.0, gone_k[0, h].sum(0), gone_v[0, h].sum(0),
+                                          np.einsum("ei,ej->ij", gone_v[0, h], gone_k[0, h]), batch)
+        np.testing.assert_array_equal(got[0, h], want)

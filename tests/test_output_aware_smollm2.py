@@ -1,5 +1,6 @@
-"""MomentKV's normalization correction on SmolLM2's real activations: with 128 tokens kept per KV head, the
-corrected attention output of later queries is closer to the full-cache output than plain renormalisation."""
+"""Output-aware eviction on SmolLM2: MomentKV's normalization correction on real activations (with 128 tokens
+kept per KV head the corrected attention output of later queries is closer to the full-cache output than
+plain renormalisation), and every scorer name end to end."""
 
 import jax
 import jax.numpy as jnp
@@ -82,19 +83,19 @@ def test_correction_beats_renormalisation_on_real_activations(smollm2, smollm2_t
     assert nc < plain
 
 
-SMOKE = ("momentkv", "snapkv+obcache-joint", "h2o+obcache-key", "tova+caote", "snapkv+fastcaote")
-
-
-@pytest.mark.parametrize("names", [SMOKE, pytest.param(None, marks=pytest.mark.slow)], ids=["smoke", "all"])
-def test_output_aware_scorers_answer_on_smollm2(smollm2, smollm2_tokenizer, names):
-    """The France question, compressed to 16 tokens per KV head, still gets "Paris" (all names: --runslow)."""
-    from kvjax.scorers import scorer_names
-
+def test_every_scorer_name_answers_on_smollm2(smollm2, smollm2_tokenizer):
+    """Every scorer name through ``kvjax.generate`` on SmolLM2, the protocols alternating: a 279-token prompt
+    (filler, then the France question) kept to 192 tokens per KV head still gets "Paris". (At 64 tokens the
+    TOVA- and SnapKV-based names lose the answer under the block-wise protocol, so this checks that every
+    name runs and keeps what matters at a moderate budget, not which name is best.)"""
     import kvjax
+    from kvjax.scorers import scorer_names
+    from test_engine import FILLER
 
-    ids = kvjax.chat_tokens(smollm2_tokenizer, "What is the capital of France?")
-    for i, name in enumerate(names or scorer_names()):
+    ids = kvjax.chat_tokens(smollm2_tokenizer, FILLER[:900] + "\n\nWhat is the capital of France?")
+    assert len(ids) > 192 + 64  # evictions in prefill (either protocol) and in every decode step
+    for i, name in enumerate(scorer_names()):
         protocol = ("blockwise", "prefill")[i % 2]
-        out = kvjax.generate(smollm2, ids, max_new_tokens=12, budget=24, scorer=name, protocol=protocol,
-                             block_size=16, obs_window=8)
+        out = kvjax.generate(smollm2, ids, max_new_tokens=12, budget=192, scorer=name, protocol=protocol,
+                             block_size=64, obs_window=16, window=16)
         assert "Paris" in smollm2_tokenizer.decode(out), (name, protocol)

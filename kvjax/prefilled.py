@@ -1,0 +1,177 @@
+"""Prefill once, compress many ways: the prefill-then-evict protocol evaluated for many scorers and budgets.
+
+Under the ``prefill`` protocol nothing is evicted until the whole prompt has been attended with the full
+cache, so every scorer and budget sees the same keys, values and queries. ``prefill_full`` runs that full
+prefill once and keeps every layer's queries; ``Prefilled.compress`` then scores and evicts exactly as
+``kvjax.prefill(..., protocol="prefill")`` does (the same ``BudgetCache.evict``), without running the model
+again. Scoring statistics are cached per kind of scoring queries, so budgets of one scorer share them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.budget_cache import BudgetCache, Moments
+from kvjax.cache import PREFILL_CHUNK, FullCache, Segment
+from kvjax.context import Context
+from kvjax.engine import round_capacity
+from kvjax.generate import (Generation, check_context, check_max_new, check_tokens, eviction_settings, pad_rows,
+                            prompt_bucket, start_state)
+from kvjax.model import decode_hidden, logits_from_hidden
+from kvjax.ops import attention_with_scores
+from kvjax.params import Params
+from kvjax.sampling import Sampling
+from kvjax.scorers import Policy, query_weights, update_state
+
+
+@struct.dataclass
+class RecordingCache:
+    """A full cache that also keeps every layer's queries q: [L, B, P, H, K] (after RoPE)."""
+
+    full: FullCache
+    q: jax.Array
+
+    def attend(self, layer, q, k, v, seg):
+        out, full = self.full.attend(layer, q, k, v, seg)
+        return out, RecordingCache(full=full, q=self.q.at[layer].set(q.astype(self.q.dtype)))
+
+
+@functools.partial(jax.jit, static_argnames=("room",))
+def _prefill_full(params: Params, tokens: jax.Array, room: int) -> tuple[RecordingCache, jax.Array]:
+    cfg = params.config
+    B, P = tokens.shape
+    cache = RecordingCache(full=FullCache.init(cfg, B, P + room, params.dtype),
+                           q=jnp.zeros((cfg.n_layers, B, P, cfg.n_heads, cfg.head_dim), params.dtype))
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    hidden, cache = decode_hidden(params, tokens, cache, Segment(positions=positions, from_start=True))
+    return cache, hidden
+
+
+def _scoring_queries(policy: Policy, q: jax.Array, lengths: jax.Array):
+    """The scoring queries of one layer and their weights: q [B, P, H, K] -> (q [B, W, H, K], positions
+    [B, W], weights [B, W]); the last ``obs_window`` (or the last) positions only, when that is all that
+    scores, else every position."""
+    B, P = q.shape[:2]
+    kind = policy.spec.queries
+    if kind == "all":
+        positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    else:
+        W = min(P, 1 if kind == "last" else policy.obs_window)
+        positions = lengths[:, None] - W + jnp.arange(W, dtype=jnp.int32)
+    index = jnp.maximum(positions, 0)
+    weights = query_weights(policy, positions, (positions >= 0) & (positions < lengths[:, None]), lengths)
+    return jnp.take_along_axis(q, index[:, :, None, None], axis=1), index, weights
+
+
+@functools.partial(jax.jit, static_argnames=("policy",))
+def _scoring_state(policy: Policy, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+    """[L, B, Hk, G, P] state after the prompt's scoring queries (as the prefill protocol accumulates it).
+
+    q: [L, B, P, H, K]; k, v: [L, B, Hk, C, K] with C >= P; lengths: [B] prompt tokens per row.
+    """
+    L, B, P, H, _ = q.shape
+    if policy.spec.queries == "none":
+        return jnp.zeros((L, B, k.shape[2], H // k.shape[2], P), jnp.float32)
+
+    def layer(xs):
+        q_l, k_l, v_l = xs
+        k_l, v_l = k_l[:, :, :P], v_l[:, :, :P]
+        qs, positions, weights = _scoring_queries(policy, q_l, lengths)
+        slots = jnp.arange(P)
+        col = 0.0
+        for start in range(0, qs.shape[1], PREFILL_CHUNK):  # no [P, P] attention matrix at once
+            pos = positions[:, start: start + PREFILL_CHUNK]
+            mask = (slots[None, None, :] <= pos[:, :, None]) & (slots < lengths[:, None, None])
+            col = col + attention_with_scores(qs[:, start: start + PREFILL_CHUNK], k_l, v_l, mask[:, None],
+                                              weights[:, start: start + PREFILL_CHUNK], policy.score_kind)[2]
+        zeros = jnp.zeros(col.shape, jnp.float32)
+        return update_state(policy, zeros, col, weights.sum(-1) > 0)
+
+    return jax.lax.map(layer, (q, k, v))
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "slots"))
+def _compress(policy: Policy, k: jax.Array, v: jax.Array, state: jax.Array, lengths: jax.Array,
+              slots: int) -> BudgetCache:
+    """Evict every layer once down to the budget (``BudgetCache.evict``), into a cache of ``slots`` slots."""
+    _, B, Hk, G, P = state.shape
+    K = k.shape[-1]
+    pos = jnp.broadcast_to(jnp.where(jnp.arange(P) < lengths[:, None], jnp.arange(P), -1)[:, None], (B, Hk, P))
+    order = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, Hk, P))
+    f32 = jnp.float32
+    moments = Moments(count=jnp.zeros((B, Hk), f32), k_sum=jnp.zeros((B, Hk, K), f32),
+                      v_sum=jnp.zeros((B, Hk, K), f32), vk_sum=jnp.zeros((B, Hk, K, K), f32))
+
+    def layer(xs):
+        k_l, v_l, state_l = xs
+        cache = BudgetCache(k=k_l[:, :, :P], v=v_l[:, :, :P], pos=pos.astype(jnp.int32), state=state_l,
+                            order=order, moments=moments, policy=policy)
+        return cache.evict(lengths)
+
+    return jax.lax.map(layer, (k, v, state)).resize(slots)
+
+
+class Prefilled:
+    """A full-cache prefill of one batch of prompts, kept with every layer's queries.
+
+    ``compress(**eviction)`` returns the ``kvjax.Context`` that ``kvjax.prefill(..., protocol="prefill")``
+    would, optionally for a prefix of each prompt (``upto``: queries and keys are causal, so the prefix's
+    are already here). ``generate`` decodes from the full cache itself.
+    """
+
+    def __init__(self, params: Params, tokens, room: int = 256):
+        rows, self.batched = check_tokens(tokens, params.config.vocab_size)
+        longest = max(len(r) for r in rows)
+        check_context(params.config, longest, 0)
+        padded, self.lengths = pad_rows(rows, prompt_bucket(longest), params.config.pad_token_id)
+        self.params = params
+        self.cache, self.hidden = _prefill_full(params, jnp.asarray(padded), room)
+        self._states: dict = {}
+
+    def _state(self, policy: Policy, lengths: np.ndarray) -> jax.Array:
+        key = (policy.spec.queries, policy.score_kind, policy.spec.update,
+               policy.obs_window if policy.spec.queries == "window" else 0, tuple(lengths))
+        if key not in self._states:
+            self._states[key] = _scoring_state(policy, self.cache.q, self.cache.full.k, self.cache.full.v,
+                                               jnp.asarray(lengths))
+        return self._states[key]
+
+    def compress(self, *, budget: int, upto=None, scorer: str = "snapkv", evict_every: int = 1,
+                 decode_evict: bool = True, **policy) -> Context:
+        """The compressed context of each prompt (or of its first ``upto`` tokens: an int or one per row)."""
+        ev = eviction_settings(budget, scorer, "prefill", evict_every=evict_every, decode_evict=decode_evict,
+                               **policy)
+        lengths = self.lengths if upto is None else np.minimum(self.lengths, np.asarray(upto, np.int32))
+        if np.any(lengths < 1):
+            raise ValueError(f"upto={upto!r} must keep at least one token of every prompt")
+        state = self._state(ev.policy, lengths)
+        cache = _compress(ev.policy, self.cache.full.k, self.cache.full.v, state, jnp.asarray(lengths),
+                          slots=ev.decode_slots(0))
+        last = jnp.take_along_axis(self.hidden, jnp.asarray(lengths - 1)[:, None, None], axis=1)[:, 0]
+        return Context(cache=cache, lengths=lengths, logits=logits_from_hidden(self.params, last), ev=ev,
+                       batched=self.batched)
+
+    def generate(self, max_new_tokens: int = 64, *, stop_ids: Sequence[int] | None = None):
+        """Greedy continuation of the prompts with the full cache (as ``kvjax.generate`` with no budget)."""
+        max_new = check_max_new(max_new_tokens)
+        room = self.cache.full.capacity - self.hidden.shape[1]
+        if max_new > room:
+            raise ValueError(f"max_new_tokens={max_new} exceeds the room={room} this prefill kept for decoding")
+        check_context(self.params.config, int(self.lengths.max()), max_new)
+        last = jnp.take_along_axis(self.hidden, jnp.asarray(self.lengths - 1)[:, None, None], axis=1)[:, 0]
+        cache = jax.tree.map(jnp.copy, self.cache.full)  # decoding donates its cache; this one is kept
+        state = start_state(self.params, cache, jnp.asarray(self.lengths), last, jax.random.key(0),
+                            round_capacity(max_new))
+        out = Generation(self.params, state, max_new, Sampling(), stop_ids, None).run(max_new)
+        return out if self.batched else out[0]
+
+
+def prefill_full(params: Params, tokens, room: int = 256) -> Prefilled:
+    """Run the full-cache prefill of ``tokens`` (1-D or a batch) once; ``room`` extra slots for decoding."""
+    return Prefilled(params, tokens, room)

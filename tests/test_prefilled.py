@@ -1,0 +1,103 @@
+"""One full prefill, many compressions: ``kvjax.prefill_full(...).compress(...)`` equals
+``kvjax.prefill(..., protocol="prefill")`` for every scorer name; appending without eviction
+(``kvjax.decode(..., evict=False)``) keeps the whole question and answer."""
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.scorers import scorer_names
+
+BUDGET = 14
+
+
+def distinct_prompts(lengths=(37, 20), seed=0):
+    """Prompts without repeated tokens (repeated tokens make exact score ties in layer 0)."""
+    rng = np.random.default_rng(seed)
+    return [rng.choice(np.arange(4, 97), n, replace=False).astype(np.int32) for n in lengths]
+
+
+def kept(context):
+    return np.sort(np.asarray(context.cache.sorted_pos), axis=-1)
+
+
+@pytest.fixture(scope="module")
+def prefilled(tiny_llama):
+    return kvjax.prefill_full(tiny_llama, distinct_prompts())
+
+
+@pytest.mark.parametrize("name", scorer_names())
+def test_compress_equals_the_prefill_protocol(tiny_llama, prefilled, name):
+    settings = dict(budget=BUDGET, scorer=name, obs_window=4, n_sink=1)
+    if not name.startswith(("streamingllm", "tova")):
+        settings["window"] = 3
+    shared = prefilled.compress(**settings)
+    direct = kvjax.prefill(tiny_llama, distinct_prompts(), protocol="prefill", block_size=8, **settings)
+    np.testing.assert_array_equal(kept(shared), kept(direct))
+    np.testing.assert_allclose(np.asarray(shared.logits), np.asarray(direct.logits), atol=1e-4)
+    for field in ("count", "k_sum", "v_sum", "vk_sum"):
+        np.testing.assert_allclose(np.asarray(getattr(shared.cache.moments, field)),
+                                   np.asarray(getattr(direct.cache.moments, field)), atol=1e-3)
+    assert np.asarray(direct.cache.moments.count).min() > 0  # something was evicted in every row and head
+    for a, b in zip(kvjax.decode(tiny_llama, shared, max_new_tokens=5, stop_ids=()),
+                    kvjax.decode(tiny_llama, direct, max_new_tokens=5, stop_ids=()), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_compressing_a_prefix_equals_prefilling_the_prefix(tiny_llama, prefilled):
+    shared = prefilled.compress(budget=BUDGET, scorer="snapkv", obs_window=4, upto=25)
+    prefixes = [p[:25] for p in distinct_prompts()]
+    direct = kvjax.prefill(tiny_llama, prefixes, protocol="prefill", budget=BUDGET, scorer="snapkv", obs_window=4)
+    np.testing.assert_array_equal(kept(shared), kept(direct))
+    np.testing.assert_allclose(np.asarray(shared.logits), np.asarray(direct.logits), atol=1e-4)
+
+
+def test_full_cache_generation_equals_generate(tiny_llama, prefilled):
+    for a, b in zip(prefilled.generate(8, stop_ids=()), kvjax.generate(tiny_llama, distinct_prompts(), 8, stop_ids=()),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="max_new_tokens=300 exceeds the room=256"):
+        prefilled.generate(300)
+
+
+def test_appending_without_eviction_keeps_the_question_and_the_answer(tiny_llama, prefilled):
+    """What ``kvjax.decode(..., evict=False)`` runs: the question and then the answer join the compressed
+    context and nothing leaves it."""
+    import jax
+
+    from kvjax.generate import Generation, extend_budget, pad_rows, prompt_bucket
+    from kvjax.sampling import Sampling
+
+    context = prefilled.compress(budget=BUDGET, scorer="snapkv", obs_window=4, upto=[30, 15])
+    questions = [np.arange(60, 66, dtype=np.int32), np.arange(70, 73, dtype=np.int32)]
+    ev = context.ev.without_eviction()
+    padded, lengths = pad_rows(questions, prompt_bucket(6, ev.block_size), 0)
+    state = extend_budget(tiny_llama, context.cache.replace(policy=ev.policy), padded, context.lengths, lengths,
+                          jax.random.key(0), ev=ev, out_width=4, decode_slots=ev.extend_slots(padded.shape[1]) + 4)
+    gen = Generation(tiny_llama, state, 4, Sampling(), (), ev)
+    gen.run(4)
+    before, after = kept(context), np.asarray(gen.state.cache.sorted_pos)
+    for row, (n_ctx, question) in enumerate(zip((30, 15), questions, strict=True)):
+        for layer in range(tiny_llama.config.n_layers):
+            for head in range(tiny_llama.config.n_kv_heads):
+                old = {int(p) for p in before[layer, row, head] if p >= 0}
+                new = {int(p) for p in after[layer, row, head] if p >= 0}
+                # the question, then the four answer tokens (each is fed as it is generated)
+                assert new == old | set(range(n_ctx, n_ctx + len(question) + 4))
+
+
+def test_appending_without_eviction_with_room_for_everything_equals_the_full_cache(tiny_llama):
+    prompt, question = distinct_prompts((30, 6), seed=1)
+    context = kvjax.prefill(tiny_llama, prompt, budget=64, scorer="h2o")
+    got = kvjax.decode(tiny_llama, context, question, max_new_tokens=8, evict=False, stop_ids=())
+    np.testing.assert_array_equal(got, kvjax.generate(tiny_llama, np.concatenate([prompt, question]), 8, stop_ids=()))
+
+
+def test_momentkv_still_corrects_attention_without_eviction(tiny_llama, prefilled):
+    plain = prefilled.compress(budget=BUDGET, scorer="snapkv", obs_window=4)
+    corrected = prefilled.compress(budget=BUDGET, scorer="snapkv+momentkv-nc", obs_window=4)
+    np.testing.assert_array_equal(kept(plain), kept(corrected))  # same tokens kept: NC does not choose
+    question = [np.arange(60, 66, dtype=np.int32)] * 2
+    a = kvjax.decode(tiny_llama, plain, question, max_new_tokens=12, evict=False, stop_ids=())
+    b = kvjax.decode(tiny_llama, corrected, question, max_new_tokens=12, evict=False, stop_ids=())
+    assert any(not np.array_equal(x, y) for x, y in zip(a, b, strict=True))
