@@ -1,0 +1,143 @@
+"""``python -m kvjax eval niah|ppl|fidelity``: the evaluation suite's command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from kvjax.eval.haystack import HAYSTACKS
+from kvjax.eval.niah import TASKS
+from kvjax.eval.sweep import SETTINGS
+
+# The tasks and haystacks on which SmolLM2-135M answers with the full cache (word values and the
+# multi-value task defeat the full cache itself; see docs/results.md).
+RELIABLE = dict(tasks=["single-number", "single-uuid", "multikey"], haystacks=["filler", "pydoc"])
+PRESETS = {
+    # The standard sweep behind docs/results.md (MomentKV with its batched eviction: see README).
+    "standard": dict(scorers=["streamingllm", "h2o", "tova", "snapkv", "snapkv+obcache-value", "snapkv+obcache-key",
+                              "snapkv+obcache-joint", "snapkv+caote", "snapkv+fastcaote", "momentkv"],
+                     budgets=[64, 128, 256, 512, 1024], lengths=[1024, 2048, 4096], samples=1,
+                     protocols=["prefill"], mi_batch=128, **RELIABLE),
+    # A few minutes: everything runs, the full cache answers, the budgets bite.
+    "smoke": dict(scorers=["streamingllm", "tova", "snapkv"], budgets=[128, 512], lengths=[1024], samples=1,
+                  protocols=["prefill"], **RELIABLE),
+}
+
+
+def _policy_options(args, preset: dict | None = None) -> dict:
+    names = ("n_sink", "window", "obs_window", "pool", "kernel", "aggregate", "mi_batch")
+    options = {name: (preset or {})[name] for name in names if name in (preset or {})}
+    return options | {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _niah(args) -> int:
+    import kvjax
+    from kvjax.eval import report, sweep
+    from kvjax.eval.niah import make_samples
+    from kvjax.scorers import make_policy
+
+    preset = PRESETS[args.preset] if args.preset else {}
+    pick = lambda name, default: getattr(args, name) or preset.get(name, default)  # noqa: E731
+    scorers, budgets = pick("scorers", ["snapkv"]), pick("budgets", [128, 512])
+    for scorer in scorers:  # bad names and settings fail before the model loads
+        make_policy(scorer, min(budgets), **sweep.scorer_options(scorer, _policy_options(args, preset)))
+    params = kvjax.load(args.model, dtype=args.dtype)
+    tokenizer = kvjax.load_tokenizer(args.model)
+    samples = make_samples(tokenizer, pick("tasks", list(TASKS)), pick("haystacks", list(HAYSTACKS)),
+                           pick("lengths", [1024, 2048, 4096]), pick("samples", 2), args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    start = time.perf_counter()
+    rows = sweep.run(params, tokenizer, samples, sweep.methods(scorers, budgets, pick("protocols", ["prefill"])),
+                     pick("settings", list(SETTINGS)), out=os.path.join(args.out, "rows.jsonl"),
+                     options=_policy_options(args, preset), block_size=args.block_size)
+    wall = time.perf_counter() - start
+    title = f"NIAH on {args.model}"
+    table = report.markdown(rows, title) + "\n### Seconds per answer\n\n" + report.timing(rows) + "\n"
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(table)
+    report.plot(rows, os.path.join(args.out, "accuracy.png"), title)
+    print(table)
+    print(f"[{len(rows)} answers; this run took {wall:.0f}s; results in {args.out}/"
+          "(rows.jsonl, table.md, accuracy.png)]", file=sys.stderr)
+    return 0
+
+
+def _ppl(args) -> int:
+    import kvjax
+    from kvjax.eval.perplexity import perplexity_table, run_perplexity
+
+    params = kvjax.load(args.model, dtype=args.dtype)
+    tokenizer = kvjax.load_tokenizer(args.model)
+    results = run_perplexity(params, tokenizer, args.scorers or ["streamingllm", "h2o", "tova"],
+                             args.budgets or [256, 1024], length=args.length,
+                             n_sink=args.n_sink if args.n_sink is not None else 4, window_edges=args.edges)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "ppl.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(perplexity_table(results))
+    return 0
+
+
+def _fidelity(args) -> int:
+    import kvjax
+    from kvjax.eval.fidelity import fidelity_table, run_fidelity
+
+    params = kvjax.load(args.model, dtype=args.dtype)
+    tokenizer = kvjax.load_tokenizer(args.model)
+    results = run_fidelity(params, tokenizer, args.scorers or ["streamingllm", "h2o", "tova", "snapkv"],
+                           args.budgets or [128, 512], length=args.length,
+                           continuation=args.continuation, prompts=args.prompts, options=_policy_options(args))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "fidelity.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(fidelity_table(results))
+    return 0
+
+
+def add_eval_parser(sub) -> None:
+    """The ``eval`` command and its three evaluations."""
+    e = sub.add_parser("eval", help="evaluate eviction: needle retrieval, perplexity, output fidelity")
+    kinds = e.add_subparsers(dest="evaluation", required=True)
+
+    def common(p, out):
+        p.add_argument("--model", default="smollm2-135m-instruct", help="model source (default: %(default)s)")
+        p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+        p.add_argument("--scorers", nargs="+", metavar="SCORER", help="scorer names (README, 'Scorer names')")
+        p.add_argument("--budgets", nargs="+", type=int, metavar="B", help="tokens kept per KV head")
+        p.add_argument("--out", default=out, help="results directory (default: %(default)s)")
+        p.add_argument("--n-sink", type=int, help="protected first tokens (default: the scorer's)")
+        p.add_argument("--window", type=int, help="protected recent tokens (default: the scorer's)")
+        p.add_argument("--obs-window", type=int, help="SnapKV observation window (default: 32)")
+        p.add_argument("--pool", choices=["none", "max", "avg"], help="pooling (default: the scorer's)")
+        p.add_argument("--kernel", type=int, help="pooling kernel (default: 7)")
+        p.add_argument("--aggregate", choices=["sum", "mean", "max"], help="query-head aggregation")
+        p.add_argument("--mi-batch", type=int, help="MomentKV tokens per statistics update (default: 1, exact)")
+
+    n = kinds.add_parser("niah", help="RULER-style needle retrieval sweep (resumable: reruns skip done answers)")
+    common(n, "benchmarks/results/niah")
+    n.add_argument("--preset", choices=sorted(PRESETS), help="a named sweep; explicit options override it")
+    n.add_argument("--protocols", nargs="+", choices=["prefill", "blockwise"], help="default: prefill")
+    n.add_argument("--settings", nargs="+", choices=SETTINGS, help="default: both")
+    n.add_argument("--lengths", nargs="+", type=int, help="prompt tokens (default: 1024 2048 4096)")
+    n.add_argument("--tasks", nargs="+", choices=TASKS, help="default: all")
+    n.add_argument("--haystacks", nargs="+", choices=HAYSTACKS, help="default: both")
+    n.add_argument("--samples", type=int, help="samples per task, haystack and length (needle depths spread)")
+    n.add_argument("--seed", type=int, default=0, help="fixes every sample (default: %(default)s)")
+    n.add_argument("--block-size", type=int, default=128, help="block size of the blockwise protocol")
+    n.set_defaults(run=_niah)
+
+    p = kinds.add_parser("ppl", help="perplexity of a long real text under decoding-time eviction")
+    common(p, "benchmarks/results/ppl")
+    p.add_argument("--length", type=int, default=4096, help="tokens of text (default: %(default)s)")
+    p.add_argument("--edges", nargs="+", type=int, default=[256, 512, 1024, 2048, 4096],
+                   help="report perplexity over the tokens up to each of these positions")
+    p.set_defaults(run=_ppl)
+
+    f = kinds.add_parser("fidelity", help="attention-output error and next-token KL of compressed caches")
+    common(f, "benchmarks/results/fidelity")
+    f.add_argument("--length", type=int, default=2048, help="context tokens (default: %(default)s)")
+    f.add_argument("--continuation", type=int, default=64, help="tokens compared after the context")
+    f.add_argument("--prompts", type=int, default=2, help="real-text prompts averaged over")
+    f.set_defaults(run=_fidelity)

@@ -1,0 +1,166 @@
+"""Needle-retrieval sweeps: scorers × budgets × protocols × settings over a set of samples, resumable.
+
+Every answer is one JSON line (``Row``); a rerun skips the lines already written. Under the ``prefill``
+protocol every (scorer, budget) of a sample is compressed from one shared full prefill
+(``kvjax.prefill_full``), so a sweep over many scorers costs little more than one; ``blockwise`` runs
+the block-wise engine per (scorer, budget). Answers are decoded greedily without eviction: NIAH measures
+what the compression of the prompt keeps (decoding-time eviction is ``kvjax.eval.perplexity``'s subject).
+
+Settings: ``query-aware`` compresses the prompt with the question in it (SnapKV's setting);
+``query-agnostic`` compresses the context alone and appends the question afterwards (KVzip's setting and
+kvpress's default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterable
+
+import jax
+
+import kvjax
+from kvjax.eval.niah import Sample, score
+from kvjax.params import Params
+from kvjax.scorers import MI_MODIFIERS, split_name
+
+SETTINGS = ("query-aware", "query-agnostic")
+FULL = "full"  # the uncompressed baseline's scorer name
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One way of compressing: a scorer at a budget under a protocol (``FULL`` = no compression)."""
+
+    scorer: str
+    budget: int | None = None
+    protocol: str = "prefill"  # "-" for FULL
+
+    @property
+    def label(self) -> str:
+        if self.scorer == FULL:
+            return FULL
+        return self.scorer if self.protocol == "prefill" else f"{self.scorer} ({self.protocol})"
+
+
+def methods(scorers: Iterable[str], budgets: Iterable[int], protocols: Iterable[str]) -> list[Method]:
+    """The full-cache baseline plus every scorer × budget × protocol."""
+    found = [Method(FULL, None, "-")]
+    for protocol in protocols:
+        for scorer in scorers:
+            found += [Method(scorer, budget, protocol) for budget in budgets]
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One answer. ``seconds``: this method's own compression and decoding; the shared full prefill of the
+    sample is ``prefill_seconds`` (the same for every prefill-protocol row of the sample and setting)."""
+
+    sample: str
+    task: str
+    haystack: str
+    length: int
+    depth: float
+    setting: str
+    scorer: str
+    budget: int | None
+    protocol: str
+    options: str
+    prediction: str
+    score: float
+    seconds: float
+    prefill_seconds: float
+
+    def key(self) -> tuple:
+        return self.sample, self.setting, self.scorer, self.budget, self.protocol, self.options
+
+
+def read_rows(path: str) -> list[Row]:
+    """The rows of a JSONL results file (none if it does not exist); a torn last line is ignored."""
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(Row(**json.loads(line)))
+            except (json.JSONDecodeError, TypeError):
+                continue  # a run killed mid-write leaves a partial line
+    return rows
+
+
+def run(params: Params, tokenizer, samples: list[Sample], methods_: list[Method], settings=SETTINGS, *,
+        out: str, options: dict | None = None, block_size: int = 128, progress: bool = True) -> list[Row]:
+    """Answer every sample with every method in every setting, appending to the JSONL file ``out``. Budgets
+    that hold a sample's whole prompt are skipped for it (they equal the full cache, which is tested).
+
+    options: scorer keywords shared by every method (``obs_window``, ``window``, ``n_sink``, ``pool``,
+    ``kernel``, ``aggregate``; ``mi_batch`` goes to the MomentKV scorers only). Returns every row of ``out`` for these samples, methods and options.
+    """
+    from tqdm import tqdm
+
+    options = dict(options or {})
+    tag = json.dumps(options, sort_keys=True)
+    for setting in settings:
+        if setting not in SETTINGS:
+            raise ValueError(f"setting={setting!r} must be one of {SETTINGS}")
+    done = {row.key() for row in read_rows(out)}
+    jobs = [(s, setting, m) for s in samples for setting in settings for m in methods_
+            if (m.scorer != FULL or setting == settings[0]) and (m.budget or 0) < s.length]
+    todo = [job for job in jobs
+            if (job[0].id, job[1], job[2].scorer, job[2].budget, job[2].protocol, tag) not in done]
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    bar = tqdm(total=len(todo), desc="niah", unit="answer", disable=not progress)
+    with open(out, "a") as f:
+        for sample in samples:
+            mine = [(setting, m) for s, setting, m in todo if s is sample]
+            if not mine:
+                continue
+            shared, shared_s = None, 0.0
+            if any(m.protocol in ("prefill", "-") for _, m in mine):
+                start = time.perf_counter()
+                shared = kvjax.prefill_full(params, list(sample.prompt))
+                jax.block_until_ready(shared.cache)
+                shared_s = time.perf_counter() - start
+            for setting, m in mine:
+                start = time.perf_counter()
+                answer = _answer(params, sample, setting, m, shared, options, block_size)
+                prediction = tokenizer.decode(answer, skip_special_tokens=True)
+                row = Row(sample=sample.id, task=sample.task, haystack=sample.haystack, length=sample.length,
+                          depth=sample.depth, setting=setting, scorer=m.scorer, budget=m.budget,
+                          protocol=m.protocol, options=tag, prediction=prediction,
+                          score=score(prediction, sample.answers), seconds=time.perf_counter() - start,
+                          prefill_seconds=shared_s if shared is not None and m.protocol != "blockwise" else 0.0)
+                f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+                f.flush()
+                bar.update()
+    bar.close()
+    wanted = {(s.id, setting, m.scorer, m.budget, m.protocol, tag) for s, setting, m in jobs}
+    return [row for row in read_rows(out) if row.key() in wanted]
+
+
+def scorer_options(scorer: str, options: dict) -> dict:
+    """The shared options that apply to ``scorer`` (``mi_batch`` only to MomentKV's eviction)."""
+    if split_name(scorer)[1] in MI_MODIFIERS:
+        return options
+    return {k: v for k, v in options.items() if k != "mi_batch"}
+
+
+def _answer(params: Params, sample: Sample, setting: str, m: Method, shared, options: dict, block_size: int):
+    """The generated token ids of one (sample, setting, method)."""
+    if m.scorer == FULL:
+        return shared.generate(sample.max_new_tokens)
+    aware = setting == "query-aware"
+    question = None if aware else list(sample.question)
+    options = scorer_options(m.scorer, options)
+    if m.protocol == "prefill":
+        context = shared.compress(budget=m.budget, scorer=m.scorer, upto=None if aware else len(sample.context),
+                                  **options)
+    else:
+        tokens = list(sample.prompt if aware else sample.context)
+        context = kvjax.prefill(params, tokens, budget=m.budget, scorer=m.scorer, protocol=m.protocol,
+                                block_size=block_size, **options)
+    return kvjax.decode(params, context, question, sample.max_new_tokens, evict=False)

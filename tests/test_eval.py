@@ -1,0 +1,134 @@
+"""The evaluation suite: deterministic samples, exact-match scoring, a resumable sweep writing JSONL, table
+and plot, perplexity and fidelity against their no-eviction limits, and the full cache on SmolLM2."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.eval import report, sweep
+from kvjax.eval.fidelity import run_fidelity
+from kvjax.eval.haystack import pydoc_prose, sentences
+from kvjax.eval.niah import TASKS, make_sample, make_samples, score
+from kvjax.eval.perplexity import evicting_nll, full_cache_nll, run_perplexity, text_tokens
+from kvjax.generate import eviction_settings
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_smollm2_vocab(tokenizer):
+    """A random two-layer Llama over SmolLM2's vocabulary: real prompts, fast runs."""
+    cfg = kvjax.ModelConfig(arch="llama", vocab_size=len(tokenizer), d_model=32, n_layers=2, n_heads=4,
+                            n_kv_heads=2, head_dim=8, d_ff=48, max_seq_len=2048, norm_eps=1e-5,
+                            tie_embeddings=True, eos_token_ids=(2,), pad_token_id=0)
+    return kvjax.init_params(cfg, jax.random.key(1), scale=0.3)
+
+
+def test_real_text_haystack_is_prose_from_an_installed_package():
+    text = pydoc_prose()
+    assert len(text) > 150_000 and "assignment statement" in text
+    assert not any(s.startswith((" ", ">>>")) for s in sentences("pydoc"))
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("haystack", ["filler", "pydoc"])
+def test_samples_are_deterministic_and_hold_their_needles(tokenizer, task, haystack):
+    a = make_sample(tokenizer, task, haystack, 512, 1, 3, seed=7)
+    assert a == make_sample(tokenizer, task, haystack, 512, 1, 3, seed=7)
+    assert a.context != make_sample(tokenizer, task, haystack, 512, 1, 3, seed=8).context
+    assert 512 - 64 <= len(a.prompt) <= 512
+    context, question = tokenizer.decode(list(a.context)), tokenizer.decode(list(a.question))
+    assert all(f"is: {answer}." in context for answer in a.answers)
+    assert "<|im_start|>user" in context and question.rstrip().endswith(("is", "are"))
+    assert "What" in question and "<|im_start|>assistant" in question
+    if task == "multikey":
+        assert context.count("One of the special magic") == 4 and len(a.answers) == 1
+    if task == "multivalue":
+        assert len(a.answers) >= 3
+
+
+def test_needle_depths_spread_over_the_context(tokenizer):
+    samples = make_samples(tokenizer, ["single-number"], ["pydoc"], [1024], n=3)
+    assert [s.depth for s in samples] == [0.0, 0.5, 1.0]
+    places = []
+    for s in samples:
+        text = tokenizer.decode(list(s.context))
+        places.append(text.index(f"is: {s.answers[0]}.") / len(text))
+    assert places[0] < 0.2 and 0.35 < places[1] < 0.65 and places[2] > 0.9
+
+
+def test_exact_match_scoring():
+    assert score(" 7341295.", ("7341295",)) == 1.0
+    assert score("The number is 734129", ("7341295",)) == 0.0
+    assert score("Apricot!", ("apricot",)) == 1.0
+    assert score("1111111, 2222222 and 4444444", ("1111111", "2222222", "3333333", "4444444")) == 0.75
+
+
+def test_smoke_sweep_writes_jsonl_table_and_plot_and_resumes(tokenizer, tiny_smollm2_vocab, tmp_path):
+    samples = make_samples(tokenizer, ["single-number", "multivalue"], ["filler"], [256], n=1)
+    methods = sweep.methods(["streamingllm", "snapkv"], [32, 96], ["prefill", "blockwise"])
+    out = tmp_path / "rows.jsonl"
+    rows = sweep.run(tiny_smollm2_vocab, tokenizer, samples, methods, out=str(out), options={"obs_window": 8},
+                     block_size=64, progress=False)
+    # Each sample: the full cache once, then 2 scorers × 2 budgets × 2 protocols in each of 2 settings.
+    assert len(rows) == 2 * (1 + 2 * 2 * 2 * 2)
+    lines = out.read_text().splitlines()
+    assert len(lines) == len(rows) and all(json.loads(line)["sample"] for line in lines)
+    assert {r.setting for r in rows} == set(sweep.SETTINGS) and all(0 <= r.score <= 1 for r in rows)
+    again = sweep.run(tiny_smollm2_vocab, tokenizer, samples, methods, out=str(out), options={"obs_window": 8},
+                      block_size=64, progress=False)
+    assert len(out.read_text().splitlines()) == len(lines) and sorted(again, key=str) == sorted(rows, key=str)
+    table = report.markdown(rows, "smoke")
+    assert "**query-agnostic, 256 tokens**" in table and "| snapkv (blockwise) |" in table
+    report.plot(rows, str(tmp_path / "accuracy.png"))
+    assert (tmp_path / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_with_room_for_everything_answers_like_the_full_cache(tokenizer, tiny_smollm2_vocab, tmp_path):
+    samples = make_samples(tokenizer, ["single-word"], ["pydoc"], [256], n=1)
+    rows = sweep.run(tiny_smollm2_vocab, tokenizer, samples, sweep.methods(["h2o", "tova+caote"], [300], ["prefill"]),
+                     out=str(tmp_path / "rows.jsonl"), progress=False)
+    full = [r.prediction for r in rows if r.scorer == sweep.FULL]
+    assert len(full) == 1 and all(r.prediction == full[0] for r in rows)
+
+
+def test_perplexity_with_room_for_everything_equals_the_full_cache(tiny_smollm2_vocab, tokenizer):
+    tokens = text_tokens(tokenizer, 96)
+    full = np.asarray(full_cache_nll(tiny_smollm2_vocab, tokens))
+    roomy = np.asarray(evicting_nll(tiny_smollm2_vocab, tokens, eviction_settings(128, "streamingllm").decoding()))
+    np.testing.assert_allclose(roomy, full, atol=1e-4)
+    tight = np.asarray(evicting_nll(tiny_smollm2_vocab, tokens, eviction_settings(16, "streamingllm").decoding()))
+    np.testing.assert_allclose(tight[:15], full[:15], atol=1e-4)  # nothing evicted yet
+    assert np.abs(tight[20:] - full[20:]).max() > 1e-3
+    result = run_perplexity(tiny_smollm2_vocab, tokenizer, ["streamingllm"], [16], length=96,
+                            window_edges=(32, 64), progress=False)
+    assert result["edges"] == [32, 64, 96] and len(result["full"]) == 3 and len(result["runs"][0]["ppl"]) == 3
+    np.testing.assert_allclose(result["full"][0], np.exp(full[:31].mean()), rtol=1e-5)
+
+
+def test_fidelity_is_zero_without_eviction_and_grows_with_it(tiny_smollm2_vocab, tokenizer):
+    result = run_fidelity(tiny_smollm2_vocab, tokenizer, ["snapkv", "streamingllm+momentkv-nc"], [16, 200],
+                          length=128, continuation=16, prompts=1, options={"obs_window": 8}, progress=False)
+    runs = {(r["scorer"], r["budget"]): r for r in result["runs"]}
+    for scorer in ("snapkv", "streamingllm+momentkv-nc"):
+        assert runs[(scorer, 200)]["mean_error"] < 1e-5 and abs(runs[(scorer, 200)]["kl"]) < 1e-6
+        assert runs[(scorer, 16)]["mean_error"] > 1e-3 and runs[(scorer, 16)]["kl"] > 1e-6
+        assert len(runs[(scorer, 16)]["layer_errors"]) == tiny_smollm2_vocab.config.n_layers
+
+
+@pytest.mark.smollm2
+def test_full_cache_answers_every_smoke_sample_on_smollm2(smollm2, tokenizer, tmp_path):
+    from kvjax.eval.cli import PRESETS
+
+    smoke = PRESETS["smoke"]
+    samples = make_samples(tokenizer, smoke["tasks"], smoke["haystacks"], smoke["lengths"], smoke["samples"])
+    rows = sweep.run(smollm2, tokenizer, samples, sweep.methods([], [], []), out=str(tmp_path / "rows.jsonl"),
+                     progress=False)
+    assert len(rows) == len(samples) == 6
+    assert [r.score for r in rows] == [1.0] * 6, [(r.sample, r.prediction) for r in rows if r.score < 1]
