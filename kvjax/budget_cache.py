@@ -15,8 +15,8 @@ from flax import struct
 
 from kvjax.cache import Segment
 from kvjax.config import ModelConfig
+from kvjax.kernels import block_attention_with_scores, decode_attention_with_scores
 from kvjax.moments import corrected_attention, moment_informed_eviction
-from kvjax.ops import attention_with_scores
 from kvjax.scorers import Policy, priority, update_state
 from kvjax.slots import row_head_index
 
@@ -110,11 +110,15 @@ class BudgetCache:
         v_all = self.v.at[(layer,) + at].set(v.swapaxes(1, 2).astype(self.v.dtype))
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
         here = small.replace(k=k_all[layer], v=v_all[layer], pos=small.pos.at[at].set(new_pos))
-        mask = (here.pos >= 0)[:, :, None, :] & (here.pos[:, :, None, :] <= seg.positions[:, None, :, None])
         p = self.policy
-        out, lse, col = attention_with_scores(q, here.k, here.v, mask, seg.query_weights, p.score_kind)
-        if p.moment_correction:
-            out = corrected_attention(out, lse, q, here.moments, p.zeroth_order)
+        attention = (q, here.k, here.v, here.pos, seg.positions, seg.query_weights, p.score_kind)
+        if T == 1:  # decoding: the decode kernel, MomentKV's correction included
+            moments = here.moments if p.moment_correction else None
+            out, _, col = decode_attention_with_scores(*attention, moments, p.zeroth_order, impl=p.impl)
+        else:
+            out, lse, col = block_attention_with_scores(*attention, impl=p.impl)
+            if p.moment_correction:
+                out = corrected_attention(out, lse, q, here.moments, p.zeroth_order)
         if col is not None:  # new slots start from zero: empty slots hold a zero state
             here = here.replace(state=update_state(p, here.state, col, seg.query_weights.sum(-1) > 0))
         if isinstance(seg.evict, bool):  # known statically: no cond

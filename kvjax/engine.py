@@ -66,7 +66,7 @@ class Eviction:
         share one compilation."""
         nc = self.policy.modifier if self.policy.moment_correction else ""
         policy = Policy("streamingllm", budget=round_capacity(self.policy.budget), n_sink=0, window=0, obs_window=1, pool="none", kernel=1,
-                        aggregate="mean", modifier=nc)
+                        aggregate="mean", modifier=nc, impl=self.policy.impl)
         return Eviction(policy, protocol=APPEND, block_size=self.block_size, decode_evict=False)
 
     def decode_slots(self, max_new_tokens: int) -> int:

@@ -217,6 +217,9 @@ def eviction_settings(budget: int | None, scorer: str = "snapkv", protocol: str 
                       **policy) -> Eviction | None:
     """The static ``Eviction`` for the eviction keyword arguments (budget=None: full cache, None)."""
     if budget is None:
+        if policy.get("impl") is not None:
+            raise ValueError(f"impl={policy['impl']!r} chooses the attention of the budget cache; the full cache "
+                             "(budget=None) always runs XLA attention")
         return None
     return Eviction(make_policy(scorer, budget, **policy), protocol=protocol, block_size=block_size,
                     evict_every=evict_every, decode_evict=decode_evict)
@@ -226,7 +229,7 @@ def generate(params: Params, tokens, max_new_tokens: int = 64, *, budget: int | 
              scorer: str = "snapkv", protocol: str = "blockwise", block_size: int = 128, n_sink: int = 4,
              window: int | None = None, obs_window: int = 32, pool: str | None = None, kernel: int = 7,
              aggregate: str | None = None, mi_batch: int = 1, evict_every: int = 1, decode_evict: bool = True,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             impl: str | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop_ids: Sequence[int] | None = None):
     """New tokens for a prompt (1-D ids -> 1-D array) or a batch (2-D array / list of 1-D -> list of arrays).
 
@@ -236,13 +239,15 @@ def generate(params: Params, tokens, max_new_tokens: int = 64, *, budget: int | 
     once); decoding evicts every ``evict_every`` tokens unless ``decode_evict`` is False. The ``n_sink``
     first and ``window`` most recent tokens are never evicted (window=None: the scorer's default);
     ``obs_window``, ``pool``, ``kernel`` and ``aggregate`` tune the scorer; ``mi_batch`` > 1 lets MomentKV's
-    moment-informed eviction remove that many tokens per statistics update (faster, approximate).
+    moment-informed eviction remove that many tokens per statistics update (faster, approximate). ``impl``
+    chooses how the budget cache's attention with scores runs (``kvjax.kernels``; None: XLA on CPU, the
+    Pallas kernels on TPU and CUDA GPUs; "pallas": the kernels, interpreted on CPU — slow, for checking).
     Generation stops at ``max_new_tokens`` or after a stop id (default: the model's EOS ids), which is
     included in the output. Rows of a batch are right-padded; each row's tokens equal running it alone.
     """
     ev = eviction_settings(budget, scorer, protocol, block_size, evict_every, decode_evict, n_sink=n_sink,
                            window=window, obs_window=obs_window, pool=pool, kernel=kernel, aggregate=aggregate,
-                           mi_batch=mi_batch)
+                           mi_batch=mi_batch, impl=impl)
     rows, batched = check_tokens(tokens, params.config.vocab_size)
     gen = Generation.from_prompts(params, rows, max_new_tokens, Sampling(temperature, top_k, top_p), seed,
                                   stop_ids, ev)

@@ -1,6 +1,7 @@
 """Attention with eviction scores: the single operation every scorer computes from.
 
-This XLA version is the reference; a Pallas kernel with the same signature is the drop-in replacement.
+This is the XLA computation: the full cache calls it directly; the budget cache reaches it through
+``kvjax.kernels`` (mask from positions), whose ``impl`` runs it or the Pallas kernels checked against it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ def test_help_lists_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--model", "--chat", "--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p",
                    "--seed", "--dtype", "--budget", "--scorer", "--protocol", "--block-size", "--n-sink",
-                   "--window", "--obs-window", "--pool", "--kernel", "--aggregate", "--mi-batch", "--evict-every",
+                   "--window", "--obs-window", "--pool", "--kernel", "--aggregate", "--mi-batch", "--impl", "--evict-every",
                    "--no-decode-evict"):
         assert option in text
 

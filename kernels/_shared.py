@@ -1,0 +1,62 @@
+"""Constants and small helpers shared by the kernels and their references (no kernel code here)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.ops import NEG_INF, SCORE_KINDS  # the kernels mask invisible slots as kvjax.ops does
+
+IMPLS = (None, "xla", "pallas", "pallas_tpu", "pallas_gpu")
+
+# Dot dimension numbers: a [M, K] · b [N, K] -> [M, N] (contract the last dims of both, "A Bᵀ").
+NT_DIMS = (((1,), (1,)), ((), ()))
+NN_DIMS = (((1,), (0,)), ((), ()))
+
+
+def check_score(score: str) -> None:
+    if score not in SCORE_KINDS:
+        raise ValueError(f"score={score!r} must be one of {SCORE_KINDS}")
+
+
+def check_impl(impl) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+
+
+def check_shapes(q, k, v, slot_pos, query_pos, query_weights) -> tuple[int, int, int, int, int, int]:
+    """(B, T, H, Hk, S, K) after checking that the shapes agree; raises ValueError otherwise."""
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"q must be [B, T, H, K] and k, v [B, Hk, S, K]; got {q.shape}, {k.shape}, {v.shape}")
+    B, T, H, K = q.shape
+    _, Hk, S, Kk = k.shape
+    if k.shape[0] != B or Kk != K or H % Hk:
+        raise ValueError(f"q {q.shape} does not match k/v {k.shape} (H must be a multiple of Hk)")
+    if slot_pos.shape != (B, Hk, S):
+        raise ValueError(f"slot_pos must be [B, Hk, S] = {(B, Hk, S)}; got {slot_pos.shape}")
+    if query_pos.shape != (B, T):
+        raise ValueError(f"query_pos must be [B, T] = {(B, T)}; got {query_pos.shape}")
+    if query_weights is not None and query_weights.shape != (B, T):
+        raise ValueError(f"query_weights must be [B, T] = {(B, T)}; got {query_weights.shape}")
+    return B, T, H, Hk, S, K
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(x, 1))))
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    """Pad ``x`` at the end of ``axis`` up to ``size`` with ``value`` (no-op when already that size)."""
+    axis = axis % x.ndim
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
