@@ -8,6 +8,7 @@ import time
 
 from kvjax.engine import PROTOCOLS
 from kvjax.eval.cli import add_eval_parser
+from kvjax.kernels import IMPLS
 from kvjax.scorers import AGGREGATES, POOLS, SCORERS
 
 
@@ -18,7 +19,8 @@ def _generate(args) -> int:
     eviction = {} if args.budget is None else dict(
         scorer=args.scorer, protocol=args.protocol, block_size=args.block_size, n_sink=args.n_sink,
         window=args.window, obs_window=args.obs_window, pool=args.pool, kernel=args.kernel,
-        aggregate=args.aggregate, mi_batch=args.mi_batch, evict_every=args.evict_every, decode_evict=not args.no_decode_evict)
+        aggregate=args.aggregate, mi_batch=args.mi_batch, impl=args.impl, evict_every=args.evict_every,
+        decode_evict=not args.no_decode_evict)
     eviction_settings(args.budget, **eviction)  # bad settings fail before the model loads
     start = time.perf_counter()
     params = kvjax.load(args.model, dtype=args.dtype)
@@ -77,9 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pool", choices=POOLS, help="pooling of scores along positions (default: the scorer's)")
     e.add_argument("--kernel", type=int, default=7, help="pooling kernel size (default: %(default)s)")
     e.add_argument("--aggregate", choices=AGGREGATES,
-                   help="how the query heads of a KV head combine (default: sum for OBCache, else mean)")
+                   help="how the query heads of a KV head combine (default: sum for OBCache, else mean; "
+                        "layer: mean over all heads of the layer, the same tokens kept in every KV head)")
     e.add_argument("--mi-batch", type=int, default=1,
                    help="MomentKV: tokens evicted per statistics update (1 = exact Algorithm 1; default: 1)")
+    e.add_argument("--impl", choices=[i for i in IMPLS if i], default=None,
+                   help="attention with scores: XLA, or the Pallas kernels (pallas: the platform's, interpreted "
+                        "on CPU); default: XLA on CPU, the kernels on TPU and CUDA GPUs")
     e.add_argument("--evict-every", type=int, default=1, help="decode steps between evictions (default: 1)")
     e.add_argument("--no-decode-evict", action="store_true", help="do not evict while decoding")
     g.set_defaults(run=_generate)

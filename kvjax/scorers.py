@@ -17,9 +17,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax.kernels import IMPLS
 from kvjax.slots import row_head_index
 
-AGGREGATES = ("sum", "mean", "max")
+AGGREGATES = ("sum", "mean", "max", "layer")  # "layer": mean over all query heads of the layer
 POOLS = ("none", "max", "avg")
 
 
@@ -82,7 +83,9 @@ class Policy:
     budget: slots kept per (layer, row, KV head); n_sink: first tokens never evicted; window: most recent
     tokens never evicted; obs_window: scoring queries of "window" scorers; pool/kernel: 1-D pooling of the
     priorities along positions; aggregate: how the G query heads of a KV head combine; mi_batch: tokens
-    MomentKV's moment-informed eviction removes per statistics update (1 = Algorithm 1's exact rule).
+    MomentKV's moment-informed eviction removes per statistics update (1 = Algorithm 1's exact rule);
+    impl: how attention with scores runs (``kvjax.kernels``: None = per platform, XLA on CPU; "xla";
+    "pallas" = the platform's kernels, interpreted on CPU; "pallas_tpu" / "pallas_gpu").
     """
 
     scorer: str
@@ -95,6 +98,7 @@ class Policy:
     aggregate: str
     modifier: str = ""
     mi_batch: int = 1
+    impl: str | None = None
 
     @property
     def spec(self) -> ScorerSpec:
@@ -123,7 +127,8 @@ class Policy:
 
 
 def make_policy(scorer: str, budget: int, *, n_sink: int = 4, window: int | None = None, obs_window: int = 32,
-                pool: str | None = None, kernel: int = 7, aggregate: str | None = None, mi_batch: int = 1) -> Policy:
+                pool: str | None = None, kernel: int = 7, aggregate: str | None = None, mi_batch: int = 1,
+                impl: str | None = None) -> Policy:
     """Validated ``Policy`` with the papers' defaults for what is left as None (aggregate: ``sum`` for
     OBCache as in its App. B.5, else ``mean`` as kvpress; the two rank identically)."""
     base, modifier = split_name(scorer)
@@ -147,10 +152,15 @@ def make_policy(scorer: str, budget: int, *, n_sink: int = 4, window: int | None
     aggregate = aggregate or ("sum" if modifier.startswith("obcache") else "mean")
     if aggregate not in AGGREGATES:
         raise ValueError(f"aggregate={aggregate!r} must be one of {AGGREGATES}")
+    if aggregate == "layer" and modifier in MI_MODIFIERS:
+        raise ValueError(f"aggregate='layer' cannot be combined with {modifier!r}: its moment-informed eviction "
+                         "scores every KV head by its own statistics, so the heads' kept tokens diverge")
     if mi_batch > 1 and modifier not in MI_MODIFIERS:
         raise ValueError(f"mi_batch={mi_batch} only applies to MomentKV's moment-informed eviction "
                          "(scorers ending in +momentkv, +momentkv-mi, +momentkv-zeroth)")
-    return Policy(base, budget, n_sink, window, obs_window, pool, kernel, aggregate, modifier, mi_batch)
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    return Policy(base, budget, n_sink, window, obs_window, pool, kernel, aggregate, modifier, mi_batch, impl)
 
 
 def query_weights(policy: Policy, positions: jax.Array, valid: jax.Array, end: jax.Array) -> jax.Array | None:
@@ -205,6 +215,12 @@ def _pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.A
 
 
 def _aggregate(policy: Policy, per_head: jax.Array) -> jax.Array:
+    """[B, Hk, G, S] -> [B, Hk, S]. "layer" averages every query head of the layer (TOVA's and kvpress's
+    choice) and gives the mean to every KV head: their slots hold the same positions (equal priorities
+    make equal choices from the first eviction on), so every KV head keeps the same tokens."""
+    if policy.aggregate == "layer":
+        B, Hk, _, S = per_head.shape
+        return jnp.broadcast_to(jnp.mean(per_head, axis=(1, 2))[:, None], (B, Hk, S))
     return {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max}[policy.aggregate](per_head, axis=2)
 
 

@@ -57,7 +57,7 @@ SCORERS = (BASES + tuple(f"{b}+{m}" for b in ("h2o", "tova", "snapkv") for m in 
            + ("streamingllm+momentkv-nc",) + tuple(ALIASES))
 PROTOCOLS = ("blockwise", "prefill")
 POOLS = ("max", "avg", "none")
-AGGREGATES = ("sum", "mean", "max")
+AGGREGATES = ("sum", "mean", "max", "layer")
 NEAR_TIE_RTOL = 1e-6
 S_TILDE_CLAMP = 1e-6  # NC: entries of S̃ of magnitude below this are set to 0 (App. C.2)
 
@@ -538,16 +538,41 @@ class Reference:
                                 s.state[g] = col[j]
                             else:  # h2o, snapkv
                                 s.state[g] += col[j]
-                # 4. evict
-                if evict_point:
-                    self._evict(layer, kh)
+            # 4. evict (each KV head by its own priorities, or by the layer's shared ones)
+            if evict_point:
+                shared = self._layer_priorities(layer) if self.aggregate == "layer" else None
+                for kh in range(cfg.n_kv_heads):
+                    self._evict(layer, kh, shared)
             for t, p in enumerate(positions):
                 self.history[layer]["o"][int(p)] = attn[t].copy()
             # 5. the rest of the layer (eviction above did not touch this step's attention output)
             x = finish_layer(cfg, w, layer, x, attn)
         return logits_of(cfg, w, x)
 
-    def _evict(self, layer: int, kh: int):
+    def _priorities(self, layer: int, kh: int, aggregate: str) -> np.ndarray:
+        slots = self.cache[layer][kh]
+        positions = [s.position for s in slots]
+        states = np.stack([s.state for s in slots])
+        protected = protected_mask(positions, seen=self.seen, n_sink=self.n_sink, window=self.window)
+        opts = dict(pool=self.pool, kernel=self.kernel, aggregate=aggregate)
+        if self.caote:
+            return caote_priorities(states, np.stack([s.value for s in slots]), protected, base=self.base,
+                                    fast=self.modifier == "fastcaote", **opts)
+        return base_priorities(positions, states, protected, base=self.base, **opts)
+
+    def _layer_priorities(self, layer: int) -> np.ndarray:
+        """aggregate="layer": the mean over the KV heads of each head's group-mean priorities (the mean over
+        every query head of the layer), given to every head; their kept positions must coincide."""
+        heads = [[s.position for s in slots] for slots in self.cache[layer]]
+        assert all(h == heads[0] for h in heads), "aggregate='layer' keeps the same tokens in every KV head"
+        if self.base == "snapkv" and not self.caote:  # pooling is applied to the layer mean, not per head
+            mean = np.mean([np.stack([s.state for s in slots]) for slots in self.cache[layer]], axis=0)
+            protected = protected_mask(heads[0], seen=self.seen, n_sink=self.n_sink, window=self.window)
+            return base_priorities(heads[0], mean, protected, base=self.base, pool=self.pool, kernel=self.kernel,
+                                   aggregate="mean")
+        return np.mean([self._priorities(layer, kh, "mean") for kh in range(len(heads))], axis=0)
+
+    def _evict(self, layer: int, kh: int, shared: np.ndarray | None = None):
         if self.budget is None:
             return
         slots = self.cache[layer][kh]
@@ -555,12 +580,7 @@ class Reference:
             positions = [s.position for s in slots]
             states = np.stack([s.state for s in slots])
             protected = protected_mask(positions, seen=self.seen, n_sink=self.n_sink, window=self.window)
-            opts = dict(pool=self.pool, kernel=self.kernel, aggregate=self.aggregate)
-            if self.caote:
-                prio = caote_priorities(states, np.stack([s.value for s in slots]), protected, base=self.base,
-                                        fast=self.modifier == "fastcaote", **opts)
-            else:
-                prio = base_priorities(positions, states, protected, base=self.base, **opts)
+            prio = self._priorities(layer, kh, self.aggregate) if shared is None else shared
             if self.moment_informed:
                 d = select_moment_informed(positions, np.stack([s.key for s in slots]),
                                            np.stack([s.value for s in slots]), protected, prio, self.budget,

@@ -134,6 +134,7 @@ def test_same_request_shape_does_not_recompile(tiny_llama, count_compiles):
     (dict(budget=64, aggregate="median"), "aggregate='median' must be one of"),
     (dict(budget=64, scorer="momentkv", mi_batch=0), "mi_batch=0 must be an integer >= 1"),
     (dict(budget=64, scorer="snapkv", mi_batch=4), "mi_batch=4 only applies to MomentKV"),
+    (dict(budget=64, scorer="momentkv", aggregate="layer"), "aggregate='layer' cannot be combined with 'momentkv'"),
 ])
 def test_bad_eviction_arguments(tiny_llama, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -54,6 +54,16 @@ MODIFIER_CASES = [
 ]
 
 
+# aggregate="layer": one mean over every query head of the layer, the same tokens kept in every KV head (the
+# reference asserts the heads' positions coincide before each shared decision).
+LAYER_CASES = [
+    dict(scorer="tova", n_sink=0, window=1, aggregate="layer"),
+    dict(scorer="snapkv", n_sink=2, window=4, obs_window=4, pool="max", kernel=3, aggregate="layer"),
+    dict(scorer="snapkv+caote", n_sink=2, window=4, obs_window=4, pool="avg", kernel=3, aggregate="layer"),
+    dict(scorer="h2o+obcache-key", n_sink=2, window=3, aggregate="layer"),
+]
+
+
 def distinct_prompts(seed=0):
     """Prompts without repeated tokens: equal tokens have equal layer-0 values, which makes exact ties."""
     rng = np.random.default_rng(seed)
@@ -70,6 +80,12 @@ def test_engine_matches_reference(model, case, protocol, evict_every):
 @pytest.mark.parametrize("protocol", ["blockwise", "prefill"])
 @pytest.mark.parametrize("case", MODIFIER_CASES, ids=lambda c: c["scorer"])
 def test_output_aware_engine_matches_reference(model, case, protocol):
+    check_against_reference(model, case, protocol, 2, distinct_prompts())
+
+
+@pytest.mark.parametrize("protocol", ["blockwise", "prefill"])
+@pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: c["scorer"])
+def test_layer_aggregate_matches_reference(model, case, protocol):
     check_against_reference(model, case, protocol, 2, distinct_prompts())
 
 

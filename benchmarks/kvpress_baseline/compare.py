@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 import kvjax  # noqa: E402
 from kvjax.eval import sweep  # noqa: E402
+from kvjax.eval.cli import RELIABLE  # noqa: E402
 from kvjax.eval.niah import TASKS, make_samples, score  # noqa: E402
 
 # kvjax scorer <-> kvpress press, and the kvjax options that mirror the press's own defaults.
@@ -34,8 +35,9 @@ PAIRS = {"snapkv": "snapkv", "tova": "tova", "streamingllm": "streamingllm", "h2
 MATCHED = {
     # kvpress SnapKVPress: window 64 (scoring queries, always kept), avg-pool kernel 5, no sinks, group mean.
     "snapkv": dict(n_sink=0, obs_window=64, window=64, pool="avg", kernel=5),
-    # kvpress TOVAPress: the last token's attention (averaged over all heads of the layer), last token kept.
-    "tova": dict(n_sink=0, window=1),
+    # kvpress TOVAPress: the last token's attention averaged over all heads of the layer (the same tokens kept
+    # in every KV head), last token kept.
+    "tova": dict(n_sink=0, window=1, aggregate="layer"),
     # kvpress StreamingLLMPress: 4 sinks and the most recent tokens (kvjax's defaults).
     "streamingllm": dict(n_sink=4),
     # kvpress ObservedAttentionPress: attention averaged over the queries that see a token; nothing protected.
@@ -47,7 +49,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024])
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512])
-    parser.add_argument("--samples", type=int, default=2, help="per task and haystack (5 tasks × 2 haystacks)")
+    parser.add_argument("--samples", type=int, default=2, help="per task and haystack")
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=RELIABLE["tasks"],
+                        help="default: the tasks SmolLM2 answers with the full cache")
     parser.add_argument("--scorers", nargs="+", choices=sorted(PAIRS), default=sorted(PAIRS))
     parser.add_argument("--settings", nargs="+", choices=sweep.SETTINGS, default=list(sweep.SETTINGS))
     parser.add_argument("--out", default="benchmarks/results/kvpress")
@@ -55,7 +59,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
 
     tokenizer = kvjax.load_tokenizer("smollm2-135m-instruct")
-    samples = make_samples(tokenizer, TASKS, ("filler", "pydoc"), args.lengths, args.samples)
+    samples = make_samples(tokenizer, args.tasks, RELIABLE["haystacks"], args.lengths, args.samples)
     samples_path = os.path.join(args.out, "samples.jsonl")
     with open(samples_path, "w") as f:
         for s in samples:

@@ -10,6 +10,7 @@ import time
 from kvjax.eval.haystack import HAYSTACKS
 from kvjax.eval.niah import TASKS
 from kvjax.eval.sweep import SETTINGS
+from kvjax.scorers import AGGREGATES
 
 # The tasks and haystacks on which SmolLM2-135M answers with the full cache (word values and the
 # multi-value task defeat the full cache itself; see docs/results.md).
@@ -112,7 +113,7 @@ def add_eval_parser(sub) -> None:
         p.add_argument("--obs-window", type=int, help="SnapKV observation window (default: 32)")
         p.add_argument("--pool", choices=["none", "max", "avg"], help="pooling (default: the scorer's)")
         p.add_argument("--kernel", type=int, help="pooling kernel (default: 7)")
-        p.add_argument("--aggregate", choices=["sum", "mean", "max"], help="query-head aggregation")
+        p.add_argument("--aggregate", choices=AGGREGATES, help="query-head aggregation")
         p.add_argument("--mi-batch", type=int, help="MomentKV tokens per statistics update (default: 1, exact)")
 
     n = kinds.add_parser("niah", help="RULER-style needle retrieval sweep (resumable: reruns skip done answers)")

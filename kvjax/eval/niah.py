@@ -141,7 +141,8 @@ def make_sample(tokenizer, task: str, haystack: str, length: int, index: int, n:
     if len(context) + len(asked_ids) < length - 64:
         raise ValueError(f"length={length}: the {haystack!r} haystack cannot fill it (got "
                          f"{len(context) + len(asked_ids)} tokens)")
-    return Sample(id=f"{task}/{haystack}/{length}/{index}", task=task, haystack=haystack, length=length, index=index,
+    return Sample(id=f"{task}/{haystack}/{length}/{index}of{n}/seed{seed}", task=task,
+                  haystack=haystack, length=length, index=index,
                   depth=depth, context=tuple(context), question=tuple(asked_ids), answers=answers,
                   max_new_tokens=max_new)
 
