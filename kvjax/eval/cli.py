@@ -65,6 +65,12 @@ def _niah(args) -> int:
     return 0
 
 
+def _save_json(results: dict, out: str, name: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(results, f, indent=1)
+
+
 def _ppl(args) -> int:
     import kvjax
     from kvjax.eval.perplexity import perplexity_table, run_perplexity
@@ -74,9 +80,7 @@ def _ppl(args) -> int:
     results = run_perplexity(params, tokenizer, args.scorers or ["streamingllm", "h2o", "tova"],
                              args.budgets or [256, 1024], length=args.length,
                              n_sink=args.n_sink if args.n_sink is not None else 4, window_edges=args.edges)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "ppl.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    _save_json(results, args.out, "ppl.json")
     print(perplexity_table(results))
     return 0
 
@@ -90,9 +94,7 @@ def _fidelity(args) -> int:
     results = run_fidelity(params, tokenizer, args.scorers or ["streamingllm", "h2o", "tova", "snapkv"],
                            args.budgets or [128, 512], length=args.length,
                            continuation=args.continuation, prompts=args.prompts, options=_policy_options(args))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fidelity.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    _save_json(results, args.out, "fidelity.json")
     print(fidelity_table(results))
     return 0
 

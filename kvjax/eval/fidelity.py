@@ -17,6 +17,7 @@ from flax import struct
 from kvjax.cache import FullCache, Segment
 from kvjax.engine import Eviction
 from kvjax.eval.haystack import pydoc_prose
+from kvjax.eval.sweep import scorer_options
 from kvjax.model import decode_hidden, logits_from_hidden
 from kvjax.params import Params
 
@@ -92,7 +93,7 @@ def run_fidelity(params: Params, tokenizer, scorers, budgets, length: int = 2048
         full_outs, full_logits = full_outputs(params, jnp.asarray(tokens)[None], continuation)
         shared = kvjax.prefill_full(params, tokens[:length])
         for (scorer, budget), run in runs.items():
-            context = shared.compress(budget=budget, scorer=scorer, **(options or {}))
+            context = shared.compress(budget=budget, scorer=scorer, **scorer_options(scorer, options or {}))
             outs, logits = compressed_outputs(params, context.cache, jnp.asarray(tokens[length:])[None],
                                               jnp.asarray(context.lengths), context.ev.without_eviction())
             run["layer_errors"].append(layer_errors(full_outs, outs))
