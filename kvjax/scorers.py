@@ -82,7 +82,8 @@ class Policy:
 
     budget: slots kept per (layer, row, KV head); n_sink: first tokens never evicted; window: most recent
     tokens never evicted; obs_window: scoring queries of "window" scorers; pool/kernel: 1-D pooling of the
-    priorities along positions; aggregate: how the G query heads of a KV head combine; mi_batch: tokens
+    priorities along positions; aggregate: how the G query heads of a KV head combine ("layer": every
+    query head of the layer, the same tokens kept in every KV head); mi_batch: tokens
     MomentKV's moment-informed eviction removes per statistics update (1 = Algorithm 1's exact rule);
     impl: how attention with scores runs (``kvjax.kernels``: None = per platform, XLA on CPU; "xla";
     "pallas" = the platform's kernels, interpreted on CPU; "pallas_tpu" / "pallas_gpu").
