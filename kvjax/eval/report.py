@@ -46,7 +46,7 @@ def timing(rows: Sequence[Row]) -> str:
     per = collections.defaultdict(list)
     for r in rows:
         per[Method(r.scorer, r.budget, r.protocol).label].append(r.seconds)
-    shared = {(r.sample, r.setting): r.prefill_seconds for r in rows if r.prefill_seconds}
+    shared = {r.sample: r.prefill_seconds for r in rows if r.prefill_seconds}  # one prefill serves both settings
     lines = ["| method | answers | seconds per answer |", "| --- | ---: | ---: |"]
     lines += [f"| {k} | {len(v)} | {sum(v) / len(v):.2f} |" for k, v in sorted(per.items())]
     if shared:
