@@ -268,9 +268,12 @@ def _custom_calls(fn, platform, *structs):
     return re.findall(r"custom_call @([\w$.]+)", exported.mlir_module())
 
 
+# (platform, impl, the custom call its kernels lower to)
+LOWERINGS = [("tpu", "pallas_tpu", "tpu_custom_call"), ("cuda", "pallas_gpu", TRITON_CALL)]
+
+
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
-@pytest.mark.parametrize("platform,impl,call", [("tpu", "pallas_tpu", "tpu_custom_call"),
-                                                ("cuda", "pallas_gpu", TRITON_CALL)])
+@pytest.mark.parametrize("platform,impl,call", LOWERINGS)
 def test_block_kernels_lower_at_model_shapes(geometry, platform, impl, call):
     Hk, G, K, S = GEOMETRIES[geometry]
     structs = _structs("block", Hk, G, K, S)
@@ -282,8 +285,7 @@ def test_block_kernels_lower_at_model_shapes(geometry, platform, impl, call):
 
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
-@pytest.mark.parametrize("platform,impl,call", [("tpu", "pallas_tpu", "tpu_custom_call"),
-                                                ("cuda", "pallas_gpu", TRITON_CALL)])
+@pytest.mark.parametrize("platform,impl,call", LOWERINGS)
 def test_decode_kernels_lower_at_model_shapes(geometry, platform, impl, call):
     Hk, G, K, S = GEOMETRIES[geometry]
     structs = _structs("decode", Hk, G, K, S)
