@@ -32,13 +32,15 @@ def measure(mode: str, length: int, args) -> dict:
     from kvjax.budget_cache import BudgetCache
     from kvjax.cache import FullCache
     from kvjax.engine import round_capacity
-    from kvjax.generate import Generation, eviction_settings, prompt_bucket
+    from kvjax.decoding import Generation
+    from kvjax.inputs import prompt_bucket
+    from kvjax.options import eviction_from
     from kvjax.sampling import Sampling
 
     params = kvjax.load(MODEL)
     cfg = params.config
     prompt = np.random.default_rng(0).integers(100, 40000, length).astype(np.int32)
-    ev = None if mode == "full" else eviction_settings(args.budget, scorer=args.scorer, block_size=args.block_size)
+    ev = None if mode == "full" else eviction_from(budget=args.budget, scorer=args.scorer, block_size=args.block_size)
 
     def start():
         t = time.perf_counter()

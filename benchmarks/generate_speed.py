@@ -29,7 +29,7 @@ import numpy as np
 
 import kvjax
 from kvjax.checkpoint.registry import REGISTRY
-from kvjax.generate import Generation
+from kvjax.decoding import Generation
 from kvjax.sampling import Sampling
 
 MODEL = "smollm2-135m-instruct"

@@ -17,7 +17,7 @@ does; logical bytes, ignoring the (8, 128) tile padding of HBM layouts) and the 
 transposed into per-head rows; the cache itself is never copied: the last key tile is ragged and masked
 in the kernel), versus the sizes of the reference's materialised intermediates: each [B, Hk, G, T, S]
 array (logits, softmax weights, score coefficients) and the [B, Hk, G, c, S, K] differences v_s − o_t
-of each c-query chunk that scores (c = min(T, 8), ``kvjax.ops.residual_sums``). XLA fuses some of the
+of each c-query chunk that scores (c = min(T, 8), ``kvjax.kernels.block_attention.reference.residual_sums``). XLA fuses some of the
 [T, S] arrays, so that column is what the reference asks for, not what a given XLA version keeps live;
 the temp-buffer column is what XLA:CPU kept.
 
@@ -38,7 +38,7 @@ from kvjax.kernels import block_attention_with_scores, decode_attention_with_sco
 from kvjax.kernels._shared import next_pow2, round_up
 from kvjax.kernels.block_attention import tpu as block_tpu
 
-from kvjax.ops import RESIDUAL_CHUNK
+from kvjax.kernels.block_attention.reference import RESIDUAL_CHUNK
 
 HK, G, K = 3, 3, 64  # SmolLM2-135M
 BLOCK_T, BLOCK_S, WINDOW = 128, 640, 32
@@ -111,7 +111,7 @@ def reference_intermediates(T, S, s, score, scoring_queries):
     ts = HK * G * T * S * 4
     n = 4 + (1 if s == 2 else 0)  # z, logits, exp, weights (+ weights cast to bf16, counted as f32 here)
     n += {"attn": 1, "obcache-value": 1, "obcache-key": 3, "obcache-joint": 4}[score]  # w·A / A², z0, coefs
-    c = min(T, RESIDUAL_CHUNK)  # queries per chunk of kvjax.ops.residual_sums
+    c = min(T, RESIDUAL_CHUNK)  # queries per chunk of kvjax.kernels.block_attention.reference.residual_sums
     chunks = -(-scoring_queries // c) if score in ("obcache-key", "obcache-joint") else 0
     return n * ts, chunks * HK * G * c * S * K * 4
 

@@ -20,9 +20,10 @@ import jax
 import numpy as np
 
 import kvjax
-from kvjax.generate import Generation, eviction_settings
+from kvjax.decoding import Generation
+from kvjax.options import eviction_from
 from kvjax.sampling import Sampling
-from kvjax.scorers import scorer_names
+from kvjax.scorers import SCORERS
 
 DEFAULT = ["snapkv", "h2o", "tova", "streamingllm", "snapkv+obcache-value", "snapkv+obcache-key",
            "snapkv+obcache-joint", "h2o+obcache-value", "snapkv+caote", "snapkv+fastcaote", "momentkv",
@@ -32,7 +33,7 @@ TARGETS = {"snapkv+obcache-value": 1.05, "h2o+obcache-value": 1.05, "momentkv": 
 
 def measure(params, prompt, scorer: str, args) -> tuple[float, float]:
     """(prefill seconds, decode ms/token) of one compiled run."""
-    ev = eviction_settings(args.budget, scorer=scorer, block_size=args.block_size)
+    ev = eviction_from(budget=args.budget, scorer=scorer, block_size=args.block_size)
     start = time.perf_counter()
     gen = Generation.from_prompts(params, [prompt], args.new_tokens + 1, Sampling(), 0, (), ev)
     jax.block_until_ready(gen.state)
@@ -45,7 +46,7 @@ def measure(params, prompt, scorer: str, args) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scorers", nargs="+", default=DEFAULT, choices=scorer_names(), metavar="SCORER")
+    parser.add_argument("--scorers", nargs="+", default=DEFAULT, choices=list(SCORERS), metavar="SCORER")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--length", type=int, default=2048, help="prompt tokens")
     parser.add_argument("--block-size", type=int, default=128)

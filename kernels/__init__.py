@@ -6,14 +6,22 @@ One folder per operation, in the style of JAX's ``pallas/ops`` and openxla/tokam
 ``jax.lax.platform_dependent``).
 
 * ``block_attention_with_scores`` — a block of queries over the cache slots: attention output, lse and
-  the per-slot eviction scores (attention column or OBCache saliency), as ``kvjax.ops.attention_with_scores``.
+  the per-slot eviction scores (attention column or OBCache saliency); the formulas are in
+  ``block_attention.reference.attention_with_scores``.
 * ``decode_attention_with_scores`` — one query per sequence, plus MomentKV's normalization correction.
 
 What runs where, tiling rules and what has (not) been checked on hardware: ``docs/kernels.md``.
+
+The package stands alone: it imports nothing of kvjax outside ``kvjax.kernels``. Besides the per-platform
+functions it exports the XLA forms kvjax also calls directly: ``attention_with_scores`` (dense mask; the full
+cache) and ``corrected_attention`` (MomentKV's correction), with the score kinds ``SCORE_KINDS``.
 """
 
-from kvjax.kernels._shared import IMPLS
+from kvjax.kernels._shared import IMPLS, SCORE_KINDS
 from kvjax.kernels.block_attention import block_attention_with_scores
+from kvjax.kernels.block_attention.reference import attention_with_scores
 from kvjax.kernels.decode_attention import decode_attention_with_scores
+from kvjax.kernels.decode_attention.reference import corrected_attention
 
-__all__ = ["IMPLS", "block_attention_with_scores", "decode_attention_with_scores"]
+__all__ = ["IMPLS", "SCORE_KINDS", "attention_with_scores", "block_attention_with_scores", "corrected_attention",
+           "decode_attention_with_scores"]

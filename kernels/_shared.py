@@ -7,9 +7,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvjax.ops import NEG_INF, SCORE_KINDS  # the kernels mask invisible slots as kvjax.ops does
-
 IMPLS = (None, "xla", "pallas", "pallas_tpu", "pallas_gpu")
+NEG_INF = -1e30  # the logit of an invisible slot (finite: a fully masked row gives garbage, never NaN)
+# What the per-slot score column holds: the attention column, or an OBCache saliency.
+SCORE_KINDS = ("attn", "obcache-value", "obcache-key", "obcache-joint")
 
 # Dot dimension numbers: a [M, K] · b [N, K] -> [M, N] (contract the last dims of both, "A Bᵀ").
 NT_DIMS = (((1,), (1,)), ((), ()))

@@ -15,9 +15,10 @@ from flax import struct
 
 from kvjax.cache import Segment
 from kvjax.config import ModelConfig
-from kvjax.kernels import block_attention_with_scores, decode_attention_with_scores
-from kvjax.moments import corrected_attention, moment_informed_eviction
-from kvjax.scorers import Policy, priority, update_state
+from kvjax.kernels import block_attention_with_scores, corrected_attention, decode_attention_with_scores
+from kvjax.moments import moment_informed_eviction
+from kvjax.priorities import priority, update_state
+from kvjax.scorers import Policy
 from kvjax.slots import row_head_index
 
 
@@ -56,10 +57,9 @@ class BudgetCache:
     state: jax.Array
     order: jax.Array
     moments: Moments
-    policy: Policy = struct.field(pytree_node=False)
 
     @classmethod
-    def init(cls, cfg: ModelConfig, policy: Policy, batch: int, slots: int, dtype) -> BudgetCache:
+    def init(cls, cfg: ModelConfig, batch: int, slots: int, dtype) -> BudgetCache:
         L, Hk, K = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         f32 = jnp.float32
         return cls(k=jnp.zeros((L, batch, Hk, slots, K), dtype), v=jnp.zeros((L, batch, Hk, slots, K), dtype),
@@ -68,8 +68,7 @@ class BudgetCache:
                    order=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (L, batch, Hk, slots)),
                    moments=Moments(count=jnp.zeros((L, batch, Hk), f32), k_sum=jnp.zeros((L, batch, Hk, K), f32),
                                    v_sum=jnp.zeros((L, batch, Hk, K), f32),
-                                   vk_sum=jnp.zeros((L, batch, Hk, K, K), f32)),
-                   policy=policy)
+                                   vk_sum=jnp.zeros((L, batch, Hk, K, K), f32)))
 
     @property
     def slots(self) -> int:
@@ -100,7 +99,8 @@ class BudgetCache:
                seg: Segment) -> tuple[jax.Array, BudgetCache]:
         """Layer ``layer``: put k, v [B, T, Hk, K] in the first free slots of ``order`` (written in place in
         the stacked arrays: keys and values never move), attend q [B, T, H, K], update the scores and evict
-        if ``seg.evict`` says so, which rewrites only the layer's small per-slot arrays."""
+        if ``seg.evict`` says so, which rewrites only the layer's small per-slot arrays. ``seg.policy`` says
+        how."""
         B, T, Hk, _ = k.shape
         small = jax.tree.map(lambda x: x[layer], self.replace(k=None, v=None))
         count = (small.pos >= 0).sum(-1)  # [B, Hk]
@@ -110,7 +110,7 @@ class BudgetCache:
         v_all = self.v.at[(layer,) + at].set(v.swapaxes(1, 2).astype(self.v.dtype))
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
         here = small.replace(k=k_all[layer], v=v_all[layer], pos=small.pos.at[at].set(new_pos))
-        p = self.policy
+        p = seg.policy
         attention = (q, here.k, here.v, here.pos, seg.positions, seg.query_weights, p.score_kind)
         if T == 1:  # decoding: the decode kernel, MomentKV's correction included
             moments = here.moments if p.moment_correction else None
@@ -122,18 +122,18 @@ class BudgetCache:
         if col is not None:  # new slots start from zero: empty slots hold a zero state
             here = here.replace(state=update_state(p, here.state, col, seg.query_weights.sum(-1) > 0))
         if isinstance(seg.evict, bool):  # known statically: no cond
-            here = here.evict(seg.seen) if seg.evict else here
+            here = here.evict(p, seg.seen) if seg.evict else here
         else:
-            here = jax.lax.cond(seg.evict, lambda c: c.evict(seg.seen), lambda c: c, here)
+            here = jax.lax.cond(seg.evict, lambda c: c.evict(p, seg.seen), lambda c: c, here)
         small = jax.tree.map(lambda full, x: full.at[layer].set(x), self.replace(k=None, v=None),
                              here.replace(k=None, v=None))
         return out, small.replace(k=k_all, v=v_all)
 
-    def evict(self, seen: jax.Array) -> BudgetCache:
-        """One layer: keep ``budget`` slots per (row, KV head); seen: [B] one past the newest position."""
-        p, b = self.policy, self.policy.budget
+    def evict(self, p: Policy, seen: jax.Array) -> BudgetCache:
+        """One layer: keep ``p.budget`` slots per (row, KV head); seen: [B] one past the newest position."""
+        b = p.budget
         if self.slots <= b:  # everything fits: only the state reset remains
-            return self.replace(state=_reset(self.state)) if p.spec.reset_after_evict else self
+            return self.replace(state=_reset(self.state)) if p.base_spec.reset_after_evict else self
         pos = self.pos
         valid = pos >= 0
         protected = valid & ((pos < p.n_sink) | (pos >= seen[:, None, None] - p.window))
@@ -148,16 +148,16 @@ class BudgetCache:
         key = jnp.where(unprotected, prio, jnp.where(protected, jnp.inf, -jnp.inf))
         key = jnp.take_along_axis(key, self.order, -1)  # in position order: ties go to the earlier position
         if n_drop <= UNROLLED_DROPS:
-            return self._drop_few(lowest_few(key, n_drop))
+            return self._drop_few(p, lowest_few(key, n_drop))
         drop = lowest_slots(key, n_drop)
         # Stable partition of the order: kept slots first (valid ones stay in position order), dropped after.
         dest = jnp.where(drop, b + jnp.cumsum(drop, -1) - 1, jnp.cumsum(~drop, -1) - 1)
         rank = jnp.broadcast_to(jnp.arange(self.slots), pos.shape)
         index = jnp.zeros_like(rank).at[row_head_index(dest) + (dest,)].set(rank)
         order = jnp.take_along_axis(self.order, index, -1)
-        return self._release(order, order[..., b:])
+        return self._release(p, order, order[..., b:])
 
-    def _drop_few(self, dropped: jax.Array) -> BudgetCache:
+    def _drop_few(self, p: Policy, dropped: jax.Array) -> BudgetCache:
         """Drop the distinct places ``dropped`` [B, Hk, n] of ``order``: one shift per place, highest first,
         each moving the freed slot to the end of the order (no sort, no gather of keys or values)."""
         order = self.order
@@ -169,15 +169,15 @@ class BudgetCache:
             freed = jnp.take_along_axis(order, place, -1)
             shifted = jnp.concatenate([order[..., 1:], freed], -1)
             order = jnp.where(rank >= place, shifted, order)
-        return self._release(order, slots)
+        return self._release(p, order, slots)
 
-    def _release(self, order: jax.Array, dropped: jax.Array) -> BudgetCache:
+    def _release(self, p: Policy, order: jax.Array, dropped: jax.Array) -> BudgetCache:
         """Free the ``dropped`` [B, Hk, E] slots (empty ones among them are left as they are): their tokens
         join the moments, their position becomes -1 and their state 0; ``order`` is the new order."""
         take = lambda x: jnp.take_along_axis(x, dropped[..., None], axis=-2)  # noqa: E731
         weight = (jnp.take_along_axis(self.pos, dropped, -1) >= 0).astype(jnp.float32)
         freed = jnp.zeros(self.pos.shape, bool).at[row_head_index(dropped) + (dropped,)].set(True)
-        if self.policy.spec.reset_after_evict:
+        if p.base_spec.reset_after_evict:
             state = _reset(self.state)
         else:
             state = jnp.where(freed[:, :, None, :], 0.0, self.state)

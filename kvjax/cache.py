@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.config import ModelConfig
-from kvjax.ops import attention_with_scores
+from kvjax.kernels import attention_with_scores
+from kvjax.scorers import Policy
 
 PREFILL_CHUNK = 256  # query chunk of the full-cache causal prefill
 
@@ -24,7 +25,8 @@ class Segment:
     seen: [B] int32 one past the newest valid position after this call; evict: whether this call ends with
     an eviction (a Python bool when known statically, else a traced bool scalar); from_start (static):
     positions are ``0 … T-1`` in every row (a prefill into an empty cache), which lets the full cache skip
-    the masked upper triangle.
+    the masked upper triangle; policy (static): how a budget cache scores and evicts (None for the full
+    cache), taken from the engine's ``Eviction``.
     """
 
     positions: jax.Array
@@ -33,6 +35,7 @@ class Segment:
     query_weights: jax.Array | None = None
     seen: jax.Array | None = None
     evict: jax.Array | None = None
+    policy: Policy | None = struct.field(pytree_node=False, default=None)
 
 
 @struct.dataclass

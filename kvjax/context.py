@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.budget_cache import BudgetCache
-from kvjax.engine import Eviction, round_capacity
-from kvjax.generate import (DecodeState, Generation, check_context, check_max_new, check_tokens, eviction_settings,
-                            extend_budget, pad_rows, prompt_bucket)
+from kvjax.decoding import DecodeState, Generation, prefill_budget_cache
+from kvjax.engine import Eviction
+from kvjax.inputs import check_context, check_max_new, check_tokens, pad_rows, prompt_bucket, round_capacity
+from kvjax.options import eviction_from
 from kvjax.params import Params
 from kvjax.sampling import Sampling
 
@@ -37,18 +38,20 @@ class Context:
     batched: bool
 
 
-def prefill(params: Params, tokens, *, budget: int = 1024, scorer: str = "snapkv", protocol: str = "blockwise",
-            block_size: int = 128, evict_every: int = 1, decode_evict: bool = True, **policy) -> Context:
-    """Prefill and compress prompts (1-D or a batch) under a budget; keywords as in ``kvjax.generate``."""
-    if budget is None:
-        raise ValueError("budget=None: prefill builds a compressed context; use kvjax.generate for a full cache")
-    ev = eviction_settings(budget, scorer, protocol, block_size, evict_every, decode_evict, **policy)
+def prefill(params: Params, tokens, **eviction) -> Context:
+    """Prefill and compress prompts (1-D or a batch) under a budget. ``eviction``: the keywords of
+    ``kvjax.EvictionOptions``, as ``kvjax.generate``; ``budget`` is required."""
+    ev = eviction_from(**eviction)
+    if ev is None:
+        raise ValueError("budget=None: prefill builds a compressed context and needs a budget; use "
+                         "kvjax.generate (or kvjax.prefill_full) for a full cache")
     rows, batched = check_tokens(tokens, params.config.vocab_size)
     longest = max(len(r) for r in rows)
     check_context(params.config, longest, 0)
-    padded, lengths = pad_rows(rows, prompt_bucket(longest, block_size), params.config.pad_token_id)
-    state = extend_budget(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32), jnp.asarray(lengths),
-                          jax.random.key(0), ev=ev, out_width=1, decode_slots=ev.decode_slots(0))
+    padded, lengths = pad_rows(rows, prompt_bucket(longest, ev.block_size), params.config.pad_token_id)
+    state = prefill_budget_cache(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
+                                 jnp.asarray(lengths), jax.random.key(0), ev=ev, out_width=1,
+                                 decode_slots=ev.decode_slots(0))
     return Context(cache=state.cache, lengths=lengths, logits=state.logits, ev=ev, batched=batched)
 
 
@@ -73,12 +76,11 @@ def decode(params: Params, context: Context, tokens=None, max_new_tokens: int = 
     max_new = check_max_new(max_new_tokens)
     cfg = params.config
     ev = context.ev if evict else context.ev.without_eviction()
-    cache = context.cache if evict else context.cache.replace(policy=ev.policy)
     out_width, key = round_capacity(max_new), jax.random.key(seed)
     slots = ev.decode_slots(out_width)
     if tokens is None:
         check_context(cfg, int(context.lengths.max()), max_new, what="context length")
-        copies = jax.tree.map(jnp.copy, (cache, context.logits))
+        copies = jax.tree.map(jnp.copy, (context.cache, context.logits))
         state = _resume(copies[0], jnp.asarray(context.lengths), copies[1], key, out_width=out_width, slots=slots)
     else:
         rows, _ = check_tokens(tokens if context.batched else [np.asarray(tokens)], cfg.vocab_size)
@@ -89,8 +91,8 @@ def decode(params: Params, context: Context, tokens=None, max_new_tokens: int = 
         padded, lengths = pad_rows(rows, prompt_bucket(max(len(r) for r in rows), ev.block_size), cfg.pad_token_id)
         if not evict:  # room for the appended tokens too
             slots = ev.extend_slots(padded.shape[1]) + out_width
-        state = extend_budget(params, cache, jnp.asarray(padded), jnp.asarray(context.lengths),
-                              jnp.asarray(lengths), key, ev=ev, out_width=out_width, decode_slots=slots)
+        state = prefill_budget_cache(params, context.cache, jnp.asarray(padded), jnp.asarray(context.lengths),
+                                     jnp.asarray(lengths), key, ev=ev, out_width=out_width, decode_slots=slots)
     gen = Generation(params, state, max_new, Sampling(temperature, top_k, top_p), stop_ids, ev)
     out = gen.run(max_new)
     return out if context.batched else out[0]

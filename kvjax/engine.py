@@ -1,6 +1,7 @@
 """The eviction engine: block-wise and prefill-then-evict protocols under ``lax.scan``, and decode steps.
 
-``Eviction`` is the static description of one engine configuration (jit static argument).
+``Eviction`` is the static description of one engine configuration (a jit static argument) and the one owner
+of its ``Policy``: the ``Segment`` of every forward call carries the policy to the cache.
 """
 
 from __future__ import annotations
@@ -12,18 +13,14 @@ import jax.numpy as jnp
 
 from kvjax.budget_cache import BudgetCache
 from kvjax.cache import Segment
+from kvjax.inputs import round_capacity
 from kvjax.model import decode_hidden
 from kvjax.params import Params
-from kvjax.scorers import Policy, query_weights
+from kvjax.priorities import query_weights
+from kvjax.scorers import Policy
 
 PROTOCOLS = ("blockwise", "prefill")
-CAPACITY_STEP = 256
 APPEND = "append"  # internal protocol: feed tokens without any eviction point (``Eviction.without_eviction``)
-
-
-def round_capacity(n: int) -> int:
-    """Static lengths that depend on the request are rounded up to ``CAPACITY_STEP`` to share compilations."""
-    return -(-n // CAPACITY_STEP) * CAPACITY_STEP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +62,8 @@ class Eviction:
         rounded up to ``CAPACITY_STEP`` (which sizes the cache): every other scorer and nearby budgets then
         share one compilation."""
         nc = self.policy.modifier if self.policy.moment_correction else ""
-        policy = Policy("streamingllm", budget=round_capacity(self.policy.budget), n_sink=0, window=0, obs_window=1, pool="none", kernel=1,
-                        aggregate="mean", modifier=nc, impl=self.policy.impl)
+        policy = Policy("streamingllm", budget=round_capacity(self.policy.budget), n_sink=0, window=0, obs_window=1,
+                        pool="none", kernel=1, aggregate="mean", modifier=nc, impl=self.policy.impl)
         return Eviction(policy, protocol=APPEND, block_size=self.block_size, decode_evict=False)
 
     def decode_slots(self, max_new_tokens: int) -> int:
@@ -94,7 +91,7 @@ def extend(params: Params, cache: BudgetCache, tokens: jax.Array, start: jax.Arr
         end = seen if ev.protocol == "blockwise" else start + lengths
         evict = {"blockwise": True, "prefill": i == n_blocks - 1, APPEND: False}[ev.protocol]
         seg = Segment(positions=positions, valid=valid, query_weights=query_weights(ev.policy, positions, valid, end),
-                      seen=seen, evict=evict)
+                      seen=seen, evict=evict, policy=ev.policy)
         hidden, cache = decode_hidden(params, jax.lax.dynamic_slice_in_dim(tokens, i * m, m, axis=1), cache, seg)
         here = lengths - 1 - i * m
         h = jnp.take_along_axis(hidden, jnp.clip(here, 0, m - 1)[:, None, None], axis=1)[:, 0]
@@ -118,4 +115,4 @@ def decode_segment(ev: Eviction | None, step: jax.Array, lengths: jax.Array, act
         evict = (step + 1) % ev.evict_every == 0
     return Segment(positions=positions, valid=valid,
                    query_weights=query_weights(ev.policy, positions, valid, lengths + 1), seen=lengths + 1,
-                   evict=evict)
+                   evict=evict, policy=ev.policy)

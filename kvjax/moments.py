@@ -1,4 +1,5 @@
-"""MomentKV on one layer's slice: moment-informed eviction (MI) and normalization-corrected attention (NC).
+"""MomentKV's moment-informed eviction (MI) on one layer's slice. Its normalization-corrected attention (NC) is part
+of the attention kernels' semantics: ``kvjax.kernels.decode_attention.reference.corrected_attention``.
 
 Statistics per (row, KV head) of the evicted set E (``kvjax.budget_cache.Moments``): n = |E|, s_k = Σ k,
 s_v = Σ v, S = Σ v kᵀ. Means k̄ = s_k/n, v̄ = s_v/n; centred S̃ = S − s_v s_kᵀ/n (MomentKV Eq. 9).
@@ -10,44 +11,6 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.slots import row_head_index
-
-CLAMP = 1e-6  # entries of S̃ below this magnitude are set to zero (MomentKV App. C.2)
-
-
-def centred_outer(count: jax.Array, k_sum: jax.Array, v_sum: jax.Array, vk_sum: jax.Array) -> jax.Array:
-    """S̃ [..., K, K] with the App. C.2 clamp; zero where count == 0."""
-    n = jnp.maximum(count, 1.0)[..., None, None]
-    s = vk_sum - v_sum[..., :, None] * k_sum[..., None, :] / n
-    return jnp.where((jnp.abs(s) < CLAMP) | (count[..., None, None] == 0), 0.0, s)
-
-
-def corrected_attention(out: jax.Array, lse: jax.Array, q: jax.Array, moments, zeroth: bool) -> jax.Array:
-    """NC: mix the attention over kept slots with the moment estimate of the evicted ones (in log space).
-
-    out: [B, T, H, K] attention over the kept slots f_R; lse: [B, T, H] = log Z_R; q: [B, T, H, K];
-    moments: one layer's Moments ([B, Hk, ...]). Returns ŵ f_R + (1 − ŵ) f̂_E, with
-    log ŵ = log Z_R − logaddexp(log Z_R, log n + q·k̄/√d) and f̂_E = v̄ + S̃ q/(n√d) (v̄ alone if zeroth);
-    rows and heads with nothing evicted are returned unchanged.
-    """
-    B, T, H, K = q.shape
-    Hk = moments.count.shape[1]
-    G = H // Hk
-    n = moments.count  # [B, Hk]
-    safe_n = jnp.maximum(n, 1.0)
-    k_mean = moments.k_sum / safe_n[..., None]
-    v_mean = moments.v_sum / safe_n[..., None]
-    qg = q.astype(jnp.float32).reshape(B, T, Hk, G, K)
-    scale = jnp.sqrt(jnp.float32(K))
-    mean_logit = jnp.einsum("bthgk,bhk->bthg", qg, k_mean) / scale
-    estimate = jnp.broadcast_to(v_mean[:, None, :, None, :], qg.shape)
-    if not zeroth:
-        s_tilde = centred_outer(n, moments.k_sum, moments.v_sum, moments.vk_sum)
-        estimate = estimate + jnp.einsum("bhij,bthgj->bthgi", s_tilde, qg) / (safe_n[:, None, :, None, None] * scale)
-    lse_r = lse.reshape(B, T, Hk, G)
-    log_w = lse_r - jnp.logaddexp(lse_r, jnp.log(safe_n)[:, None, :, None] + mean_logit)
-    w = jnp.where((n > 0)[:, None, :, None], jnp.exp(log_w), 1.0)[..., None]
-    mixed = w * out.astype(jnp.float32).reshape(B, T, Hk, G, K) + (1.0 - w) * estimate
-    return mixed.reshape(B, T, H, K).astype(out.dtype)
 
 
 def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict: jax.Array, k: jax.Array,

@@ -20,14 +20,15 @@ from flax import struct
 from kvjax.budget_cache import BudgetCache, Moments
 from kvjax.cache import PREFILL_CHUNK, FullCache, Segment
 from kvjax.context import Context
-from kvjax.engine import round_capacity
-from kvjax.generate import (Generation, check_context, check_max_new, check_tokens, eviction_settings, pad_rows,
-                            prompt_bucket, start_state)
+from kvjax.decoding import Generation, start_state
+from kvjax.inputs import check_context, check_max_new, check_tokens, pad_rows, prompt_bucket, round_capacity
+from kvjax.kernels import attention_with_scores
 from kvjax.model import decode_hidden, logits_from_hidden
-from kvjax.ops import attention_with_scores
+from kvjax.options import EvictionOptions
 from kvjax.params import Params
+from kvjax.priorities import query_weights, update_state
 from kvjax.sampling import Sampling
-from kvjax.scorers import Policy, query_weights, update_state
+from kvjax.scorers import Policy
 
 
 @struct.dataclass
@@ -58,7 +59,7 @@ def _scoring_queries(policy: Policy, q: jax.Array, lengths: jax.Array):
     [B, W], weights [B, W]); the last ``obs_window`` (or the last) positions only, when that is all that
     scores, else every position."""
     B, P = q.shape[:2]
-    kind = policy.spec.queries
+    kind = policy.base_spec.queries
     if kind == "all":
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     else:
@@ -76,7 +77,7 @@ def _scoring_state(policy: Policy, q: jax.Array, k: jax.Array, v: jax.Array, len
     q: [L, B, P, H, K]; k, v: [L, B, Hk, C, K] with C >= P; lengths: [B] prompt tokens per row.
     """
     L, B, P, H, _ = q.shape
-    if policy.spec.queries == "none":
+    if policy.base_spec.queries == "none":
         return jnp.zeros((L, B, k.shape[2], H // k.shape[2], P), jnp.float32)
 
     def layer(xs):
@@ -111,8 +112,8 @@ def _compress(policy: Policy, k: jax.Array, v: jax.Array, state: jax.Array, leng
     def layer(xs):
         k_l, v_l, state_l = xs
         cache = BudgetCache(k=k_l[:, :, :P], v=v_l[:, :, :P], pos=pos.astype(jnp.int32), state=state_l,
-                            order=order, moments=moments, policy=policy)
-        return cache.evict(lengths)
+                            order=order, moments=moments)
+        return cache.evict(policy, lengths)
 
     return jax.lax.map(layer, (k, v, state)).resize(slots)
 
@@ -135,18 +136,23 @@ class Prefilled:
         self._states: dict = {}
 
     def _state(self, policy: Policy, lengths: np.ndarray) -> jax.Array:
-        key = (policy.spec.queries, policy.score_kind, policy.spec.update,
-               policy.obs_window if policy.spec.queries == "window" else 0, tuple(lengths))
+        spec = policy.base_spec
+        key = (spec.queries, policy.score_kind, spec.update, policy.obs_window if spec.queries == "window" else 0,
+               tuple(lengths))
         if key not in self._states:
             self._states[key] = _scoring_state(policy, self.cache.q, self.cache.full.k, self.cache.full.v,
                                                jnp.asarray(lengths))
         return self._states[key]
 
-    def compress(self, *, budget: int, upto=None, scorer: str = "snapkv", evict_every: int = 1,
-                 decode_evict: bool = True, **policy) -> Context:
-        """The compressed context of each prompt (or of its first ``upto`` tokens: an int or one per row)."""
-        ev = eviction_settings(budget, scorer, "prefill", evict_every=evict_every, decode_evict=decode_evict,
-                               **policy)
+    def compress(self, *, upto=None, **eviction) -> Context:
+        """The compressed context of each prompt (or of its first ``upto`` tokens: an int or one per row).
+        ``eviction``: the keywords of ``kvjax.EvictionOptions`` (``budget`` required; the protocol is
+        "prefill")."""
+        if eviction.get("protocol", "prefill") != "prefill":
+            raise ValueError(f"protocol={eviction['protocol']!r}: compress runs the prefill protocol only")
+        ev = EvictionOptions.of(**(eviction | {"protocol": "prefill"})).resolve()
+        if ev is None:
+            raise ValueError("budget=None: compress needs a budget")
         lengths = self.lengths if upto is None else np.minimum(self.lengths, np.asarray(upto, np.int32))
         if np.any(lengths < 1):
             raise ValueError(f"upto={upto!r} must keep at least one token of every prompt")

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random models, the real SmolLM2 weights, and the --runslow switch."""
 
 import jax
+import numpy as np
 import pytest
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -56,6 +57,30 @@ def tiny_llama():
                             head_dim=8, d_ff=48, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-5,
                             eos_token_ids=(3,), pad_token_id=0)
     return kvjax.init_params(cfg, jax.random.key(0), scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def params(tiny_llama):
+    """The NumPy reference's self-checks: the tiny Llama."""
+    return tiny_llama
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    """The NumPy reference's self-checks: a prompt of ``helpers.P`` random tokens."""
+    from helpers import P
+
+    return [int(t) for t in np.random.default_rng(0).integers(0, 97, P)]
+
+
+@pytest.fixture(scope="module")
+def no_eviction(params, prompt):
+    """The NumPy reference with no eviction at all, whole prompt in one block, ``helpers.N`` new tokens."""
+    from helpers import N, P
+    from reference_eviction import run_reference
+
+    return run_reference(params, prompt, N, scorer="h2o", budget=None, protocol="blockwise", block_size=P,
+                         n_sink=0, window=0)
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Plain-NumPy (float64) reference of the eviction semantics of ``docs/eviction.md``.
 
 This module is deliberately independent of the JAX engine (``kvjax.engine``, ``kvjax.budget_cache``,
-``kvjax.scorers``, ``kvjax.ops``, ``kvjax.moments``): it re-implements the decoder of ``kvjax.model`` for one
+``kvjax.scorers``, ``kvjax.kernels``, ``kvjax.moments``): it re-implements the decoder of ``kvjax.model`` for one
 sequence in float64 NumPy and keeps, per (layer, KV head), a Python list of kept tokens exactly as the contract
 describes. Clarity over speed: loops are used wherever they make the semantics easier to check.
 

@@ -6,10 +6,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kvjax
-from kvjax.generate import Generation, eviction_settings
+from kvjax.decoding import Generation
+from helpers import FILLER, NEEDLE, QUESTION
+from kvjax.options import eviction_from
 from kvjax.sampling import Sampling
 
-SCORERS = sorted(kvjax.SCORERS)
+BASES = sorted(kvjax.scorers.BASES)
 
 
 def prompts_of(lengths, seed=0, vocab=97):
@@ -18,11 +20,11 @@ def prompts_of(lengths, seed=0, vocab=97):
 
 
 @pytest.mark.parametrize("protocol", ["blockwise", "prefill"])
-@pytest.mark.parametrize("scorer", SCORERS)
+@pytest.mark.parametrize("scorer", BASES)
 def test_budget_covering_everything_equals_full_cache(tiny_llama, scorer, protocol):
     prompts = prompts_of([45, 12])
     full = Generation.from_prompts(tiny_llama, prompts, 10, Sampling(), 0, (), None)
-    ev = eviction_settings(budget=64, scorer=scorer, protocol=protocol, block_size=16, window=8, obs_window=8)
+    ev = eviction_from(budget=64, scorer=scorer, protocol=protocol, block_size=16, window=8, obs_window=8)
     budgeted = Generation.from_prompts(tiny_llama, prompts, 10, Sampling(), 0, (), ev)
     np.testing.assert_allclose(np.asarray(budgeted.state.logits), np.asarray(full.state.logits), atol=1e-5)
     for a, b in zip(full.run(10), budgeted.run(10)):
@@ -34,7 +36,7 @@ def test_budget_covering_everything_equals_full_cache(tiny_llama, scorer, protoc
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_cache_invariants(tiny_llama, data):
-    scorer = data.draw(st.sampled_from(SCORERS))
+    scorer = data.draw(st.sampled_from(BASES))
     protocol = data.draw(st.sampled_from(["blockwise", "prefill"]))
     lengths = data.draw(st.lists(st.integers(1, 70), min_size=1, max_size=3))
     n_sink = data.draw(st.integers(0, 4))
@@ -42,7 +44,7 @@ def test_cache_invariants(tiny_llama, data):
     budget = data.draw(st.integers(n_sink + window + 1, 40))
     block = data.draw(st.sampled_from([1, 5, 8, 16]))
     evict_every = data.draw(st.sampled_from([1, 2, 4]))
-    ev = eviction_settings(budget=budget, scorer=scorer, protocol=protocol, block_size=block, n_sink=n_sink,
+    ev = eviction_from(budget=budget, scorer=scorer, protocol=protocol, block_size=block, n_sink=n_sink,
                            window=window, obs_window=4, evict_every=evict_every)
     window = ev.policy.window
     gen = Generation.from_prompts(tiny_llama, prompts_of(lengths, seed=len(lengths)), 6, Sampling(), 0, (), ev)
@@ -72,7 +74,7 @@ def test_cache_invariants(tiny_llama, data):
 
 
 def test_streamingllm_keeps_sinks_and_the_most_recent(tiny_llama):
-    ev = eviction_settings(budget=20, scorer="streamingllm", block_size=8, n_sink=4)
+    ev = eviction_from(budget=20, scorer="streamingllm", block_size=8, n_sink=4)
     gen = Generation.from_prompts(tiny_llama, prompts_of([50]), 1, Sampling(), 0, (), ev)
     pos = np.asarray(gen.state.cache.sorted_pos)
     expected = list(range(4)) + list(range(34, 50))
@@ -142,7 +144,7 @@ def test_bad_eviction_arguments(tiny_llama, kwargs, match):
 
 
 def test_batched_moment_eviction_runs_and_keeps_the_budget(tiny_llama):
-    ev = eviction_settings(budget=20, scorer="momentkv", protocol="prefill", block_size=16, obs_window=4,
+    ev = eviction_from(budget=20, scorer="momentkv", protocol="prefill", block_size=16, obs_window=4,
                            mi_batch=8)
     gen = Generation.from_prompts(tiny_llama, prompts_of([70]), 3, Sampling(), 0, (), ev)
     gen.run(3)
@@ -160,11 +162,6 @@ def test_prompt_shorter_than_the_observation_window(tiny_llama):
     out = kvjax.generate(tiny_llama, prompts_of([5])[0], max_new_tokens=40, budget=20, scorer="snapkv",
                          obs_window=8, protocol="prefill", stop_ids=())
     assert len(out) == 40
-
-
-NEEDLE = "The special magic number is 7341295. "
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 30
-QUESTION = "What is the special magic number mentioned in the text above? Answer with the number only."
 
 
 @pytest.mark.smollm2

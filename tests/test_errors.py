@@ -8,12 +8,12 @@ import pytest
 
 import kvjax
 from kvjax.checkpoint import store
-from test_parity_hf import CASES, make_hf_model
+from helpers import HF_CASES, make_hf_model
 
 
 @pytest.fixture
 def hf_dir(tmp_path):
-    make_hf_model(*CASES["llama-gqa-llama3rope-untied"], tmp_path / "hf")
+    make_hf_model(*HF_CASES["llama-gqa-llama3rope-untied"], tmp_path / "hf")
     return tmp_path / "hf"
 
 
@@ -117,7 +117,7 @@ def test_conversion_is_atomic(hf_dir, checkpoint_root, monkeypatch):
 
 def test_reconverts_when_source_changes(hf_dir, checkpoint_root):
     a = kvjax.load(str(hf_dir))
-    make_hf_model(*CASES["llama-gqa-llama3rope-untied"], hf_dir, seed=1)
+    make_hf_model(*HF_CASES["llama-gqa-llama3rope-untied"], hf_dir, seed=1)
     os.utime(hf_dir / "model.safetensors", (1, 1))
     b = kvjax.load(str(hf_dir))
     assert not np.array_equal(np.asarray(a.embed), np.asarray(b.embed))

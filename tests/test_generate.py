@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.generate import Generation
+from kvjax.decoding import Generation
 from kvjax.sampling import Sampling, sample
 
 

@@ -1,7 +1,7 @@
 """Pallas kernels of ``kvjax.kernels`` against their jnp references, and their lowering for TPU and GPU.
 
-* The references are ``kvjax.ops.attention_with_scores`` (mask from positions) and
-  ``kvjax.moments.corrected_attention``: what kvjax runs with XLA.
+* The references are ``kvjax.kernels.attention_with_scores`` (mask from positions) and
+  ``kvjax.kernels.corrected_attention``: what kvjax runs with XLA.
 * Every kernel — the Mosaic-TPU one and the Triton one, both run by the Pallas interpreter on CPU (jax
   0.10.2 interprets Triton kernels too) — equals its reference over a grid of head dims (64, 128), GQA
   groups (1, 3, 4, 8), score kinds, with and without query weights, float32 and bfloat16, on caches whose
@@ -21,8 +21,8 @@ and col, absolute for lse):
     float32   1e-5 / 1e-5     1e-5 / 1e-5        1e-5 / 1e-5
     bfloat16  3e-2 / 3e-2     3e-2 / 1e-2        3e-2 / 5e-2
 
-bfloat16 is loose because the kernels form the logits in float32 while the reference (as kvjax.ops, and
-as XLA would) rounds the bf16 × bf16 product to bf16 before the softmax, and rounds the output to bf16
+bfloat16 is loose because the kernels form the logits in float32 while the reference (as
+kvjax.kernels.attention_with_scores, and as XLA would) rounds the bf16 × bf16 product to bf16 before the softmax, and rounds the output to bf16
 before the OBCache differences; float32 differs only by summation order.
 """
 

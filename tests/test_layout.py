@@ -1,5 +1,6 @@
 """Project layout promises: kernels import as kvjax.kernels only, and CI runs the README's test command."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -32,7 +33,26 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_readme_lists_every_scorer_name():
-    from kvjax.scorers import scorer_names
+    from kvjax.scorers import SCORERS, scorer_table
 
     readme = (ROOT / "README.md").read_text()
-    assert all(f"| `{name}` |" in readme for name in scorer_names())
+    assert all(f"| `{name}` |" in readme for name in SCORERS)
+    assert scorer_table() in readme
+
+
+def test_readme_lists_every_eviction_keyword():
+    from kvjax.options import options_table
+
+    assert options_table() in (ROOT / "README.md").read_text()
+
+
+def test_kernels_import_nothing_of_kvjax_outside_kvjax_kernels():
+    imported = []
+    for path in (ROOT / "kernels").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.append((path.name, node.module))
+            elif isinstance(node, ast.Import):
+                imported += [(path.name, alias.name) for alias in node.names]
+    outside = [(f, m) for f, m in imported if m.split(".")[0] == "kvjax" and not m.startswith("kvjax.kernels")]
+    assert imported and not outside, outside

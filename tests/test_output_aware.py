@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.budget_cache import Moments
-from kvjax.moments import corrected_attention
-from kvjax.ops import attention_with_scores
-from kvjax.scorers import caote, scorer_names
+from helpers import moments_of
+from kvjax.kernels import attention_with_scores, corrected_attention
+from kvjax.priorities import caote
+from kvjax.scorers import SCORERS
 
 S, W, K, G = 24, 6, 16, 3  # slots, perturbation window, head dim, query heads per KV head
 
@@ -90,12 +90,6 @@ def test_caote_equals_the_exact_output_change_for_one_query(fast):
     np.testing.assert_allclose(np.asarray(score), exact, rtol=1e-5, atol=1e-6)
 
 
-def moments_of(k_evicted, v_evicted):
-    """Moments of evicted tokens k, v [B, Hk, E, K]."""
-    return Moments(count=jnp.full(k_evicted.shape[:2], float(k_evicted.shape[2])), k_sum=k_evicted.sum(2),
-                   v_sum=v_evicted.sum(2), vk_sum=jnp.einsum("bhei,bhej->bhij", v_evicted, k_evicted))
-
-
 def test_correction_with_nothing_evicted_is_plain_attention():
     q, k, v, mask = random_head(4)
     out, lse, _ = attention_with_scores(q, k, v, mask)
@@ -129,7 +123,7 @@ def test_correction_stays_finite_with_large_logits(zeroth):
 
 def test_every_scorer_name_runs_end_to_end(tiny_llama):
     prompt = np.random.default_rng(0).integers(4, 97, 60).astype(np.int32)
-    for name in scorer_names():
+    for name in SCORERS:
         for protocol in ("blockwise", "prefill"):
             out = kvjax.generate(tiny_llama, prompt, max_new_tokens=4, budget=24, scorer=name, protocol=protocol,
                                  block_size=16, obs_window=8, stop_ids=())

@@ -10,9 +10,8 @@ from flax import struct
 
 from kvjax.cache import Segment
 from kvjax.model import decode_hidden
-from kvjax.moments import corrected_attention
-from kvjax.ops import attention_with_scores
-from test_output_aware import moments_of
+from kvjax.kernels import attention_with_scores, corrected_attention
+from helpers import FILLER, NEEDLE, QUESTION, moments_of
 
 pytestmark = pytest.mark.smollm2
 
@@ -36,8 +35,6 @@ class RecordingCache:
 
 
 def test_correction_beats_renormalisation_on_real_activations(smollm2, smollm2_tokenizer):
-    from test_engine import FILLER, NEEDLE, QUESTION
-
     cfg = smollm2.config
     ids = np.asarray(smollm2_tokenizer(NEEDLE + FILLER[:1500] + QUESTION)["input_ids"], np.int32)
     T = len(ids)
@@ -89,12 +86,11 @@ def test_every_scorer_name_answers_on_smollm2(smollm2, smollm2_tokenizer):
     TOVA- and SnapKV-based names lose the answer under the block-wise protocol, so this checks that every
     name runs and keeps what matters at a moderate budget, not which name is best.)"""
     import kvjax
-    from kvjax.scorers import scorer_names
-    from test_engine import FILLER
+    from kvjax.scorers import SCORERS
 
     ids = kvjax.chat_tokens(smollm2_tokenizer, FILLER[:900] + "\n\nWhat is the capital of France?")
     assert len(ids) > 192 + 64  # evictions in prefill (either protocol) and in every decode step
-    for i, name in enumerate(scorer_names()):
+    for i, name in enumerate(SCORERS):
         protocol = ("blockwise", "prefill")[i % 2]
         out = kvjax.generate(smollm2, ids, max_new_tokens=12, budget=192, scorer=name, protocol=protocol,
                              block_size=64, obs_window=16, window=16)

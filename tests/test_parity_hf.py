@@ -4,44 +4,14 @@ loaded through kvjax's Hugging Face directory reader."""
 import numpy as np
 import pytest
 import torch
-import transformers
 
 import kvjax
-
-BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
-            max_position_embeddings=256, rms_norm_eps=1e-5)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-
-CASES = {
-    "llama-gqa-llama3rope-untied": (transformers.LlamaConfig, dict(num_key_value_heads=2,
-                                                                   rope_parameters=LLAMA3_ROPE)),
-    "llama-mha-tied": (transformers.LlamaConfig, dict(num_key_value_heads=8, tie_word_embeddings=True)),
-    "llama-linear-rope": (transformers.LlamaConfig, dict(num_key_value_heads=4, rope_parameters={
-        "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
-    "qwen2-gqa-tied": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=True)),
-    "qwen2-gqa-untied": (transformers.Qwen2Config, dict(num_key_value_heads=4, tie_word_embeddings=False)),
-    "qwen3-gqa-untied": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=16,
-                                                        tie_word_embeddings=False)),
-    "qwen3-gqa-tied": (transformers.Qwen3Config, dict(num_key_value_heads=4, tie_word_embeddings=True)),
-}
+from helpers import BASE, HF_CASES, make_hf_model
 
 
-def make_hf_model(config_cls, overrides, path, seed=0):
-    torch.manual_seed(seed)
-    config = config_cls(**BASE, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():  # non-trivial norm scales and biases so that their handling is tested
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "layernorm.weight", ".bias")):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(HF_CASES))
 def test_logits_match_transformers(case, tmp_path, checkpoint_root):
-    config_cls, overrides = CASES[case]
+    config_cls, overrides = HF_CASES[case]
     model = make_hf_model(config_cls, overrides, tmp_path / "hf")
     tokens = np.random.default_rng(1).integers(0, BASE["vocab_size"], (2, 67))
     with torch.no_grad():
@@ -55,7 +25,7 @@ def test_logits_match_transformers(case, tmp_path, checkpoint_root):
 
 
 def test_bfloat16_close_to_float32(tmp_path, checkpoint_root):
-    make_hf_model(*CASES["qwen2-gqa-untied"], tmp_path / "hf")
+    make_hf_model(*HF_CASES["qwen2-gqa-untied"], tmp_path / "hf")
     tokens = np.random.default_rng(2).integers(0, BASE["vocab_size"], (1, 40))
     ref = np.asarray(kvjax.forward(kvjax.load(str(tmp_path / "hf")), tokens))
     params = kvjax.load(str(tmp_path / "hf"), dtype="bfloat16")
@@ -66,7 +36,7 @@ def test_bfloat16_close_to_float32(tmp_path, checkpoint_root):
 
 
 def test_sharded_safetensors_with_index(tmp_path, checkpoint_root):
-    model = make_hf_model(*CASES["llama-gqa-llama3rope-untied"], tmp_path / "hf")
+    model = make_hf_model(*HF_CASES["llama-gqa-llama3rope-untied"], tmp_path / "hf")
     model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     files = sorted(p.name for p in (tmp_path / "sharded").iterdir())
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2

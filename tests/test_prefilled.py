@@ -6,15 +6,10 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.scorers import scorer_names
+from helpers import distinct_prompts
+from kvjax.scorers import SCORERS
 
 BUDGET = 14
-
-
-def distinct_prompts(lengths=(37, 20), seed=0):
-    """Prompts without repeated tokens (repeated tokens make exact score ties in layer 0)."""
-    rng = np.random.default_rng(seed)
-    return [rng.choice(np.arange(4, 97), n, replace=False).astype(np.int32) for n in lengths]
 
 
 def kept(context):
@@ -26,7 +21,7 @@ def prefilled(tiny_llama):
     return kvjax.prefill_full(tiny_llama, distinct_prompts())
 
 
-@pytest.mark.parametrize("name", scorer_names())
+@pytest.mark.parametrize("name", SCORERS)
 def test_compress_equals_the_prefill_protocol(tiny_llama, prefilled, name):
     settings = dict(budget=BUDGET, scorer=name, obs_window=4, n_sink=1)
     if not name.startswith(("streamingllm", "tova")):
@@ -65,15 +60,16 @@ def test_appending_without_eviction_keeps_the_question_and_the_answer(tiny_llama
     context and nothing leaves it."""
     import jax
 
-    from kvjax.generate import Generation, extend_budget, pad_rows, prompt_bucket
+    from kvjax.decoding import Generation, prefill_budget_cache
+    from kvjax.inputs import pad_rows, prompt_bucket
     from kvjax.sampling import Sampling
 
     context = prefilled.compress(budget=BUDGET, scorer="snapkv", obs_window=4, upto=[30, 15])
     questions = [np.arange(60, 66, dtype=np.int32), np.arange(70, 73, dtype=np.int32)]
     ev = context.ev.without_eviction()
     padded, lengths = pad_rows(questions, prompt_bucket(6, ev.block_size), 0)
-    state = extend_budget(tiny_llama, context.cache.replace(policy=ev.policy), padded, context.lengths, lengths,
-                          jax.random.key(0), ev=ev, out_width=4, decode_slots=ev.extend_slots(padded.shape[1]) + 4)
+    state = prefill_budget_cache(tiny_llama, context.cache, padded, context.lengths, lengths, jax.random.key(0), ev=ev,
+                                 out_width=4, decode_slots=ev.extend_slots(padded.shape[1]) + 4)
     gen = Generation(tiny_llama, state, 4, Sampling(), (), ev)
     gen.run(4)
     before, after = kept(context), np.asarray(gen.state.cache.sorted_pos)

@@ -50,7 +50,7 @@ def block_attention_with_scores(q, k, v, slot_pos, query_pos, query_weights=None
     (-1 = empty slot); query_pos [B, T] int32; slot s is visible to query t iff 0 ≤ slot_pos ≤ query_pos.
     query_weights [B, T] float32 (the scoring queries) or None; score in "attn", "obcache-value",
     "obcache-key", "obcache-joint". Returns (out [B, T, H, K] in q's dtype, lse [B, T, H] float32,
-    col [B, Hk, G, S] float32 or None) — the formulas are in ``kvjax.ops.attention_with_scores``.
+    col [B, Hk, G, S] float32 or None) — the formulas are in ``reference.attention_with_scores``.
 
     block_k / block_q: tile sizes of the Pallas kernels (each kernel rounds them to its hardware's rule:
     multiples of 128 slots / 16 rows on TPU, powers of two ≥ 16 on GPU); None picks the defaults.

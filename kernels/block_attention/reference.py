@@ -1,15 +1,97 @@
-"""Reference of block attention with eviction scores: ``kvjax.ops.attention_with_scores`` (the XLA
-computation kvjax runs on CPU) with its dense mask built from positions — slot s is visible to query t
-iff ``0 <= slot_pos[s] <= query_pos[t]``. The kernels are checked against this, and the default
-``impl=None`` runs exactly this on CPU.
+"""Reference of block attention with eviction scores: the XLA computation kvjax runs on CPU.
+
+``attention_with_scores`` takes a dense visibility mask (the full cache calls it directly);
+``block_attention_with_scores`` builds that mask from positions — slot s is visible to query t iff
+``0 <= slot_pos[s] <= query_pos[t]`` — and is what the kernels are checked against and what the default
+``impl=None`` runs on CPU.
 """
 
 from __future__ import annotations
 
 import jax
-from kvjax.kernels._shared import check_score, check_shapes
+import jax.numpy as jnp
 
-from kvjax.ops import attention_with_scores
+from kvjax.kernels._shared import NEG_INF, SCORE_KINDS, check_score, check_shapes
+
+
+def attention_with_scores(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                          query_weights: jax.Array | None = None, score: str = "attn"):
+    """Grouped-query attention over cache slots, its log-sum-exp, and per-slot eviction statistics.
+
+    q: [B, T, H, K]; k, v: [B, Hk, S, K]; mask: [B, Hk or 1, T, S] bool (True = visible);
+    query_weights: [B, T] float32 (the scoring queries) or None.
+    Returns out [B, T, H, K] (q's dtype), lse [B, T, H] float32 (log Σ_s exp z over visible slots) and,
+    unless query_weights is None, col [B, Hk, G, S] float32: Σ_t w_t · s_t(slot) with, for query t of query
+    head g, weights A, logits z = q·k/√d, output o (OBCache, Sec. 3.3):
+      attn: A;  obcache-value: A² ‖v‖²;  obcache-key: (A z)² ‖v − o‖²;
+      obcache-joint: A² ‖v‖² + (A z)² ‖v − o‖² + 2 A² z (‖v‖² − v·o).
+    Softmax and statistics are float32; a fully masked query row gets finite garbage, never NaN.
+    """
+    B, T, H, K = q.shape
+    Hk = k.shape[1]
+    qg = q.reshape(B, T, Hk, H // Hk, K)
+    # Matmuls in the activation dtype (as transformers does; XLA:CPU lacks bf16 x bf16 -> f32 dots).
+    z = jnp.einsum("bthgk,bhsk->bhgts", qg, k.astype(q.dtype)).astype(jnp.float32) / jnp.sqrt(jnp.float32(K))
+    visible = mask[:, :, None]
+    logits = jnp.where(visible, z, NEG_INF)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    unnormalised = jnp.exp(logits - top)
+    total = jnp.sum(unnormalised, axis=-1, keepdims=True)
+    weights = unnormalised / total
+    lse = (top + jnp.log(total))[..., 0]  # [B, Hk, G, T]
+    out_f32 = jnp.einsum("bhgts,bhsk->bhgtk", weights.astype(v.dtype), v).astype(jnp.float32)
+    out = out_f32.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K).astype(q.dtype)
+    lse_out = lse.transpose(0, 3, 1, 2).reshape(B, T, H)
+    if query_weights is None:
+        return out, lse_out, None
+    w = query_weights.astype(jnp.float32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    if score == "attn":
+        return out, lse_out, jnp.sum(w * weights, axis=3)
+    vf = v.astype(jnp.float32)
+    v_sq = jnp.sum(vf * vf, -1)[:, :, None, :]  # [B, Hk, 1, S]
+    z = jnp.where(visible, z, 0.0)  # masked logits must not meet the zero weights as -1e30
+    a2 = w * weights * weights  # [B, Hk, G, T, S]
+    col = jnp.zeros(weights.shape[:3] + weights.shape[-1:], jnp.float32)
+    if score in ("obcache-value", "obcache-joint"):
+        col += jnp.sum(a2, axis=3) * v_sq
+    if score in ("obcache-key", "obcache-joint"):
+        col += residual_sums(a2 * z * z, vf, out_f32, lambda dist2, v_res: dist2)  # (A z)² ‖v − o‖²
+    if score == "obcache-joint":
+        col += 2 * residual_sums(a2 * z, vf, out_f32, lambda dist2, v_res: v_res)  # A² z v·(v − o)
+    if score not in SCORE_KINDS:
+        raise ValueError(f"score={score!r} must be one of {SCORE_KINDS}")
+    return out, lse_out, col
+
+
+RESIDUAL_CHUNK = 8  # queries per step of ``residual_sums``
+
+
+def residual_sums(coef: jax.Array, v: jax.Array, o: jax.Array, term) -> jax.Array:
+    """Σ_t coef[t, s] · term(‖v_s − o_t‖², v_s·(v_s − o_t)) -> [B, Hk, G, S], from the differences themselves.
+
+    coef: [B, Hk, G, T, S]; v: [B, Hk, S, K]; o: [B, Hk, G, T, K] float32. Expanding ‖v − o‖² into
+    ‖v‖² − 2 v·o + ‖o‖² cancels catastrophically where a query's output is one value (o ≈ v, the tokens
+    that take all the attention), so the differences are formed, ``RESIDUAL_CHUNK`` queries at a time.
+    """
+    B, Hk, G, T, S = coef.shape
+    c = min(T, RESIDUAL_CHUNK)
+    n = -(-T // c)
+    pad = [(0, 0)] * 3 + [(0, n * c - T)]
+    coef = jnp.pad(coef, pad + [(0, 0)]).reshape(B, Hk, G, n, c, S)
+    o = jnp.pad(o, pad + [(0, 0)]).reshape(B, Hk, G, n, c, -1)
+
+    def chunk(xs):
+        coef_c, o_c = xs  # [B, Hk, G, c, S], [B, Hk, G, c, K]
+
+        def weighted():
+            diff = v[:, :, None, None] - o_c[:, :, :, :, None, :]  # [B, Hk, G, c, S, K]
+            values = term(jnp.sum(diff * diff, -1), jnp.einsum("bhsk,bhgtsk->bhgts", v, diff))
+            return jnp.sum(coef_c * values, axis=3)
+
+        # Most queries of a block do not score (SnapKV, TOVA): skip their chunks.
+        return jax.lax.cond(jnp.any(coef_c != 0), weighted, lambda: jnp.zeros((B, Hk, G, S), jnp.float32))
+
+    return jnp.sum(jax.lax.map(chunk, (jnp.moveaxis(coef, 3, 0), jnp.moveaxis(o, 3, 0))), axis=0)
 
 
 def visibility(slot_pos: jax.Array, query_pos: jax.Array) -> jax.Array:
@@ -21,7 +103,7 @@ def visibility(slot_pos: jax.Array, query_pos: jax.Array) -> jax.Array:
 def block_attention_with_scores(q, k, v, slot_pos, query_pos, query_weights=None, score: str = "attn"):
     """q [B, T, H, K]; k, v [B, Hk, S, K]; slot_pos [B, Hk, S] int32 (-1 = empty); query_pos [B, T] int32;
     query_weights [B, T] float32 or None. Returns (out [B, T, H, K] in q's dtype, lse [B, T, H] float32,
-    col [B, Hk, G, S] float32 or None); the formulas are in ``kvjax.ops.attention_with_scores``.
+    col [B, Hk, G, S] float32 or None); the formulas are in ``attention_with_scores``.
     """
     check_score(score)
     check_shapes(q, k, v, slot_pos, query_pos, query_weights)

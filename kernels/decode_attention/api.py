@@ -2,7 +2,7 @@
 ``block_attention.api`` (``jax.lax.platform_dependent``: XLA reference on CPU, Mosaic-TPU kernel on TPU,
 Triton kernels on CUDA; impl overrides).
 
-Where MomentKV's correction lives: after the kernel, in XLA (``kvjax.moments.corrected_attention``),
+Where MomentKV's correction lives: after the kernel, in XLA (``reference.corrected_attention``),
 applied to the kernel's float32 output and lse. It is O(B·H·K²) work on O(B·Hk·K²) data (S̃ is [K, K] per
 KV head), independent of the cache length, so fusing it into the kernel would save no HBM traffic that
 matters — the kernel would have to read the same [K, K] sums — while the matrix-vector product and the
@@ -18,8 +18,7 @@ import functools
 from kvjax.kernels._shared import check_impl, check_score, check_shapes
 from kvjax.kernels.block_attention.api import by_platform
 from kvjax.kernels.decode_attention import gpu, reference, tpu
-
-from kvjax.moments import corrected_attention
+from kvjax.kernels.decode_attention.reference import corrected_attention
 
 
 def _reference(q, k, v, slot_pos, query_pos, query_weights, moments, *, score: str, zeroth: bool):

@@ -10,7 +10,10 @@ import time
 from kvjax.eval.haystack import HAYSTACKS
 from kvjax.eval.niah import TASKS
 from kvjax.eval.sweep import SETTINGS
-from kvjax.scorers import AGGREGATES
+from kvjax.options import DEFAULTS, NAMES, add_arguments, from_arguments
+
+SWEPT = ("budget", "scorer", "protocol")  # the evaluations sweep these (--budgets, --scorers, --protocols)
+SHARED = tuple(name for name in NAMES if name not in SWEPT)  # the eviction keywords every run shares
 
 # The tasks and haystacks on which SmolLM2-135M answers with the full cache (word values and the
 # multi-value task defeat the full cache itself; see docs/results.md).
@@ -27,23 +30,24 @@ PRESETS = {
 }
 
 
-def _policy_options(args, preset: dict | None = None) -> dict:
-    names = ("n_sink", "window", "obs_window", "pool", "kernel", "aggregate", "mi_batch")
-    options = {name: (preset or {})[name] for name in names if name in (preset or {})}
-    return options | {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+def _shared_options(args, preset: dict | None = None) -> dict:
+    """The shared eviction keywords: the preset's, overridden by those given on the command line."""
+    return {name: value for name, value in (preset or {}).items() if name in SHARED} | from_arguments(args, SHARED)
 
 
 def _niah(args) -> int:
     import kvjax
     from kvjax.eval import report, sweep
     from kvjax.eval.niah import make_samples
-    from kvjax.scorers import make_policy
+    from kvjax.options import eviction_from
 
     preset = PRESETS[args.preset] if args.preset else {}
     pick = lambda name, default: getattr(args, name) or preset.get(name, default)  # noqa: E731
     scorers, budgets = pick("scorers", ["snapkv"]), pick("budgets", [128, 512])
+    options = _shared_options(args, preset)
+    block_size = options.pop("block_size", DEFAULTS["block_size"])  # the blockwise runs' block
     for scorer in scorers:  # bad names and settings fail before the model loads
-        make_policy(scorer, min(budgets), **sweep.scorer_options(scorer, _policy_options(args, preset)))
+        eviction_from(budget=min(budgets), scorer=scorer, **sweep.scorer_options(scorer, options))
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
     samples = make_samples(tokenizer, pick("tasks", list(TASKS)), pick("haystacks", list(HAYSTACKS)),
@@ -52,7 +56,7 @@ def _niah(args) -> int:
     start = time.perf_counter()
     rows = sweep.run(params, tokenizer, samples, sweep.methods(scorers, budgets, pick("protocols", ["prefill"])),
                      pick("settings", list(SETTINGS)), out=os.path.join(args.out, "rows.jsonl"),
-                     options=_policy_options(args, preset), block_size=args.block_size)
+                     options=options, block_size=block_size)
     wall = time.perf_counter() - start
     title = f"NIAH on {args.model}"
     table = report.markdown(rows, title) + "\n### Seconds per answer\n\n" + report.timing(rows) + "\n"
@@ -78,8 +82,8 @@ def _ppl(args) -> int:
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
     results = run_perplexity(params, tokenizer, args.scorers or ["streamingllm", "h2o", "tova"],
-                             args.budgets or [256, 1024], length=args.length,
-                             n_sink=args.n_sink if args.n_sink is not None else 4, window_edges=args.edges)
+                             args.budgets or [256, 1024], length=args.length, options=_shared_options(args),
+                             window_edges=args.edges)
     _save_json(results, args.out, "ppl.json")
     print(perplexity_table(results))
     return 0
@@ -93,7 +97,7 @@ def _fidelity(args) -> int:
     tokenizer = kvjax.load_tokenizer(args.model)
     results = run_fidelity(params, tokenizer, args.scorers or ["streamingllm", "h2o", "tova", "snapkv"],
                            args.budgets or [128, 512], length=args.length,
-                           continuation=args.continuation, prompts=args.prompts, options=_policy_options(args))
+                           continuation=args.continuation, prompts=args.prompts, options=_shared_options(args))
     _save_json(results, args.out, "fidelity.json")
     print(fidelity_table(results))
     return 0
@@ -110,13 +114,8 @@ def add_eval_parser(sub) -> None:
         p.add_argument("--scorers", nargs="+", metavar="SCORER", help="scorer names (README, 'Scorer names')")
         p.add_argument("--budgets", nargs="+", type=int, metavar="B", help="tokens kept per KV head")
         p.add_argument("--out", default=out, help="results directory (default: %(default)s)")
-        p.add_argument("--n-sink", type=int, help="protected first tokens (default: the scorer's)")
-        p.add_argument("--window", type=int, help="protected recent tokens (default: the scorer's)")
-        p.add_argument("--obs-window", type=int, help="SnapKV observation window (default: 32)")
-        p.add_argument("--pool", choices=["none", "max", "avg"], help="pooling (default: the scorer's)")
-        p.add_argument("--kernel", type=int, help="pooling kernel (default: 7)")
-        p.add_argument("--aggregate", choices=AGGREGATES, help="query-head aggregation")
-        p.add_argument("--mi-batch", type=int, help="MomentKV tokens per statistics update (default: 1, exact)")
+        add_arguments(p.add_argument_group("eviction keywords shared by every run (kvjax.EvictionOptions; "
+                                           "unset: the preset's, else the default)"), defaults=False, skip=SWEPT)
 
     n = kinds.add_parser("niah", help="RULER-style needle retrieval sweep (resumable: reruns skip done answers)")
     common(n, "benchmarks/results/niah")
@@ -128,7 +127,6 @@ def add_eval_parser(sub) -> None:
     n.add_argument("--haystacks", nargs="+", choices=HAYSTACKS, help="default: both")
     n.add_argument("--samples", type=int, help="samples per task, haystack and length (needle depths spread)")
     n.add_argument("--seed", type=int, default=0, help="fixes every sample (default: %(default)s)")
-    n.add_argument("--block-size", type=int, default=128, help="block size of the blockwise protocol")
     n.set_defaults(run=_niah)
 
     p = kinds.add_parser("ppl", help="perplexity of a long real text under decoding-time eviction")

@@ -57,9 +57,9 @@ def compressed_outputs(params: Params, cache, tokens: jax.Array, start: jax.Arra
     """The continuation tokens [1, C] at positions ``start`` + t, appended to a compressed cache without
     eviction (``ev`` from ``Eviction.without_eviction``): attention outputs and logits as ``full_outputs``."""
     C = tokens.shape[1]
-    cache = cache.replace(policy=ev.policy).resize(ev.policy.budget + C)
+    cache = cache.resize(ev.policy.budget + C)
     positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
-    seg = Segment(positions=positions, valid=jnp.ones((1, C), bool), seen=start + C, evict=False)
+    seg = Segment(positions=positions, valid=jnp.ones((1, C), bool), seen=start + C, evict=False, policy=ev.policy)
     hidden, rec = decode_hidden(params, tokens, _recorder(params, cache, 1, C), seg)
     return rec.outs, logits_from_hidden(params, hidden)
 

@@ -16,8 +16,8 @@ from kvjax.budget_cache import BudgetCache
 from kvjax.cache import FullCache, Segment
 from kvjax.engine import Eviction, decode_segment
 from kvjax.eval.haystack import pydoc_prose
-from kvjax.generate import eviction_settings
 from kvjax.model import decode_hidden, logits_from_hidden
+from kvjax.options import eviction_from
 from kvjax.params import Params
 
 LOGIT_CHUNK = 256  # positions per logits computation of the full-cache pass
@@ -46,7 +46,7 @@ def full_cache_nll(params: Params, tokens: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("ev",))
 def evicting_nll(params: Params, tokens: jax.Array, ev: Eviction) -> jax.Array:
     """[N - 1] negative log-likelihoods of tokens [N] fed one at a time as decode steps of ``ev``."""
-    cache = BudgetCache.init(params.config, ev.policy, 1, ev.decode_slots(0), params.dtype)
+    cache = BudgetCache.init(params.config, 1, ev.decode_slots(0), params.dtype)
 
     def step(cache, t):
         seg = decode_segment(ev, t, t[None], jnp.ones(1, bool))
@@ -64,9 +64,10 @@ def text_tokens(tokenizer, length: int) -> np.ndarray:
     return np.asarray(ids[:length], np.int32)
 
 
-def run_perplexity(params: Params, tokenizer, scorers, budgets, length: int = 4096, n_sink: int = 4,
+def run_perplexity(params: Params, tokenizer, scorers, budgets, length: int = 4096, options: dict | None = None,
                    window_edges=(256, 512, 1024, 2048, 4096), progress: bool = True) -> dict:
-    """Perplexity over the text's positions (prev edge, edge] for the full cache and every scorer × budget.
+    """Perplexity over the text's positions (prev edge, edge] for the full cache and every scorer × budget;
+    ``options``: further eviction keywords (``kvjax.EvictionOptions``) shared by every run.
 
     Returns {"length", "edges", "full": [ppl per segment], "runs": [{"scorer", "budget", "ppl": [...],
     "seconds"}]}.
@@ -87,10 +88,11 @@ def run_perplexity(params: Params, tokenizer, scorers, budgets, length: int = 40
         return [math.exp(float(nll[a:b].mean())) for a, b in zip(bounds, bounds[1:], strict=False)]
 
     configs = [(s, b) for s in scorers for b in budgets]
-    result = {"length": length, "edges": edges, "n_sink": n_sink,
+    options = dict(options or {})
+    result = {"length": length, "edges": edges, "options": options,
               "full": segments(np.asarray(full_cache_nll(params, tokens))), "runs": []}
     for scorer, budget in tqdm(configs, desc="ppl", disable=not progress):
-        ev = eviction_settings(budget, scorer, n_sink=n_sink).decoding()
+        ev = eviction_from(budget=budget, scorer=scorer, **options).decoding()
         start = time.perf_counter()
         nll = np.asarray(evicting_nll(params, tokens, ev))
         result["runs"].append({"scorer": scorer, "budget": budget, "ppl": segments(nll),

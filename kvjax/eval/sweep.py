@@ -24,7 +24,7 @@ import jax
 import kvjax
 from kvjax.eval.niah import Sample, score
 from kvjax.params import Params
-from kvjax.scorers import MI_MODIFIERS, split_name
+from kvjax.scorers import MODIFIERS, split_name
 
 SETTINGS = ("query-aware", "query-agnostic")
 FULL = "full"  # the uncompressed baseline's scorer name
@@ -97,8 +97,9 @@ def run(params: Params, tokenizer, samples: list[Sample], methods_: list[Method]
     """Answer every sample with every method in every setting, appending to the JSONL file ``out``. Budgets
     that hold a sample's whole prompt are skipped for it (they equal the full cache, which is tested).
 
-    options: scorer keywords shared by every method (``obs_window``, ``window``, ``n_sink``, ``pool``,
-    ``kernel``, ``aggregate``; ``mi_batch`` goes to the MomentKV scorers only). Returns every row of ``out`` for these samples, methods and options.
+    options: eviction keywords (``kvjax.EvictionOptions``) shared by every method; ``mi_batch`` goes to the
+    scorers with moment-informed eviction only. Returns every row of ``out`` for these samples, methods and
+    options.
     """
     from tqdm import tqdm
 
@@ -144,7 +145,8 @@ def run(params: Params, tokenizer, samples: list[Sample], methods_: list[Method]
 
 def scorer_options(scorer: str, options: dict) -> dict:
     """The shared options that apply to ``scorer`` (``mi_batch`` only to MomentKV's eviction)."""
-    if split_name(scorer)[1] in MI_MODIFIERS:
+    modifier = split_name(scorer)[1]
+    if modifier and MODIFIERS[modifier].mi:
         return options
     return {k: v for k, v in options.items() if k != "mi_batch"}
 

@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.engine import round_capacity
-from kvjax.generate import Generation, extend_budget, eviction_settings, pad_rows, prompt_bucket
+from helpers import distinct_prompts as prompts_of
+from helpers import kept_positions as kept
+from kvjax.decoding import Generation, prefill_budget_cache
+from kvjax.inputs import pad_rows, prompt_bucket, round_capacity
+from kvjax.options import eviction_from
 from kvjax.sampling import Sampling
 from reference_eviction import run_reference
 
@@ -25,11 +28,6 @@ def model():
                             head_dim=8, d_ff=64, max_seq_len=512, norm_eps=1e-5, qkv_bias=True,
                             eos_token_ids=(3,), pad_token_id=0)
     return kvjax.init_params(cfg, jax.random.key(3), scale=0.4)
-
-
-def kept(pos: np.ndarray, row: int) -> list[list[list[int]]]:
-    """[L, B, Hk, S] slot positions -> per layer, per KV head, the sorted kept positions of ``row``."""
-    return [[sorted(int(p) for p in head if p >= 0) for head in layer[row]] for layer in pos]
 
 
 CASES = [
@@ -64,10 +62,9 @@ LAYER_CASES = [
 ]
 
 
-def distinct_prompts(seed=0):
+def distinct_prompts():
     """Prompts without repeated tokens: equal tokens have equal layer-0 values, which makes exact ties."""
-    rng = np.random.default_rng(seed)
-    return [rng.choice(np.arange(4, 89), n, replace=False).astype(np.int32) for n in LENGTHS]
+    return prompts_of(LENGTHS, vocab=89)
 
 
 @pytest.mark.parametrize("evict_every", [1, 3])
@@ -95,7 +92,7 @@ def check_against_reference(model, case, protocol, evict_every, prompts):
     # Exact agreement is only well posed without float-noise near ties (exact ties follow the tie rule).
     assert [r["near_ties"] - r["exact_ties"] for r in refs] == [0, 0]
 
-    ev = eviction_settings(**settings)
+    ev = eviction_from(**settings)
     gen = Generation.from_prompts(model, prompts, NEW_TOKENS, Sampling(), 0, (), ev)
     state = gen.state
     for row, ref in enumerate(refs):
@@ -124,13 +121,14 @@ def test_blockwise_matches_reference_after_every_block(model, case):
     settings = dict(budget=BUDGET, protocol="blockwise", block_size=BLOCK, **case)
     ref = run_reference(model, prompt, 1, **settings)
     assert ref["near_ties"] == ref["exact_ties"]
-    ev = eviction_settings(**settings)
+    ev = eviction_from(**settings)
     cache, fed = None, 0
     for block, expected in enumerate(ref["kept_after_blocks"]):
         chunk = prompt[fed: fed + BLOCK]
         padded, lengths = pad_rows([chunk], BLOCK, 0)
-        state = extend_budget(model, cache, jnp.asarray(padded), jnp.array([fed], jnp.int32), jnp.asarray(lengths),
-                              jax.random.key(0), ev=ev, out_width=round_capacity(1), decode_slots=BUDGET + 1)
+        state = prefill_budget_cache(model, cache, jnp.asarray(padded), jnp.array([fed], jnp.int32),
+                                     jnp.asarray(lengths), jax.random.key(0), ev=ev, out_width=round_capacity(1),
+                                     decode_slots=BUDGET + 1)
         cache, fed = state.cache, fed + len(chunk)
         assert kept(np.asarray(cache.pos), 0) == expected, f"after block {block}"
     np.testing.assert_allclose(np.asarray(state.logits[0]), ref["prefill_logits"], atol=1e-4)

@@ -7,35 +7,11 @@ import numpy as np
 import pytest
 
 import kvjax
-from reference_eviction import (BASES, SCORERS, Reference, full_forward, parse_scorer, pool_priorities,
+from helpers import N, P, defaults
+from reference_eviction import (BASES, SCORERS, Reference, full_forward, pool_priorities,
                                 run_reference, select_kept, softmax)
 
-P, N = 80, 10  # prompt length, new tokens
 PROTOCOLS = ("blockwise", "prefill")
-
-
-@pytest.fixture(scope="module")
-def params(tiny_llama):
-    return tiny_llama
-
-
-@pytest.fixture(scope="module")
-def prompt():
-    return [int(t) for t in np.random.default_rng(0).integers(0, 97, P)]
-
-
-@pytest.fixture(scope="module")
-def no_eviction(params, prompt):
-    """The reference with no eviction at all, whole prompt in one block."""
-    return run_reference(params, prompt, N, scorer="h2o", budget=None, protocol="blockwise", block_size=P,
-                         n_sink=0, window=0)
-
-
-def defaults(scorer, budget=20):
-    """Per-base options in the spirit of the docs' defaults table, scaled to the tiny test."""
-    return {"streamingllm": dict(n_sink=4, window=0), "h2o": dict(n_sink=2, window=budget // 4),
-            "tova": dict(n_sink=0, window=0),
-            "snapkv": dict(n_sink=0, window=8, obs_window=8)}[parse_scorer(scorer)[0]]
 
 
 def all_logits(result):

@@ -14,7 +14,7 @@ from reference_eviction import (MODIFIERS, SCORERS, Moments, Reference, caote_pr
                                 select_kept, select_moment_informed)
 import reference_eviction
 
-from test_reference_eviction import N, P, defaults, no_eviction, params, prompt  # noqa: F401  (fixtures)
+from helpers import N, P, defaults
 
 
 def plain_attention(q, keys, values):

@@ -1,0 +1,68 @@
+"""Token inputs: validation of prompts and lengths, right-padding, and the static sizes they round to.
+
+Prompts are right-padded to power-of-two buckets and sizes that depend on the request (cache capacity, output
+width) are rounded to ``CAPACITY_STEP``, so that requests of similar sizes share one compilation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MIN_BUCKET = 32
+CAPACITY_STEP = 256
+
+
+def prompt_bucket(n: int, multiple: int = 1) -> int:
+    """Padded prompt length: the next power of two >= n (at least ``MIN_BUCKET``), rounded up to ``multiple``."""
+    return -(-max(MIN_BUCKET, 1 << (n - 1).bit_length()) // multiple) * multiple
+
+
+def round_capacity(n: int) -> int:
+    """Static lengths that depend on the request are rounded up to ``CAPACITY_STEP`` to share compilations."""
+    return -(-n // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def check_tokens(tokens, vocab_size: int, name: str = "tokens") -> tuple[list[np.ndarray], bool]:
+    """Validate and split a 1-D sequence, a 2-D batch or a list of sequences into 1-D int32 arrays.
+
+    Returns the rows and whether the input was a batch.
+    """
+    if isinstance(tokens, (list, tuple)) and tokens and not np.isscalar(tokens[0]):
+        rows, batched = [np.asarray(t) for t in tokens], True
+    else:
+        arr = np.asarray(tokens)
+        if arr.ndim not in (1, 2):
+            raise ValueError(f"{name} must be 1-D (one sequence) or 2-D [batch, length], got shape {arr.shape}")
+        rows, batched = ([arr] if arr.ndim == 1 else list(arr)), arr.ndim == 2
+    if not rows:
+        raise ValueError(f"{name} is an empty batch")
+    for i, row in enumerate(rows):
+        if row.ndim != 1:
+            raise ValueError(f"{name}[{i}] must be 1-D, got shape {row.shape}")
+        if row.size == 0:
+            raise ValueError(f"{name}[{i}] is empty: a prompt needs at least one token")
+        if not np.issubdtype(row.dtype, np.integer):
+            raise TypeError(f"{name} must hold integer token ids, got dtype {row.dtype}")
+        if row.min() < 0 or row.max() >= vocab_size:
+            raise ValueError(f"{name}[{i}] holds ids outside [0, {vocab_size}): min {row.min()}, max {row.max()}")
+    return [row.astype(np.int32) for row in rows], batched
+
+
+def pad_rows(rows: list[np.ndarray], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad 1-D rows to [B, width]; returns the padded ids and the lengths [B]."""
+    padded = np.full((len(rows), width), pad, np.int32)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    return padded, np.array([len(r) for r in rows], np.int32)
+
+
+def check_max_new(max_new_tokens) -> int:
+    if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    return int(max_new_tokens)
+
+
+def check_context(cfg, longest: int, max_new_tokens: int, what: str = "prompt length") -> None:
+    if longest + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(f"tokens: {what} {longest} + max_new_tokens {max_new_tokens} exceeds the model's "
+                         f"context of {cfg.max_seq_len} tokens")

@@ -1,0 +1,119 @@
+"""Priorities: what a scorer computes from the attention statistics, per (row, KV head) of one layer.
+
+``query_weights`` marks a step's scoring queries, ``update_state`` folds their per-slot column into the state,
+and at an eviction point ``priority`` turns the state into the priority of every slot (higher = kept): the
+group aggregate, SnapKV's pooling and CAOTE's meta-score. Which of these a scorer uses is in its
+``kvjax.scorers.Policy``; the semantics are in ``docs/eviction.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.scorers import Policy
+from kvjax.slots import row_head_index
+
+
+def query_weights(policy: Policy, positions: jax.Array, valid: jax.Array, end: jax.Array) -> jax.Array | None:
+    """[B, T] float32 weights of the scoring queries among a step's tokens, or None if the scorer has none.
+
+    positions, valid: [B, T]; end: [B] one past the last position of the scoring span.
+    """
+    kind = policy.base_spec.queries
+    if kind == "none":
+        return None
+    if kind == "all":
+        chosen = valid
+    elif kind == "last":
+        chosen = valid & (positions == end[:, None] - 1)
+    else:
+        chosen = valid & (positions >= end[:, None] - policy.obs_window)
+    return chosen.astype(jnp.float32)
+
+
+def update_state(policy: Policy, state: jax.Array, col: jax.Array | None, has_query: jax.Array) -> jax.Array:
+    """state, col: [B, Hk, G, S]; has_query: [B] whether the row had a scoring query this step."""
+    if col is None:
+        return state
+    if policy.base_spec.update == "replace":
+        return jnp.where(has_query[:, None, None, None], col, state)
+    return state + col
+
+
+def _pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.Array) -> jax.Array:
+    """1-D pooling of x [B, Hk, ..., S] along positions, among the ``present`` [B, Hk, S] slots.
+
+    ``order`` [B, Hk, S] lists the slots by position. In that order the present (unprotected) slots are one
+    contiguous run: valid slots come first, the sinks are a prefix and the recent window a suffix of them.
+    So a token's neighbours are the present tokens within ``kernel // 2`` places on either side; absent
+    ones are left out (``max``) or counted as 0 (``avg``, divided by ``kernel``). Absent entries of x are
+    returned unchanged.
+    """
+    extra = x.ndim - 3
+    by_pos = order.reshape(order.shape[:2] + (1,) * extra + order.shape[2:])
+    present = jnp.broadcast_to(jnp.take_along_axis(present, order, -1).reshape(by_pos.shape), x.shape)
+    xs = jnp.take_along_axis(x, jnp.broadcast_to(by_pos, x.shape), -1)
+    S = x.shape[-1]
+    fill = -jnp.inf if kind == "max" else 0.0
+    half = kernel // 2
+    padded = jnp.pad(jnp.where(present, xs, fill), [(0, 0)] * (x.ndim - 1) + [(half, kernel - 1 - half)],
+                     constant_values=fill)
+    shifted = [padded[..., i: i + S] for i in range(kernel)]
+    pooled = functools.reduce(jnp.maximum, shifted) if kind == "max" else sum(shifted) / kernel
+    pooled = jnp.where(present, pooled, xs)
+    rank = jnp.zeros_like(order).at[row_head_index(order) + (order,)].set(jnp.arange(S, dtype=order.dtype))
+    return jnp.take_along_axis(pooled, jnp.broadcast_to(rank.reshape(by_pos.shape), x.shape), -1)
+
+
+def _aggregate(policy: Policy, per_head: jax.Array) -> jax.Array:
+    """[B, Hk, G, S] -> [B, Hk, S]. "layer" averages every query head of the layer (TOVA's and kvpress's
+    choice) and gives the mean to every KV head: their slots hold the same positions (equal priorities
+    make equal choices from the first eviction on), so every KV head keeps the same tokens."""
+    if policy.aggregate == "layer":
+        B, Hk, _, S = per_head.shape
+        return jnp.broadcast_to(jnp.mean(per_head, axis=(1, 2))[:, None], (B, Hk, S))
+    return {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max}[policy.aggregate](per_head, axis=2)
+
+
+def caote(h: jax.Array, v: jax.Array, valid: jax.Array, fast: bool) -> jax.Array:
+    """CAOTE meta-score per query head. h: [B, Hk, G, S] base scores; v: [B, Hk, S, K]; valid: [B, Hk, S].
+
+    h is normalised to sum 1 over the valid slots; c_j = h_j/(1 − h_j) ‖m − v_j‖ with m = Σ h_i v_i
+    (CAOTE) or the plain mean of the valid values (FastCAOTE).
+    """
+    valid4 = valid[:, :, None, :]
+    h = jnp.where(valid4, jnp.maximum(h, 0.0), 0.0)
+    h = h / jnp.maximum(h.sum(-1, keepdims=True), 1e-30)
+    vf = v.astype(jnp.float32)
+    if fast:
+        mix = (jnp.einsum("bhs,bhsk->bhk", valid.astype(jnp.float32), vf)
+               / jnp.maximum(valid.sum(-1), 1)[..., None])[:, :, None, :]
+    else:
+        mix = jnp.einsum("bhgs,bhsk->bhgk", h, vf)
+    dist = jnp.linalg.norm(mix[:, :, :, None, :] - vf[:, :, None, :, :], axis=-1)  # [B, Hk, G, S]
+    return h / jnp.maximum(1.0 - h, 1e-12) * dist
+
+
+def priority(policy: Policy, state: jax.Array, pos: jax.Array, unprotected: jax.Array, v: jax.Array,
+             order: jax.Array) -> jax.Array:
+    """[B, Hk, S] float32 priority (higher = kept) of the unprotected valid slots.
+
+    state: [B, Hk, G, S]; pos: [B, Hk, S] (-1 = empty); unprotected: [B, Hk, S] valid and evictable;
+    v: [B, Hk, S, K] cached values (for CAOTE); order: [B, Hk, S] the slots by position (for pooling).
+    Plain scores aggregate the query heads, then pool; CAOTE pools and scores per query head, then
+    aggregates (its normalisation is per attention distribution).
+    """
+    if policy.base == "streamingllm":
+        return pos.astype(jnp.float32)
+    if policy.meta is not None:
+        per_head = state
+        if policy.pool != "none":
+            per_head = _pool(per_head, unprotected, policy.pool, policy.kernel, order)
+        return _aggregate(policy, caote(per_head, v, pos >= 0, fast=policy.meta == "fastcaote"))
+    agg = _aggregate(policy, state)
+    if policy.pool != "none":
+        agg = _pool(agg, unprotected, policy.pool, policy.kernel, order)
+    return agg

@@ -1,0 +1,74 @@
+"""Plain helpers and constants shared by several test modules (fixtures live in conftest.py)."""
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+
+from kvjax.budget_cache import Moments
+from reference_eviction import parse_scorer
+
+# --- real-model prompts: a needle in repetitive filler (SmolLM2 tests)
+NEEDLE = "The special magic number is 7341295. "
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 30
+QUESTION = "What is the special magic number mentioned in the text above? Answer with the number only."
+
+
+def distinct_prompts(lengths=(37, 20), seed=0, vocab=97):
+    """Prompts without repeated tokens (repeated tokens have equal layer-0 values, which makes exact score ties)."""
+    rng = np.random.default_rng(seed)
+    return [rng.choice(np.arange(4, vocab), n, replace=False).astype(np.int32) for n in lengths]
+
+
+def kept_positions(pos: np.ndarray, row: int) -> list[list[list[int]]]:
+    """[L, B, Hk, S] slot positions -> per layer, per KV head, the sorted kept positions of ``row``."""
+    return [[sorted(int(p) for p in head if p >= 0) for head in layer[row]] for layer in pos]
+
+
+def moments_of(k_evicted, v_evicted):
+    """Moments of evicted tokens k, v [B, Hk, E, K]."""
+    return Moments(count=jnp.full(k_evicted.shape[:2], float(k_evicted.shape[2])), k_sum=k_evicted.sum(2),
+                   v_sum=v_evicted.sum(2), vk_sum=jnp.einsum("bhei,bhej->bhij", v_evicted, k_evicted))
+
+
+# --- the NumPy reference's self-checks: prompt length and new tokens of the ``prompt`` / ``no_eviction`` fixtures
+P, N = 80, 10
+
+
+def defaults(scorer, budget=20):
+    """Per-base options in the spirit of the docs' defaults table, scaled to the tiny test."""
+    return {"streamingllm": dict(n_sink=4, window=0), "h2o": dict(n_sink=2, window=budget // 4),
+            "tova": dict(n_sink=0, window=0),
+            "snapkv": dict(n_sink=0, window=8, obs_window=8)}[parse_scorer(scorer)[0]]
+
+
+# --- small random Hugging Face models (parity and checkpoint-error tests)
+BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+            max_position_embeddings=256, rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+HF_CASES = {
+    "llama-gqa-llama3rope-untied": (transformers.LlamaConfig, dict(num_key_value_heads=2,
+                                                                   rope_parameters=LLAMA3_ROPE)),
+    "llama-mha-tied": (transformers.LlamaConfig, dict(num_key_value_heads=8, tie_word_embeddings=True)),
+    "llama-linear-rope": (transformers.LlamaConfig, dict(num_key_value_heads=4, rope_parameters={
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "qwen2-gqa-tied": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-gqa-untied": (transformers.Qwen2Config, dict(num_key_value_heads=4, tie_word_embeddings=False)),
+    "qwen3-gqa-untied": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=16,
+                                                        tie_word_embeddings=False)),
+    "qwen3-gqa-tied": (transformers.Qwen3Config, dict(num_key_value_heads=4, tie_word_embeddings=True)),
+}
+
+
+def make_hf_model(config_cls, overrides, path, seed=0):
+    torch.manual_seed(seed)
+    config = config_cls(**BASE, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():  # non-trivial norm scales and biases so that their handling is tested
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", ".bias")):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
