@@ -29,7 +29,6 @@ def measure(mode: str, length: int, args) -> dict:
     import numpy as np
 
     import kvjax
-    from kvjax.budget_cache import BudgetCache
     from kvjax.cache import FullCache
     from kvjax.engine import round_capacity
     from kvjax.decoding import Generation
@@ -61,8 +60,7 @@ def measure(mode: str, length: int, args) -> dict:
         capacity = round_capacity(prompt_bucket(length) + 1 + args.repeats * args.new_tokens)
         shape = jax.eval_shape(lambda: FullCache.init(cfg, 1, capacity, params.dtype))
     else:
-        shape = jax.eval_shape(lambda: BudgetCache.init(cfg, ev.policy, 1, ev.extend_slots(args.block_size),
-                                                        params.dtype))
+        shape = jax.eval_shape(lambda: ev.empty_cache(cfg, 1, ev.extend_spare(args.block_size), params.dtype))
     return dict(mode=mode, length=length, kv_bytes=kvjax.cache_bytes(shape), prefill_s=prefill_s,
                 decode_ms=decode_ms, peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 

@@ -1,17 +1,23 @@
 """kvjax: Llama / Qwen inference in JAX with fixed-budget KV-cache eviction."""
 
+from kvjax.allocation import ALLOCATIONS
+from kvjax.budget_cache import BudgetCache
+from kvjax.cache import cache_bytes
 from kvjax.checkpoint.errors import CheckpointError
-from kvjax.budget_cache import BudgetCache, cache_bytes
 from kvjax.config import ModelConfig
-from kvjax.context import Context, decode, prefill
+from kvjax.context import decode, prefill
+from kvjax.decoding import Context
 from kvjax.generate import forward, generate, generate_stream
+from kvjax.kvzip import kvzip_prompt
 from kvjax.loading import chat_tokens, load, load_tokenizer
 from kvjax.options import EvictionOptions
+from kvjax.paged_cache import PagedCache
 from kvjax.params import Params, init_params
 from kvjax.prefilled import Prefilled, prefill_full
 from kvjax.sampling import Sampling
 from kvjax.scorers import SCORERS
 
-__all__ = ["SCORERS", "BudgetCache", "CheckpointError", "Context", "EvictionOptions", "ModelConfig", "Params",
-           "Prefilled", "Sampling", "cache_bytes", "chat_tokens", "decode", "forward", "generate", "generate_stream", "init_params", "load",
-           "load_tokenizer", "prefill", "prefill_full"]
+__all__ = ["ALLOCATIONS", "SCORERS", "BudgetCache", "CheckpointError", "Context", "EvictionOptions", "ModelConfig",
+           "PagedCache", "Params", "Prefilled", "Sampling", "cache_bytes", "chat_tokens", "decode", "forward",
+           "generate", "generate_stream", "init_params", "kvzip_prompt", "load", "load_tokenizer", "prefill",
+           "prefill_full"]

@@ -16,31 +16,10 @@ from flax import struct
 from kvjax.cache import Segment
 from kvjax.config import ModelConfig
 from kvjax.kernels import block_attention_with_scores, corrected_attention, decode_attention_with_scores
-from kvjax.moments import moment_informed_eviction
-from kvjax.priorities import priority, update_state
+from kvjax.moments import Moments, moment_informed_eviction
+from kvjax.priorities import eviction_keys, update_state
 from kvjax.scorers import Policy
 from kvjax.slots import row_head_index
-
-
-@struct.dataclass
-class Moments:
-    """Statistics of the evicted tokens per (layer, row, KV head), float32.
-
-    count: [L, B, Hk]; k_sum, v_sum: [L, B, Hk, K]; vk_sum: [L, B, Hk, K, K] with [i, j] = Σ v_i k_j.
-    """
-
-    count: jax.Array
-    k_sum: jax.Array
-    v_sum: jax.Array
-    vk_sum: jax.Array
-
-    def add(self, weight: jax.Array, k: jax.Array, v: jax.Array) -> Moments:
-        """Add tokens k, v [B, Hk, E, K] with 0/1 weight [B, Hk, E] (one layer's slice)."""
-        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
-        return Moments(count=self.count + weight.sum(-1),
-                       k_sum=self.k_sum + jnp.einsum("bhe,bhek->bhk", weight, k),
-                       v_sum=self.v_sum + jnp.einsum("bhe,bhek->bhk", weight, v),
-                       vk_sum=self.vk_sum + jnp.einsum("bhe,bhei,bhej->bhij", weight, v, k))
 
 
 @struct.dataclass
@@ -66,13 +45,15 @@ class BudgetCache:
                    pos=jnp.full((L, batch, Hk, slots), -1, jnp.int32),
                    state=jnp.zeros((L, batch, Hk, cfg.group_size, slots), f32),
                    order=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (L, batch, Hk, slots)),
-                   moments=Moments(count=jnp.zeros((L, batch, Hk), f32), k_sum=jnp.zeros((L, batch, Hk, K), f32),
-                                   v_sum=jnp.zeros((L, batch, Hk, K), f32),
-                                   vk_sum=jnp.zeros((L, batch, Hk, K, K), f32)))
+                   moments=Moments.zeros((L, batch, Hk), K))
 
     @property
     def slots(self) -> int:
         return self.pos.shape[-1]
+
+    @property
+    def kv(self) -> tuple[jax.Array, jax.Array]:
+        return self.k, self.v
 
     @property
     def sorted_pos(self) -> jax.Array:
@@ -98,9 +79,8 @@ class BudgetCache:
     def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                seg: Segment) -> tuple[jax.Array, BudgetCache]:
         """Layer ``layer``: put k, v [B, T, Hk, K] in the first free slots of ``order`` (written in place in
-        the stacked arrays: keys and values never move), attend q [B, T, H, K], update the scores and evict
-        if ``seg.evict`` says so, which rewrites only the layer's small per-slot arrays. ``seg.policy`` says
-        how."""
+        the stacked arrays: keys and values never move), attend q [B, T, H, K] and update the scores, as
+        ``seg.policy`` says. Eviction comes after the step, for every layer at once (``evict``)."""
         B, T, Hk, _ = k.shape
         small = jax.tree.map(lambda x: x[layer], self.replace(k=None, v=None))
         count = (small.pos >= 0).sum(-1)  # [B, Hk]
@@ -121,31 +101,31 @@ class BudgetCache:
                 out = corrected_attention(out, lse, q, here.moments, p.zeroth_order)
         if col is not None:  # new slots start from zero: empty slots hold a zero state
             here = here.replace(state=update_state(p, here.state, col, seg.query_weights.sum(-1) > 0))
-        if isinstance(seg.evict, bool):  # known statically: no cond
-            here = here.evict(p, seg.seen) if seg.evict else here
-        else:
-            here = jax.lax.cond(seg.evict, lambda c: c.evict(p, seg.seen), lambda c: c, here)
         small = jax.tree.map(lambda full, x: full.at[layer].set(x), self.replace(k=None, v=None),
                              here.replace(k=None, v=None))
         return out, small.replace(k=k_all, v=v_all)
 
     def evict(self, p: Policy, seen: jax.Array) -> BudgetCache:
-        """One layer: keep ``p.budget`` slots per (row, KV head); seen: [B] one past the newest position."""
+        """Keep ``p.budget`` slots per (layer, row, KV head), every layer at once; seen: [B] one past the newest
+        position. Only the small per-slot arrays and the moments change."""
+        k, v = self.k, self.v
+        small = jax.vmap(lambda c, k_l, v_l: c.replace(k=k_l, v=v_l)._evict_layer(p, seen).replace(k=None, v=None))(
+            self.replace(k=None, v=None), k, v)
+        return small.replace(k=k, v=v)
+
+    def _evict_layer(self, p: Policy, seen: jax.Array) -> BudgetCache:
+        """One layer's slice ([B, Hk, ...] leaves)."""
         b = p.budget
         if self.slots <= b:  # everything fits: only the state reset remains
             return self.replace(state=_reset(self.state)) if p.base_spec.reset_after_evict else self
         pos = self.pos
-        valid = pos >= 0
-        protected = valid & ((pos < p.n_sink) | (pos >= seen[:, None, None] - p.window))
-        unprotected = valid & ~protected
-        prio = priority(p, self.state, pos, unprotected, self.v, self.order)
+        key, prio, unprotected = eviction_keys(p, self.state, pos, self.v, self.order, seen)
         n_drop = self.slots - b
         if p.moment_eviction:
-            n_evict = jnp.maximum(valid.sum(-1) - b, 0)
+            n_evict = jnp.maximum((pos >= 0).sum(-1) - b, 0)
             evicted = moment_informed_eviction(prio, unprotected, n_evict, self.k, self.v, pos, self.moments,
                                                p.zeroth_order, n_drop, p.mi_batch)
-            prio = jnp.where(evicted, 0.0, 1.0)
-        key = jnp.where(unprotected, prio, jnp.where(protected, jnp.inf, -jnp.inf))
+            key = jnp.where(unprotected, jnp.where(evicted, 0.0, 1.0), key)
         key = jnp.take_along_axis(key, self.order, -1)  # in position order: ties go to the earlier position
         if n_drop <= UNROLLED_DROPS:
             return self._drop_few(p, lowest_few(key, n_drop))
@@ -211,7 +191,3 @@ def lowest_slots(key: jax.Array, n: int) -> jax.Array:
     _, order = jax.lax.sort((key, index), dimension=-1, num_keys=2)
     return jnp.zeros_like(index).at[row_head_index(order) + (order,)].set(index) < n
 
-
-def cache_bytes(cache) -> int:
-    """Bytes allocated by a cache pytree (every array leaf; abstract shapes from ``jax.eval_shape`` too)."""
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))

@@ -5,13 +5,17 @@ whole cache every step) keeps decoding memory traffic at one read of the cache."
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from kvjax.config import ModelConfig
 from kvjax.kernels import attention_with_scores
-from kvjax.scorers import Policy
+
+if TYPE_CHECKING:
+    from kvjax.scorers import Policy
 
 PREFILL_CHUNK = 256  # query chunk of the full-cache causal prefill
 
@@ -57,6 +61,10 @@ class FullCache:
     def capacity(self) -> int:
         return self.k.shape[-2]
 
+    @property
+    def kv(self) -> tuple[jax.Array, jax.Array]:
+        return self.k, self.v
+
     def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                seg: Segment) -> tuple[jax.Array, FullCache]:
         """Layer ``layer``: write k, v [B, T, Hk, K] at their positions (in place), attend q [B, T, H, K]."""
@@ -76,3 +84,9 @@ class FullCache:
         slots = jnp.arange(self.capacity)
         mask = (slots[None, None, :] <= seg.positions[:, :, None])[:, None]  # [B, 1, T, S]
         return attention_with_scores(q, k_layer, v_layer, mask)[0], cache
+
+
+def cache_bytes(cache, kv_only: bool = False) -> int:
+    """Bytes a cache pytree allocates (abstract shapes from ``jax.eval_shape`` too): every array leaf, or with
+    ``kv_only`` its keys and values alone (``cache.kv``)."""
+    return sum(x.size * x.dtype.itemsize for x in (cache.kv if kv_only else jax.tree.leaves(cache)))

@@ -7,14 +7,14 @@ import sys
 import time
 
 from kvjax.eval.cli import add_eval_parser
-from kvjax.options import add_arguments, eviction_from, from_arguments
+from kvjax.options import add_arguments, eviction_from, from_arguments, with_tokenizer
 
 
 def _generate(args) -> int:
     import kvjax
 
     eviction = from_arguments(args)
-    eviction_from(**eviction)  # bad settings fail before the model loads
+    eviction_from(**with_tokenizer(None, **eviction))  # bad settings fail before the model loads
     start = time.perf_counter()
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
@@ -25,9 +25,9 @@ def _generate(args) -> int:
     print(f"[{args.model}: loaded in {time.perf_counter() - start:.1f}s, prompt {len(ids)} tokens]",
           file=sys.stderr)
     start, new = time.perf_counter(), []
-    stream = kvjax.generate_stream(params, ids, max_new_tokens=args.max_new_tokens, chunk=args.chunk,
+    stream = kvjax.generate_stream(params, ids, max_new_tokens=args.max_new_tokens, every=args.stream_every,
                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                   seed=args.seed, **eviction)
+                                   seed=args.seed, **with_tokenizer(tokenizer, **eviction))
     printed = ""
     for (chunk,) in stream:
         new.extend(int(t) for t in chunk)
@@ -36,6 +36,22 @@ def _generate(args) -> int:
         printed = text
     print()
     print(f"[{len(new)} tokens in {time.perf_counter() - start:.1f}s, compilation included]", file=sys.stderr)
+    return 0
+
+
+def _kvzip_heads(args) -> int:
+    import kvjax
+    from kvjax.kvzip import save_head_scores
+
+    params = kvjax.load(args.model, dtype=args.dtype)
+    tokenizer = kvjax.load_tokenizer(args.model)
+    with open(args.context) as f:
+        ids = tokenizer(f.read(), add_special_tokens=False)["input_ids"][: args.max_tokens]
+    start = time.perf_counter()
+    scores = kvjax.prefill_full(params, ids).kvzip_head_scores(kvjax.kvzip_prompt(tokenizer))
+    save_head_scores(args.out, scores, params.config)
+    print(f"[{len(ids)} context tokens scored in {time.perf_counter() - start:.1f}s; head scores "
+          f"[{scores.shape[0]}, {scores.shape[1]}] written to {args.out}]", file=sys.stderr)
     return 0
 
 
@@ -57,9 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off")
     g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default: %(default)s)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
-    g.add_argument("--chunk", type=int, default=4, help="decode steps between streamed outputs")
+    g.add_argument("--stream-every", type=int, default=4, help="decode steps between streamed outputs")
     add_arguments(g.add_argument_group("eviction (kvjax.EvictionOptions; active with --budget; docs/eviction.md)"))
     g.set_defaults(run=_generate)
+    h = sub.add_parser("kvzip-heads", help="calibrate kvzip-head: KVzip's head scores of a context, to a file",
+                       description="Score a calibration context with KVzip's repeat pass and save each KV head's "
+                                   "largest score (the head scores that `--scorer kvzip-head --head-scores FILE` "
+                                   "keeps whole heads by).")
+    h.add_argument("--model", default="smollm2-135m-instruct", help="model source (default: %(default)s)")
+    h.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    h.add_argument("--context", required=True, metavar="FILE", help="a text file: the calibration context")
+    h.add_argument("--max-tokens", type=int, default=4096, help="tokens of the file used (default: %(default)s)")
+    h.add_argument("--out", required=True, metavar="FILE", help="where to write the head scores (JSON)")
+    h.set_defaults(run=_kvzip_heads)
     add_eval_parser(sub)
     return parser
 

@@ -6,7 +6,6 @@ several questions (KVzip's query-agnostic setting).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Sequence
 
@@ -15,51 +14,41 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.budget_cache import BudgetCache
-from kvjax.decoding import DecodeState, Generation, prefill_budget_cache
-from kvjax.engine import Eviction
+from kvjax.decoding import Context, DecodeState, Generation, prefill_budget_cache
+from kvjax.engine import APPEND, Eviction
 from kvjax.inputs import check_context, check_max_new, check_tokens, pad_rows, prompt_bucket, round_capacity
 from kvjax.options import eviction_from
+from kvjax.paged_cache import PagedCache
 from kvjax.params import Params
+from kvjax.prefilled import Prefilled
 from kvjax.sampling import Sampling
-
-
-@dataclasses.dataclass(frozen=True)
-class Context:
-    """A batch of prompts prefilled into a budget cache.
-
-    cache: BudgetCache with ``budget`` + spare slots; lengths: [B] tokens seen per row; logits: [B, V]
-    next-token logits after each row's last token; ev: the eviction settings it was built with.
-    """
-
-    cache: BudgetCache
-    lengths: np.ndarray
-    logits: jax.Array
-    ev: Eviction
-    batched: bool
 
 
 def prefill(params: Params, tokens, **eviction) -> Context:
     """Prefill and compress prompts (1-D or a batch) under a budget. ``eviction``: the keywords of
     ``kvjax.EvictionOptions``, as ``kvjax.generate``; ``budget`` is required."""
-    ev = eviction_from(**eviction)
+    rows, batched = check_tokens(tokens, params.config.vocab_size)
+    longest = max(len(r) for r in rows)
+    ev = eviction_from(context=longest, **eviction)
     if ev is None:
         raise ValueError("budget=None: prefill builds a compressed context and needs a budget; use "
                          "kvjax.generate (or kvjax.prefill_full) for a full cache")
-    rows, batched = check_tokens(tokens, params.config.vocab_size)
-    longest = max(len(r) for r in rows)
     check_context(params.config, longest, 0)
+    if ev.policy.base_spec.scoring_pass is not None:  # KVzip: a scoring pass over the whole prefilled prompt
+        return Prefilled(params, rows if batched else rows[0]).compress(**eviction)
     padded, lengths = pad_rows(rows, prompt_bucket(longest, ev.block_size), params.config.pad_token_id)
     state = prefill_budget_cache(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
                                  jnp.asarray(lengths), jax.random.key(0), ev=ev, out_width=1,
-                                 decode_slots=ev.decode_slots(0))
+                                 decode_spare=ev.decode_spare(0))
     return Context(cache=state.cache, lengths=lengths, logits=state.logits, ev=ev, batched=batched)
 
 
-@functools.partial(jax.jit, static_argnames=("out_width", "slots"))
-def _resume(cache: BudgetCache, lengths, logits, key, out_width: int, slots: int) -> DecodeState:
+@functools.partial(jax.jit, static_argnames=("cfg", "ev", "out_width", "spare"))
+def _resume(cfg, cache: BudgetCache | PagedCache, lengths, logits, key, ev: Eviction, out_width: int,
+            spare: int) -> DecodeState:
     """A decode state over the context's cache (pass copies: jit may forward inputs that decode donates)."""
     B = lengths.shape[0]
-    return DecodeState(cache=cache.resize(slots), out=jnp.zeros((B, out_width), jnp.int32),
+    return DecodeState(cache=ev.fit(cache, cfg, spare), out=jnp.zeros((B, out_width), jnp.int32),
                        lengths=lengths, n_new=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool), logits=logits,
                        key=key, step=jnp.zeros((), jnp.int32))
 
@@ -72,16 +61,27 @@ def decode(params: Params, context: Context, tokens=None, max_new_tokens: int = 
 
     evict=False appends the tokens and the answer to the compressed context without evicting anything
     (KVzip's and kvpress's query-agnostic setting: only the context is compressed); MomentKV's correction
-    still applies."""
+    still applies. A context compressed by a scorer with a scoring pass of its own (kvzip, kvzip-head) is
+    always continued that way: it has no scores for later tokens."""
     max_new = check_max_new(max_new_tokens)
+    gen = resume(params, context, tokens, max_new, Sampling(temperature, top_k, top_p), seed, stop_ids, evict)
+    out = gen.run(max_new)
+    return out if context.batched else out[0]
+
+
+def resume(params: Params, context: Context, tokens, max_new: int, sampling: Sampling, seed: int,
+           stop_ids: Sequence[int] | None, evict: bool = True) -> Generation:
+    """The ``Generation`` that ``decode`` runs (arguments as there)."""
     cfg = params.config
-    ev = context.ev if evict else context.ev.without_eviction()
+    own_pass = context.ev.policy.base_spec.scoring_pass is not None
+    ev = context.ev if evict and not own_pass else context.ev.without_eviction()
     out_width, key = round_capacity(max_new), jax.random.key(seed)
-    slots = ev.decode_slots(out_width)
+    spare = ev.decode_spare(out_width)
     if tokens is None:
         check_context(cfg, int(context.lengths.max()), max_new, what="context length")
         copies = jax.tree.map(jnp.copy, (context.cache, context.logits))
-        state = _resume(copies[0], jnp.asarray(context.lengths), copies[1], key, out_width=out_width, slots=slots)
+        state = _resume(cfg, copies[0], jnp.asarray(context.lengths), copies[1], key, ev=ev, out_width=out_width,
+                        spare=spare)
     else:
         rows, _ = check_tokens(tokens if context.batched else [np.asarray(tokens)], cfg.vocab_size)
         if len(rows) != len(context.lengths):
@@ -89,10 +89,8 @@ def decode(params: Params, context: Context, tokens=None, max_new_tokens: int = 
         check_context(cfg, int(max(context.lengths + [len(r) for r in rows])), max_new,
                       what="context plus new tokens")
         padded, lengths = pad_rows(rows, prompt_bucket(max(len(r) for r in rows), ev.block_size), cfg.pad_token_id)
-        if not evict:  # room for the appended tokens too
-            slots = ev.extend_slots(padded.shape[1]) + out_width
+        if ev.protocol == APPEND:  # room for the appended tokens too
+            spare = ev.extend_spare(padded.shape[1]) + out_width
         state = prefill_budget_cache(params, context.cache, jnp.asarray(padded), jnp.asarray(context.lengths),
-                                     jnp.asarray(lengths), key, ev=ev, out_width=out_width, decode_slots=slots)
-    gen = Generation(params, state, max_new, Sampling(temperature, top_k, top_p), stop_ids, ev)
-    out = gen.run(max_new)
-    return out if context.batched else out[0]
+                                     jnp.asarray(lengths), key, ev=ev, out_width=out_width, decode_spare=spare)
+    return Generation(params, state, max_new, sampling, stop_ids, ev)

@@ -5,6 +5,7 @@ drives them for a batch, streamed or whole.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -15,11 +16,27 @@ from flax import struct
 
 from kvjax.budget_cache import BudgetCache
 from kvjax.cache import FullCache, Segment
-from kvjax.engine import Eviction, decode_segment, extend
+from kvjax.engine import Eviction, decode_segment, extend, step
 from kvjax.inputs import check_context, check_max_new, pad_rows, prompt_bucket, round_capacity
 from kvjax.model import decode_hidden, logits_from_hidden
+from kvjax.paged_cache import PagedCache
 from kvjax.params import Params
 from kvjax.sampling import Sampling, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """A batch of prompts prefilled into a budget cache.
+
+    cache: BudgetCache or PagedCache with room for the budget; lengths: [B] tokens seen per row; logits: [B, V]
+    next-token logits after each row's last token; ev: the eviction settings it was built with.
+    """
+
+    cache: BudgetCache | PagedCache
+    lengths: np.ndarray
+    logits: jax.Array
+    ev: Eviction
+    batched: bool
 
 
 @struct.dataclass
@@ -60,16 +77,16 @@ def prefill_full_cache(params: Params, tokens: jax.Array, lengths: jax.Array, ke
     return start_state(params, cache, lengths, last, key, out_width)
 
 
-@functools.partial(jax.jit, static_argnames=("ev", "out_width", "decode_slots"))
-def prefill_budget_cache(params: Params, cache: BudgetCache | None, tokens: jax.Array, start: jax.Array,
-                  lengths: jax.Array, key: jax.Array, ev: Eviction, out_width: int,
-                  decode_slots: int) -> DecodeState:
+@functools.partial(jax.jit, static_argnames=("ev", "out_width", "decode_spare"))
+def prefill_budget_cache(params: Params, cache: BudgetCache | PagedCache | None, tokens: jax.Array,
+                         start: jax.Array, lengths: jax.Array, key: jax.Array, ev: Eviction, out_width: int,
+                         decode_spare: int) -> DecodeState:
     """Budget cache: feed tokens [B, P] at ``start`` [B] into ``cache`` (None = empty) under the protocol."""
-    slots = ev.extend_slots(tokens.shape[1])
+    cfg, spare = params.config, ev.extend_spare(tokens.shape[1])
     if cache is None:
-        cache = BudgetCache.init(params.config, tokens.shape[0], slots, params.dtype)
-    cache, last = extend(params, cache.resize(slots), tokens, start, lengths, ev)
-    return start_state(params, cache.resize(decode_slots), start + lengths, last, key, out_width)
+        cache = ev.empty_cache(cfg, tokens.shape[0], spare, params.dtype)
+    cache, last = extend(params, ev.fit(cache, cfg, spare), tokens, start, lengths, ev)
+    return start_state(params, ev.fit(cache, cfg, decode_spare), start + lengths, last, key, out_width)
 
 
 @functools.partial(jax.jit, static_argnames=("sampling", "stop_ids", "ev"), donate_argnames=("state",))
@@ -90,7 +107,7 @@ def decode_steps(params: Params, state: DecodeState, max_new_tokens: jax.Array, 
         n_new = s.n_new + active
         done = s.done | jnp.isin(tok, jnp.asarray(stop_ids, jnp.int32)) | (n_new >= max_new_tokens)
         seg = decode_segment(ev, s.step, s.lengths, active)
-        hidden, cache = decode_hidden(params, tok[:, None], s.cache, seg)
+        hidden, cache = step(params, tok[:, None], s.cache, seg)
         return DecodeState(cache=cache, out=out, lengths=s.lengths + active, n_new=n_new, done=done,
                            logits=logits_from_hidden(params, hidden[:, 0]), key=key, step=s.step + 1)
 
@@ -122,11 +139,11 @@ class Generation:
         out_width, key = round_capacity(max_new_tokens), jax.random.key(seed)
         if ev is None:
             state = prefill_full_cache(params, jnp.asarray(padded), jnp.asarray(lengths), key,
-                            capacity=round_capacity(bucket + max_new_tokens), out_width=out_width)
+                                       capacity=round_capacity(bucket + max_new_tokens), out_width=out_width)
         else:
             state = prefill_budget_cache(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
-                                  jnp.asarray(lengths), key, ev=ev, out_width=out_width,
-                                  decode_slots=ev.decode_slots(out_width))
+                                         jnp.asarray(lengths), key, ev=ev, out_width=out_width,
+                                         decode_spare=ev.decode_spare(out_width))
         return cls(params, state, max_new_tokens, sampling, stop_ids, ev)
 
     def run(self, steps: int) -> list[np.ndarray]:

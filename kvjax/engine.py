@@ -15,26 +15,30 @@ from kvjax.budget_cache import BudgetCache
 from kvjax.cache import Segment
 from kvjax.inputs import round_capacity
 from kvjax.model import decode_hidden
+from kvjax.paged_cache import PagedCache, pool_pages
 from kvjax.params import Params
 from kvjax.priorities import query_weights
 from kvjax.scorers import Policy
 
 PROTOCOLS = ("blockwise", "prefill")
 APPEND = "append"  # internal protocol: feed tokens without any eviction point (``Eviction.without_eviction``)
+PAGE_SIZE = 16  # tokens per page of the paged cache, unless chosen
 
 
 @dataclasses.dataclass(frozen=True)
 class Eviction:
-    """policy: scorer and budget; protocol: "blockwise" (evict after every block of ``block_size``) or
-    "prefill" (prefill in blocks, evict once at the end), or "append" (no eviction: see
+    """policy: scorer, budget and allocation; protocol: "blockwise" (evict after every block of
+    ``block_size``) or "prefill" (prefill in blocks, evict once at the end), or "append" (no eviction: see
     ``without_eviction``); decoding evicts every ``evict_every`` tokens (``evict_every`` spare slots) unless
-    ``decode_evict`` is False."""
+    ``decode_evict`` is False; page_size: tokens per page of a paged cache (``kvjax.paged_cache``), None for
+    the dense ``BudgetCache`` (uniform allocation only)."""
 
     policy: Policy
     protocol: str = "blockwise"
     block_size: int = 128
     evict_every: int = 1
     decode_evict: bool = True
+    page_size: int | None = None
 
     def __post_init__(self):
         if self.protocol not in PROTOCOLS + (APPEND,):
@@ -43,10 +47,37 @@ class Eviction:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.page_size is None and self.policy.paged:
+            raise ValueError(f"allocation={self.policy.allocation!r} needs the paged cache: page_size=None")
+        if self.page_size is not None and not (isinstance(self.page_size, int) and self.page_size >= 1):
+            raise ValueError(f"page_size={self.page_size!r} must be an integer >= 1")
 
-    def extend_slots(self, new_tokens: int) -> int:
-        """Slots needed to take ``new_tokens`` (a multiple of the block) into a cache holding <= budget."""
-        return self.policy.budget + (self.block_size if self.protocol == "blockwise" else new_tokens)
+    def extend_spare(self, new_tokens: int) -> int:
+        """Spare slots per head for feeding ``new_tokens`` (a multiple of the block) under the protocol."""
+        return self.block_size if self.protocol == "blockwise" else new_tokens
+
+    def decode_spare(self, max_new_tokens: int) -> int:
+        """Spare slots per head for decoding ``max_new_tokens``."""
+        return self.evict_every if self.decode_evict else max_new_tokens
+
+    def _geometry(self, cfg, spare: int) -> tuple[int, int]:
+        """The paged cache's pages per head and pool pages for ``spare`` new tokens per head."""
+        p, L, Hk, P = self.policy, cfg.n_layers, cfg.n_kv_heads, self.page_size
+        return -(-(p.head_capacity(L, Hk) + spare) // P), pool_pages(p.total_budget(L, Hk), spare, L, Hk, P)
+
+    def empty_cache(self, cfg, batch: int, spare: int, dtype) -> BudgetCache | PagedCache:
+        """An empty cache with room for the budget plus ``spare`` new tokens per head."""
+        self.policy.check_model(cfg.n_layers)
+        if self.page_size is None:
+            return BudgetCache.init(cfg, batch, self.policy.budget + spare, dtype)
+        pages_per_head, n_pool = self._geometry(cfg, spare)
+        return PagedCache.init(cfg, batch, pages_per_head, self.page_size, n_pool, dtype)
+
+    def fit(self, cache: BudgetCache | PagedCache, cfg, spare: int) -> BudgetCache | PagedCache:
+        """The same cache with room for ``spare`` new tokens per head (its kept tokens must fit)."""
+        if self.page_size is None:
+            return cache.resize(self.policy.budget + spare)
+        return cache.resize(*self._geometry(cfg, spare))
 
     def decoding(self) -> Eviction:
         """What decoding depends on, with protocol and block size normalised: one decode compilation then
@@ -61,17 +92,16 @@ class Eviction:
         correction of the attention still depends on the scorer, so the policy keeps just that and the budget
         rounded up to ``CAPACITY_STEP`` (which sizes the cache): every other scorer and nearby budgets then
         share one compilation."""
-        nc = self.policy.modifier if self.policy.moment_correction else ""
-        policy = Policy("streamingllm", budget=round_capacity(self.policy.budget), n_sink=0, window=0, obs_window=1,
-                        pool="none", kernel=1, aggregate="mean", modifier=nc, impl=self.policy.impl)
-        return Eviction(policy, protocol=APPEND, block_size=self.block_size, decode_evict=False)
+        p = self.policy
+        nc = p.modifier if p.moment_correction else ""
+        policy = Policy("streamingllm", budget=round_capacity(p.budget), n_sink=0, window=0, obs_window=1,
+                        pool="none", kernel=1, aggregate="mean", modifier=nc, impl=p.impl, allocation=p.allocation)
+        return Eviction(policy, protocol=APPEND, block_size=self.block_size, decode_evict=False,
+                        page_size=self.page_size)
 
-    def decode_slots(self, max_new_tokens: int) -> int:
-        return self.policy.budget + (self.evict_every if self.decode_evict else max_new_tokens)
 
-
-def extend(params: Params, cache: BudgetCache, tokens: jax.Array, start: jax.Array, lengths: jax.Array,
-           ev: Eviction) -> tuple[BudgetCache, jax.Array]:
+def extend(params: Params, cache: BudgetCache | PagedCache, tokens: jax.Array, start: jax.Array,
+           lengths: jax.Array, ev: Eviction) -> tuple[BudgetCache | PagedCache, jax.Array]:
     """Feed tokens [B, P] (P a multiple of the block; row b has ``lengths[b]`` valid tokens at positions
     ``start[b] + t``) block by block under ``lax.scan``, evicting as the protocol says.
 
@@ -92,7 +122,7 @@ def extend(params: Params, cache: BudgetCache, tokens: jax.Array, start: jax.Arr
         evict = {"blockwise": True, "prefill": i == n_blocks - 1, APPEND: False}[ev.protocol]
         seg = Segment(positions=positions, valid=valid, query_weights=query_weights(ev.policy, positions, valid, end),
                       seen=seen, evict=evict, policy=ev.policy)
-        hidden, cache = decode_hidden(params, jax.lax.dynamic_slice_in_dim(tokens, i * m, m, axis=1), cache, seg)
+        hidden, cache = step(params, jax.lax.dynamic_slice_in_dim(tokens, i * m, m, axis=1), cache, seg)
         here = lengths - 1 - i * m
         h = jnp.take_along_axis(hidden, jnp.clip(here, 0, m - 1)[:, None, None], axis=1)[:, 0]
         last = jnp.where(((here >= 0) & (here < m))[:, None], h, last)
@@ -101,6 +131,16 @@ def extend(params: Params, cache: BudgetCache, tokens: jax.Array, start: jax.Arr
     last = jnp.zeros((B, params.config.d_model), params.dtype)
     (cache, last), _ = jax.lax.scan(block, (cache, last), jnp.arange(n_blocks, dtype=jnp.int32))
     return cache, last
+
+
+def step(params: Params, tokens: jax.Array, cache, seg: Segment) -> tuple[jax.Array, object]:
+    """One forward call of tokens [B, T] through every layer of any cache, then the eviction point if
+    ``seg.evict`` says so (for every layer at once: an eviction never changes the outputs of the step it
+    ends). Returns the final-normed hidden states [B, T, D] and the cache."""
+    hidden, cache = decode_hidden(params, tokens, cache, seg)
+    if seg.evict is None or isinstance(seg.evict, bool):  # known statically: no cond
+        return hidden, cache.evict(seg.policy, seg.seen) if seg.evict else cache
+    return hidden, jax.lax.cond(seg.evict, lambda c: c.evict(seg.policy, seg.seen), lambda c: c, cache)
 
 
 def decode_segment(ev: Eviction | None, step: jax.Array, lengths: jax.Array, active: jax.Array) -> Segment:

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import FullCache, Segment
+from kvjax.context import prefill, resume
 from kvjax.decoding import Generation
-from kvjax.inputs import check_tokens
+from kvjax.inputs import check_context, check_max_new, check_tokens
 from kvjax.model import decode_hidden, logits_from_hidden
 from kvjax.options import eviction_from
 from kvjax.params import Params
@@ -45,21 +46,28 @@ def generate(params: Params, tokens, max_new_tokens: int = 64, *, temperature: f
     at ``max_new_tokens`` or after a stop id (default: the model's EOS ids), which is included in the output.
     Rows of a batch are right-padded; each row's tokens equal running it alone.
     """
-    ev = eviction_from(**eviction)
     rows, batched = check_tokens(tokens, params.config.vocab_size)
-    gen = Generation.from_prompts(params, rows, max_new_tokens, Sampling(temperature, top_k, top_p), seed,
-                                  stop_ids, ev)
+    gen = _generation(params, rows, max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop_ids, eviction)
     out = gen.run(gen.max_new)
     return out if batched else out[0]
 
 
-def generate_stream(params: Params, tokens, max_new_tokens: int = 64, *, chunk: int = 4, temperature: float = 0.0,
+def generate_stream(params: Params, tokens, max_new_tokens: int = 64, *, every: int = 4, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None,
                     **eviction) -> Iterator[list[np.ndarray]]:
-    """Like ``generate`` (same keywords) but yields each row's newest tokens every ``chunk`` decode steps."""
-    ev = eviction_from(**eviction)
+    """Like ``generate`` (same keywords) but yields each row's newest tokens every ``every`` decode steps."""
     rows, _ = check_tokens(tokens, params.config.vocab_size)
-    gen = Generation.from_prompts(params, rows, max_new_tokens, Sampling(temperature, top_k, top_p), seed,
-                                  stop_ids, ev)
+    gen = _generation(params, rows, max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop_ids, eviction)
     while not gen.finished:
-        yield gen.run(chunk)
+        yield gen.run(every)
+
+
+def _generation(params: Params, rows: list[np.ndarray], max_new_tokens: int, sampling: Sampling, seed: int,
+                stop_ids: Sequence[int] | None, eviction: dict) -> Generation:
+    """Prefill the prompts under the eviction keywords (a scorer with a scoring pass of its own compresses
+    the whole prompt first, as ``kvjax.prefill``) and return the decoding ``Generation``."""
+    ev = eviction_from(context=max(len(r) for r in rows), **eviction)
+    if ev is not None and ev.policy.base_spec.scoring_pass is not None:
+        check_context(params.config, max(len(r) for r in rows), check_max_new(max_new_tokens))
+        return resume(params, prefill(params, rows, **eviction), None, max_new_tokens, sampling, seed, stop_ids)
+    return Generation.from_prompts(params, rows, max_new_tokens, sampling, seed, stop_ids, ev)

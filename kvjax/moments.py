@@ -1,16 +1,46 @@
-"""MomentKV's moment-informed eviction (MI) on one layer's slice. Its normalization-corrected attention (NC) is part
-of the attention kernels' semantics: ``kvjax.kernels.decode_attention.reference.corrected_attention``.
+"""MomentKV's statistics of the evicted tokens (``Moments``) and its moment-informed eviction (MI) on one layer's
+slice. Its normalization-corrected attention (NC) is part of the attention kernels' semantics:
+``kvjax.kernels.decode_attention.reference.corrected_attention``.
 
-Statistics per (row, KV head) of the evicted set E (``kvjax.budget_cache.Moments``): n = |E|, s_k = Σ k,
-s_v = Σ v, S = Σ v kᵀ. Means k̄ = s_k/n, v̄ = s_v/n; centred S̃ = S − s_v s_kᵀ/n (MomentKV Eq. 9).
+Statistics per (row, KV head) of the evicted set E: n = |E|, s_k = Σ k, s_v = Σ v, S = Σ v kᵀ. Means
+k̄ = s_k/n, v̄ = s_v/n; centred S̃ = S − s_v s_kᵀ/n (MomentKV Eq. 9).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from kvjax.slots import row_head_index
+
+
+@struct.dataclass
+class Moments:
+    """Statistics of the evicted tokens per (layer, row, KV head), float32.
+
+    count: [L, B, Hk]; k_sum, v_sum: [L, B, Hk, K]; vk_sum: [L, B, Hk, K, K] with [i, j] = Σ v_i k_j.
+    """
+
+    count: jax.Array
+    k_sum: jax.Array
+    v_sum: jax.Array
+    vk_sum: jax.Array
+
+    @classmethod
+    def zeros(cls, lead: tuple[int, ...], head_dim: int) -> Moments:
+        """Empty statistics for the leading axes ``lead`` (e.g. (L, B, Hk))."""
+        f32 = jnp.float32
+        return cls(count=jnp.zeros(lead, f32), k_sum=jnp.zeros(lead + (head_dim,), f32),
+                   v_sum=jnp.zeros(lead + (head_dim,), f32), vk_sum=jnp.zeros(lead + (head_dim, head_dim), f32))
+
+    def add(self, weight: jax.Array, k: jax.Array, v: jax.Array) -> Moments:
+        """Add tokens k, v [B, Hk, E, K] with 0/1 weight [B, Hk, E] (one layer's slice)."""
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        return Moments(count=self.count + weight.sum(-1),
+                       k_sum=self.k_sum + jnp.einsum("bhe,bhek->bhk", weight, k),
+                       v_sum=self.v_sum + jnp.einsum("bhe,bhek->bhk", weight, v),
+                       vk_sum=self.vk_sum + jnp.einsum("bhe,bhei,bhej->bhij", weight, v, k))
 
 
 def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict: jax.Array, k: jax.Array,

@@ -8,11 +8,14 @@ made from this table) and the evaluation suite take these keywords and resolve t
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-from kvjax.engine import PROTOCOLS, Eviction
+from kvjax.allocation import ALLOCATIONS
+from kvjax.engine import PAGE_SIZE, PROTOCOLS, Eviction
 from kvjax.kernels import IMPLS
-from kvjax.scorers import AGGREGATES, POOLS, make_policy
+from kvjax.kvzip import RepeatPrompt, kvzip_prompt
+from kvjax.scorers import AGGREGATES, BASES, POOLS, make_policy, split_name
 
 
 def _option(default, help: str, choices: tuple | None = None):
@@ -23,10 +26,13 @@ def _option(default, help: str, choices: tuple | None = None):
 class EvictionOptions:
     """Every eviction keyword with its default. ``None`` where the default depends on the scorer."""
 
-    budget: int | None = _option(None, "KV slots kept per layer and KV head; None keeps the full cache")
+    budget: int | float | None = _option(None, "KV slots kept per layer and KV head (on average, under a "
+                                         "non-uniform allocation); a float in (0, 1) is a fraction of the longest "
+                                         "prompt; None keeps the full cache")
     scorer: str = _option("snapkv", "a base or base+modifier (kvjax.SCORERS; README 'Scorer names')")
-    protocol: str = _option("blockwise", "blockwise: evict after every prompt block (CAOTE); prefill: prefill "
-                            "in blocks, then evict once (SnapKV)", PROTOCOLS)
+    protocol: str | None = _option(None, "blockwise: evict after every prompt block (CAOTE); prefill: prefill, "
+                                   "then evict once (SnapKV). None: prefill for kvzip and kvzip-head, else "
+                                   "blockwise", PROTOCOLS)
     block_size: int = _option(128, "prompt tokens per block")
     n_sink: int = _option(4, "first tokens never evicted")
     window: int | None = _option(None, "most recent tokens never evicted (None: the scorer's: 0 for "
@@ -37,11 +43,24 @@ class EvictionOptions:
     aggregate: str | None = _option(None, "how the query heads of a KV head combine (None: sum for OBCache, "
                                     "else mean; layer: the mean over every head of the layer)", AGGREGATES)
     evict_every: int = _option(1, "decode steps between evictions (that many spare slots)")
-    decode_evict: bool = _option(True, "evict while decoding (False: the cache grows by the new tokens)")
+    decode_evict: bool | None = _option(None, "evict while decoding (False: the cache grows by the new tokens; "
+                                        "None: False for kvzip and kvzip-head, else True)")
     impl: str | None = _option(None, "attention with scores: None = XLA on CPU, the Pallas kernels on TPU and "
                                "CUDA; pallas = the platform's kernels (interpreted on CPU)", IMPLS)
     mi_batch: int = _option(1, "MomentKV: tokens its moment-informed eviction removes per statistics update "
                             "(1 = Algorithm 1's exact rule)")
+    allocation: str | None = _option(None, "how many tokens each layer and KV head keeps (None: the scorer "
+                                     "name's prefix, else uniform; README 'Allocations')", tuple(ALLOCATIONS))
+    floor: float | None = _option(None, "under adakv / global: the fraction of the budget every KV head keeps "
+                                  "at least (None: 0.2 for adakv, AdaKV's α; 0 for global)")
+    chunk: int = _option(1, "tokens of `chunk` consecutive positions share the mean of their priorities, so "
+                         "spans are kept whole (1: each token by itself)")
+    page_size: int | None = _option(None, "tokens per page of the paged cache (None: 16 for non-uniform "
+                                    "allocations, which are paged; uniform keeps one dense block per head)")
+    repeat_prompt: RepeatPrompt | None = _option(None, "kvzip: the repeat prompt's token ids, "
+                                                 "kvjax.kvzip_prompt(tokenizer) (the CLI makes it)")
+    head_scores: str | None = _option(None, "kvzip-head: the file of head scores saved from a calibration "
+                                      "context (python -m kvjax kvzip-heads)")
 
     @classmethod
     def of(cls, **options) -> EvictionOptions:
@@ -50,31 +69,44 @@ class EvictionOptions:
             raise TypeError(f"unknown eviction keyword(s) {', '.join(unknown)}; valid: {', '.join(NAMES)}")
         return cls(**options)
 
-    def given(self) -> dict[str, Any]:
-        """The options that differ from their defaults."""
-        return {name: getattr(self, name) for name in NAMES if getattr(self, name) != DEFAULTS[name]}
-
-    def resolve(self) -> Eviction | None:
-        """The validated engine configuration (None for budget=None: the full cache)."""
-        if self.budget is None:
+    def resolve(self, context: int | None = None) -> Eviction | None:
+        """The validated engine configuration (None for budget=None: the full cache). ``context``: the longest
+        prompt, which a fractional budget is a fraction of (without it, only the fraction is checked)."""
+        budget = self.budget
+        if budget is None:
             if self.impl is not None:
                 raise ValueError(f"impl={self.impl!r} chooses the attention of the budget cache; the full cache "
                                  "(budget=None) always runs XLA attention")
             return None
-        policy = make_policy(self.scorer, self.budget, n_sink=self.n_sink, window=self.window,
+        if isinstance(budget, float):
+            if not 0 < budget < 1:
+                raise ValueError(f"budget={budget!r}: a fractional budget must lie in (0, 1)")
+            budget = math.ceil(budget * context) if context is not None else BUDGET_FOR_CHECKS
+        policy = make_policy(self.scorer, budget, n_sink=self.n_sink, window=self.window,
                              obs_window=self.obs_window, pool=self.pool, kernel=self.kernel,
-                             aggregate=self.aggregate, mi_batch=self.mi_batch, impl=self.impl)
-        return Eviction(policy, protocol=self.protocol, block_size=self.block_size, evict_every=self.evict_every,
-                        decode_evict=self.decode_evict)
+                             aggregate=self.aggregate, mi_batch=self.mi_batch, impl=self.impl,
+                             allocation=self.allocation, floor=self.floor, chunk=self.chunk,
+                             repeat_prompt=self.repeat_prompt, head_scores=self.head_scores)
+        own_pass = policy.base_spec.scoring_pass is not None
+        protocol = self.protocol or ("prefill" if own_pass else "blockwise")
+        decode_evict = (not own_pass) if self.decode_evict is None else self.decode_evict
+        if own_pass and (protocol != "prefill" or decode_evict):
+            raise ValueError(f"scorer={self.scorer!r} scores a prompt once, after the prefill: it needs "
+                             f"protocol='prefill' (got {protocol!r}) and decode_evict=False (got {decode_evict!r})")
+        page_size = self.page_size if self.page_size is not None else (PAGE_SIZE if policy.paged else None)
+        return Eviction(policy, protocol=protocol, block_size=self.block_size, evict_every=self.evict_every,
+                        decode_evict=decode_evict, page_size=page_size)
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(EvictionOptions))
+NOT_FLAGS = ("repeat_prompt",)  # made by the program from its tokenizer, not given on a command line
+BUDGET_FOR_CHECKS = 1 << 20  # what a fractional budget stands for when checking options without a prompt
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(EvictionOptions)}
 
 
-def eviction_from(**options) -> Eviction | None:
-    """``EvictionOptions.of(**options).resolve()``: the engine configuration of eviction keywords."""
-    return EvictionOptions.of(**options).resolve()
+def eviction_from(context: int | None = None, **options) -> Eviction | None:
+    """``EvictionOptions.of(**options).resolve(context)``: the engine configuration of eviction keywords."""
+    return EvictionOptions.of(**options).resolve(context)
 
 
 def options_table() -> str:
@@ -87,25 +119,43 @@ def options_table() -> str:
     return "\n".join(rows)
 
 
+def with_tokenizer(tokenizer, **options) -> dict[str, Any]:
+    """``options`` with what a scorer takes from the model's tokenizer filled in: kvzip's repeat prompt
+    (``tokenizer=None``: an empty one, enough to check the other options before a model is loaded)."""
+    if options.get("budget") is None or options.get("repeat_prompt") is not None:
+        return options
+    if BASES[split_name(options.get("scorer", DEFAULTS["scorer"]))[1]].scoring_pass != "kvzip":
+        return options
+    return options | {"repeat_prompt": RepeatPrompt((), (), ()) if tokenizer is None else kvzip_prompt(tokenizer)}
+
+
 def add_arguments(group, defaults: bool = True, skip: tuple[str, ...] = ()) -> None:
     """Add one ``--flag`` per option to an argparse group. defaults=False leaves every flag unset (None) unless
     given, for callers that merge them over presets."""
     import argparse
 
     for f in dataclasses.fields(EvictionOptions):
-        if f.name in skip:
+        if f.name in skip or f.name in NOT_FLAGS:
             continue
         flag, meta = "--" + f.name.replace("_", "-"), f.metadata
         default = f.default if defaults else None
         text = meta["help"] + (" (default: %(default)s)" if defaults and f.default is not None else "")
-        if isinstance(f.default, bool):
+        if f.type.startswith("bool"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         elif meta["choices"] is not None:
             group.add_argument(flag, choices=[c for c in meta["choices"] if c is not None], default=default,
                                help=text)
         else:
-            kind = str if f.name == "scorer" else int
+            kind = {"budget": budget_value, "scorer": str, "floor": float, "head_scores": str}.get(f.name, int)
             group.add_argument(flag, type=kind, default=default, help=text)
+
+
+def budget_value(text: str) -> int | float:
+    """A command-line budget: a token count ("512") or a fraction of the prompt ("0.25")."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def from_arguments(args, names: tuple[str, ...] = NAMES) -> dict[str, Any]:

@@ -9,6 +9,7 @@ again. Scoring statistics are cached per kind of scoring queries, so budgets of 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -17,14 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.budget_cache import BudgetCache, Moments
+from kvjax.budget_cache import BudgetCache
 from kvjax.cache import PREFILL_CHUNK, FullCache, Segment
-from kvjax.context import Context
-from kvjax.decoding import Generation, start_state
+from kvjax.decoding import Context, Generation, start_state
+from kvjax.engine import Eviction
 from kvjax.inputs import check_context, check_max_new, check_tokens, pad_rows, prompt_bucket, round_capacity
 from kvjax.kernels import attention_with_scores
+from kvjax.kvzip import RepeatPrompt, head_scores, kvzip_scores, load_head_scores
 from kvjax.model import decode_hidden, logits_from_hidden
+from kvjax.moments import Moments
 from kvjax.options import EvictionOptions
+from kvjax.paged_cache import PagedCache
 from kvjax.params import Params
 from kvjax.priorities import query_weights, update_state
 from kvjax.sampling import Sampling
@@ -97,25 +101,34 @@ def _scoring_state(policy: Policy, q: jax.Array, k: jax.Array, v: jax.Array, len
     return jax.lax.map(layer, (q, k, v))
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "slots"))
-def _compress(policy: Policy, k: jax.Array, v: jax.Array, state: jax.Array, lengths: jax.Array,
-              slots: int) -> BudgetCache:
-    """Evict every layer once down to the budget (``BudgetCache.evict``), into a cache of ``slots`` slots."""
-    _, B, Hk, G, P = state.shape
-    K = k.shape[-1]
-    pos = jnp.broadcast_to(jnp.where(jnp.arange(P) < lengths[:, None], jnp.arange(P), -1)[:, None], (B, Hk, P))
-    order = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, Hk, P))
-    f32 = jnp.float32
-    moments = Moments(count=jnp.zeros((B, Hk), f32), k_sum=jnp.zeros((B, Hk, K), f32),
-                      v_sum=jnp.zeros((B, Hk, K), f32), vk_sum=jnp.zeros((B, Hk, K, K), f32))
+@functools.partial(jax.jit, static_argnames=("cfg", "ev"))
+def _compress(cfg, ev: Eviction, k: jax.Array, v: jax.Array, state: jax.Array,
+              lengths: jax.Array) -> BudgetCache | PagedCache:
+    """Evict every layer once down to the budget (the cache's ``evict``: dense or paged as ``ev`` says), into
+    a cache fitted for decoding. k, v: [L, B, Hk, C, K] the full cache; state: [L, B, Hk, G, P], P <= C."""
+    L, B, Hk, C, K = k.shape
+    slots = jnp.arange(C, dtype=jnp.int32)
+    pos = jnp.broadcast_to(jnp.where(slots < lengths[:, None], slots, -1)[None, :, None], (L, B, Hk, C))
+    state = jnp.pad(state, [(0, 0)] * 4 + [(0, C - state.shape[-1])])
+    if ev.page_size is None:
+        cache = BudgetCache(k=k, v=v, pos=pos, state=state, order=jnp.broadcast_to(slots, pos.shape),
+                            moments=Moments.zeros((L, B, Hk), K))
+    else:
+        cache = PagedCache.from_dense(k, v, pos, state, ev.page_size)
+    return ev.fit(cache.evict(ev.policy, lengths), cfg, ev.decode_spare(0))
 
-    def layer(xs):
-        k_l, v_l, state_l = xs
-        cache = BudgetCache(k=k_l[:, :, :P], v=v_l[:, :, :P], pos=pos.astype(jnp.int32), state=state_l,
-                            order=order, moments=moments)
-        return cache.evict(policy, lengths)
 
-    return jax.lax.map(layer, (k, v, state)).resize(slots)
+def whole_heads(policy: Policy, cfg, context: int) -> Policy:
+    """kvzip-head's policy for a context of ``context`` tokens: the best heads by the saved head scores keep
+    the whole context, the others their sinks and window, as many full heads as the budget pays for
+    (round(L·Hk·(budget − s) / (context − s)) with s = n_sink + window)."""
+    scores = load_head_scores(policy.head_scores, cfg).reshape(-1)
+    reduced = policy.n_sink + policy.window
+    share = np.clip((policy.budget - reduced) / max(context - reduced, 1), 0.0, 1.0)
+    full = np.argsort(-scores, kind="stable")[: round(share * scores.size)]
+    budgets = np.full(scores.size, reduced)
+    budgets[full] = context
+    return dataclasses.replace(policy, cap=context, head_budgets=tuple(int(b) for b in budgets))
 
 
 class Prefilled:
@@ -131,18 +144,31 @@ class Prefilled:
         longest = max(len(r) for r in rows)
         check_context(params.config, longest, 0)
         padded, self.lengths = pad_rows(rows, prompt_bucket(longest), params.config.pad_token_id)
-        self.params = params
+        self.params, self.rows = params, rows
         self.cache, self.hidden = _prefill_full(params, jnp.asarray(padded), room)
         self._states: dict = {}
 
     def _state(self, policy: Policy, lengths: np.ndarray) -> jax.Array:
-        spec = policy.base_spec
+        """The scorer state [L, B, Hk, G, P] after the prompts' first ``lengths`` tokens (cached per kind)."""
+        spec, full = policy.base_spec, self.cache.full
         key = (spec.queries, policy.score_kind, spec.update, policy.obs_window if spec.queries == "window" else 0,
-               tuple(lengths))
-        if key not in self._states:
-            self._states[key] = _scoring_state(policy, self.cache.q, self.cache.full.k, self.cache.full.v,
-                                               jnp.asarray(lengths))
-        return self._states[key]
+               spec.scoring_pass, policy.repeat_prompt, policy.head_scores, tuple(lengths))
+        if key in self._states:
+            return self._states[key]
+        cfg = self.params.config
+        if spec.scoring_pass is None:
+            state = _scoring_state(policy, self.cache.q, full.k, full.v, jnp.asarray(lengths))
+        else:
+            if spec.scoring_pass == "kvzip":
+                rows = [r[:n] for r, n in zip(self.rows, lengths, strict=True)]
+                scores = kvzip_scores(self.params, full, rows, policy.repeat_prompt)[..., : self.hidden.shape[1]]
+            else:  # "heads": every token of a head scores its saved head score
+                heads = jnp.asarray(load_head_scores(policy.head_scores, cfg), jnp.float32)
+                scores = jnp.broadcast_to(heads[:, None, :, None], (cfg.n_layers, len(lengths), cfg.n_kv_heads,
+                                                                     self.hidden.shape[1]))
+            state = jnp.broadcast_to(scores[:, :, :, None], scores.shape[:3] + (cfg.group_size,) + scores.shape[3:])
+        self._states[key] = state
+        return state
 
     def compress(self, *, upto=None, **eviction) -> Context:
         """The compressed context of each prompt (or of its first ``upto`` tokens: an int or one per row).
@@ -150,18 +176,25 @@ class Prefilled:
         "prefill")."""
         if eviction.get("protocol", "prefill") != "prefill":
             raise ValueError(f"protocol={eviction['protocol']!r}: compress runs the prefill protocol only")
-        ev = EvictionOptions.of(**(eviction | {"protocol": "prefill"})).resolve()
-        if ev is None:
-            raise ValueError("budget=None: compress needs a budget")
         lengths = self.lengths if upto is None else np.minimum(self.lengths, np.asarray(upto, np.int32))
         if np.any(lengths < 1):
             raise ValueError(f"upto={upto!r} must keep at least one token of every prompt")
+        ev = EvictionOptions.of(**(eviction | {"protocol": "prefill"})).resolve(context=int(lengths.max()))
+        if ev is None:
+            raise ValueError("budget=None: compress needs a budget")
+        if ev.policy.base_spec.scoring_pass == "heads":
+            ev = dataclasses.replace(ev, policy=whole_heads(ev.policy, self.params.config, int(lengths.max())))
         state = self._state(ev.policy, lengths)
-        cache = _compress(ev.policy, self.cache.full.k, self.cache.full.v, state, jnp.asarray(lengths),
-                          slots=ev.decode_slots(0))
+        cache = _compress(self.params.config, ev, self.cache.full.k, self.cache.full.v, state,
+                          jnp.asarray(lengths))
         last = jnp.take_along_axis(self.hidden, jnp.asarray(lengths - 1)[:, None, None], axis=1)[:, 0]
         return Context(cache=cache, lengths=lengths, logits=logits_from_hidden(self.params, last), ev=ev,
                        batched=self.batched)
+
+    def kvzip_head_scores(self, prompt: RepeatPrompt) -> np.ndarray:
+        """KVzip's head scores S_head [L, Hk] of these prompts (the calibration of ``kvzip-head``: each head's
+        largest token score over the prompts; save them with ``kvjax.kvzip.save_head_scores``)."""
+        return head_scores(kvzip_scores(self.params, self.cache.full, self.rows, prompt), self.lengths)
 
     def generate(self, max_new_tokens: int = 64, *, stop_ids: Sequence[int] | None = None):
         """Greedy continuation of the prompts with the full cache (as ``kvjax.generate`` with no budget)."""

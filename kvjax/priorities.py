@@ -68,6 +68,24 @@ def _pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.A
     return jnp.take_along_axis(pooled, jnp.broadcast_to(rank.reshape(by_pos.shape), x.shape), -1)
 
 
+def _chunk_mean(x: jax.Array, present: jax.Array, pos: jax.Array, order: jax.Array, chunk: int) -> jax.Array:
+    """x [B, Hk, S] with each ``present`` slot's value replaced by the mean over the present slots of its chunk
+    (positions ``c·chunk … (c+1)·chunk − 1``). A chunk's present slots lie within ``chunk − 1`` places of
+    each other in position order (``order`` [B, Hk, S])."""
+    S = x.shape[-1]
+    xs, ps = jnp.take_along_axis(x, order, -1), jnp.take_along_axis(present, order, -1)
+    cs = jnp.where(ps, jnp.take_along_axis(pos, order, -1) // chunk, -1)
+    pad = [(0, 0), (0, 0), (chunk - 1, chunk - 1)]
+    xp, cp = jnp.pad(jnp.where(ps, xs, 0.0), pad), jnp.pad(cs, pad, constant_values=-1)
+    total, count = jnp.zeros_like(xs), jnp.zeros_like(xs)
+    for i in range(2 * chunk - 1):
+        same = (cp[..., i: i + S] == cs) & ps
+        total, count = total + jnp.where(same, xp[..., i: i + S], 0.0), count + same
+    mean = jnp.where(ps, total / jnp.maximum(count, 1), xs)
+    rank = jnp.zeros_like(order).at[row_head_index(order) + (order,)].set(jnp.arange(S, dtype=order.dtype))
+    return jnp.take_along_axis(mean, rank, -1)
+
+
 def _aggregate(policy: Policy, per_head: jax.Array) -> jax.Array:
     """[B, Hk, G, S] -> [B, Hk, S]. "layer" averages every query head of the layer (TOVA's and kvpress's
     choice) and gives the mean to every KV head: their slots hold the same positions (equal priorities
@@ -117,3 +135,18 @@ def priority(policy: Policy, state: jax.Array, pos: jax.Array, unprotected: jax.
     if policy.pool != "none":
         agg = _pool(agg, unprotected, policy.pool, policy.kernel, order)
     return agg
+
+
+def eviction_keys(policy: Policy, state: jax.Array, pos: jax.Array, v: jax.Array, order: jax.Array,
+                  seen: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's eviction keys [B, Hk, S]: +inf for protected slots (the ``n_sink`` first and ``window``
+    most recent positions), -inf for empty ones, else the priority (with ``chunk`` > 1, the mean over the
+    slot's chunk). Also returns the priority and the unprotected mask [B, Hk, S]. Arguments as ``priority``;
+    seen: [B] one past the newest position."""
+    valid = pos >= 0
+    protected = valid & ((pos < policy.n_sink) | (pos >= seen[:, None, None] - policy.window))
+    unprotected = valid & ~protected
+    prio = priority(policy, state, pos, unprotected, v, order)
+    if policy.chunk > 1:
+        prio = _chunk_mean(prio, unprotected, pos, order, policy.chunk)
+    return jnp.where(unprotected, prio, jnp.where(protected, jnp.inf, -jnp.inf)), prio, unprotected

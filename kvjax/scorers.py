@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvjax.allocation import ALLOCATIONS, floor_count, head_capacity, layer_budgets
 from kvjax.kernels import IMPLS
+from kvjax.kvzip import RepeatPrompt
 
 AGGREGATES = ("sum", "mean", "max", "layer")  # "layer": mean over all query heads of the layer
 POOLS = ("none", "max", "avg")
@@ -22,7 +24,10 @@ POOLS = ("none", "max", "avg")
 class BaseSpec:
     """queries: which queries of a step score ("none", "all", "last" or "window": the last obs_window);
     update: "accumulate" or "replace" the state with their column; reset_after_evict: zero the state at every
-    eviction point; default_window: "zero", "quarter" (budget // 4) or "obs" (obs_window)."""
+    eviction point; default_window: "zero", "quarter" (budget // 4) or "obs" (obs_window); scoring_pass: the
+    state comes from a pass of its own over the prefilled prompt instead ("kvzip": the repeat pass of
+    ``kvjax.kvzip``; "heads": saved head scores), so the scorer runs under the prefill protocol and does not
+    evict while decoding; default_allocation, default_floor: the scorer's own allocation setting."""
 
     description: str
     queries: str
@@ -30,6 +35,9 @@ class BaseSpec:
     reset_after_evict: bool
     default_window: str
     default_pool: str = "none"
+    scoring_pass: str | None = None
+    default_allocation: str = "uniform"
+    default_floor: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +61,13 @@ BASES: dict[str, BaseSpec] = {
     "tova": BaseSpec("attention of the newest query", "last", "replace", True, "zero"),
     "snapkv": BaseSpec("attention of the last obs_window queries, pooled along positions", "window", "accumulate",
                        True, "obs", default_pool="max"),
+    "kvzip": BaseSpec("KVzip: the most attention a token receives while the model repeats the context (a scoring "
+                      "pass after the prefill; needs `repeat_prompt`); top scores over each layer's KV heads",
+                      "none", "replace", False, "zero", scoring_pass="kvzip", default_allocation="adakv",
+                      default_floor=0.0),
+    "kvzip-head": BaseSpec("KVzip's context-independent mode: whole KV heads kept, the best by saved head scores "
+                           "(`head_scores`), the rest cut to the sinks and window; no scoring pass",
+                           "none", "replace", False, "obs", scoring_pass="heads", default_allocation="heads"),
 }
 
 MODIFIERS: dict[str, ModifierSpec] = {
@@ -63,18 +78,24 @@ MODIFIERS: dict[str, ModifierSpec] = {
     "obcache-joint": ModifierSpec("OBCache joint saliency (value + key + 2 Σ A² z (‖v‖² − v·o)) replaces the "
                                   "attention column", score_kind="obcache-joint"),
     "caote": ModifierSpec("CAOTE: h/(1−h) ‖Σ h_i v_i − v_j‖ over the base score h normalised to sum 1",
-                          meta="caote"),
-    "fastcaote": ModifierSpec("FastCAOTE: h/(1−h) ‖mean(v) − v_j‖", meta="fastcaote"),
+                          meta="caote", bases=("h2o", "tova", "snapkv", "kvzip")),
+    "fastcaote": ModifierSpec("FastCAOTE: h/(1−h) ‖mean(v) − v_j‖", meta="fastcaote",
+                              bases=("h2o", "tova", "snapkv", "kvzip")),
     "momentkv": ModifierSpec("MomentKV: moment-informed eviction (score × ‖residual‖, one token at a time) and "
-                             "normalization-corrected attention", mi=True, nc=True),
-    "momentkv-mi": ModifierSpec("MomentKV moment-informed eviction only", mi=True),
+                             "normalization-corrected attention", mi=True, nc=True,
+                             bases=("h2o", "tova", "snapkv", "kvzip")),
+    "momentkv-mi": ModifierSpec("MomentKV moment-informed eviction only", mi=True,
+                                bases=("h2o", "tova", "snapkv", "kvzip")),
     "momentkv-nc": ModifierSpec("MomentKV normalization-corrected attention only (eviction by the base score)",
-                                nc=True, bases=("h2o", "tova", "snapkv", "streamingllm")),
+                                nc=True, bases=("h2o", "tova", "snapkv", "streamingllm", "kvzip")),
     "momentkv-zeroth": ModifierSpec("MomentKV zeroth order: residual v − v̄ and correction by v̄ (no "
-                                    "outer-product term)", mi=True, nc=True, zeroth=True),
+                                    "outer-product term)", mi=True, nc=True, zeroth=True,
+                                    bases=("h2o", "tova", "snapkv", "kvzip")),
 }
 NO_MODIFIER = ModifierSpec("")
-ALIASES = {"momentkv": ("snapkv+momentkv", "MomentKV's own setting: SnapKV scoring, MI + NC")}
+ALIASES = {"momentkv": ("snapkv+momentkv", "MomentKV's own setting: SnapKV scoring, MI + NC"),
+           "adakv": ("adakv+snapkv", "AdaKV: SnapKV scoring, each layer's budget shared among its KV heads"),
+           "pyramidkv": ("pyramidkv+snapkv", "PyramidKV: SnapKV scoring, layer budgets decreasing with depth")}
 
 
 def _describe(base: str, modifier: str) -> str:
@@ -90,12 +111,25 @@ SCORERS: dict[str, str] = (
 """Every valid scorer name and what it computes."""
 
 
-def split_name(name: str) -> tuple[str, str]:
-    """``"snapkv+caote"`` -> ``("snapkv", "caote")``; an unknown name is a ValueError listing the valid ones."""
-    if not isinstance(name, str) or name not in SCORERS:
-        raise ValueError(f"scorer={name!r} is unknown; valid scorers: {', '.join(sorted(SCORERS))}")
-    base, _, modifier = ALIASES.get(name, (name,))[0].partition("+")
-    return base, modifier
+def split_name(name: str) -> tuple[str | None, str, str]:
+    """``"adakv+snapkv+caote"`` -> ``("adakv", "snapkv", "caote")``: an optional allocation prefix
+    (``kvjax.allocation.ALLOCATIONS``; None if absent), the base and the modifier ("" if none). An unknown name
+    is a ValueError listing the valid ones."""
+    allocation, rest = None, name
+    if isinstance(name, str) and name.partition("+")[0] in ALLOCATIONS and name not in SCORERS:
+        allocation, _, rest = name.partition("+")
+    if not isinstance(rest, str) or rest not in SCORERS:
+        names = sorted(n for n in SCORERS if n not in ALIASES)
+        raise ValueError(f"scorer={name!r} is unknown; valid scorers: {', '.join(names)}; aliases: "
+                         f"{', '.join(sorted(ALIASES))}; each may be prefixed by an allocation: "
+                         f"{', '.join(a + '+' for a in ALLOCATIONS if a != 'heads')}")
+    full = ALIASES.get(rest, (rest,))[0]
+    if full.partition("+")[0] in ALLOCATIONS:  # an alias that names its allocation
+        if allocation is not None:
+            raise ValueError(f"scorer={name!r} names two allocations")
+        allocation, _, full = full.partition("+")
+    base, _, modifier = full.partition("+")
+    return allocation, base, modifier
 
 
 def scorer_table() -> str:
@@ -114,7 +148,14 @@ class Policy:
     aggregate: how the G query heads of a KV head combine ("layer": every query head of the layer, the same
     tokens kept in every KV head); mi_batch: tokens MomentKV's moment-informed eviction removes per
     statistics update (1 = Algorithm 1's exact rule); impl: how attention with scores runs
-    (``kvjax.kernels``: None = per platform, XLA on CPU; "xla"; "pallas"; "pallas_tpu" / "pallas_gpu").
+    (``kvjax.kernels``: None = per platform, XLA on CPU; "xla"; "pallas"; "pallas_tpu" / "pallas_gpu");
+    allocation: how many slots each (layer, KV head) keeps (``kvjax.allocation.ALLOCATIONS``); floor: the
+    fraction of the budget every head keeps at least under a shared allocation; chunk: tokens of ``chunk``
+    consecutive positions share the mean of their priorities (1 = each token by itself); repeat_prompt:
+    KVzip's repeat prompt (``kvjax.kvzip.RepeatPrompt``); head_scores: the file of ``kvzip-head``'s saved head
+    scores; cap: the most tokens one head keeps, when the allocation's own rule does not apply (``kvzip-head``,
+    whose whole heads hold the context); head_budgets: the "heads" allocation's budget of every (layer, KV
+    head), flattened (set when a prompt is compressed).
     """
 
     base: str
@@ -128,6 +169,13 @@ class Policy:
     modifier: str = ""
     mi_batch: int = 1
     impl: str | None = None
+    allocation: str = "uniform"
+    floor: float = 0.0
+    chunk: int = 1
+    repeat_prompt: RepeatPrompt | None = None
+    head_scores: str | None = None
+    cap: int | None = None
+    head_budgets: tuple[int, ...] | None = None
 
     @property
     def base_spec(self) -> BaseSpec:
@@ -161,14 +209,69 @@ class Policy:
     def zeroth_order(self) -> bool:
         return self.modifier_spec.zeroth
 
+    @property
+    def paged(self) -> bool:
+        """Per-head budgets differ: the cache is paged so that memory follows the total budget."""
+        return ALLOCATIONS[self.allocation].paged
+
+    def layer_budgets(self, n_layers: int) -> tuple[int, ...]:
+        """Each layer's budget per KV head (the average under a shared allocation)."""
+        return layer_budgets(self.allocation, self.budget, self.window, n_layers)
+
+    def head_capacity(self, n_layers: int, n_kv_heads: int) -> int:
+        """The most tokens one (layer, row, KV head) keeps after an eviction point."""
+        if self.cap is not None:
+            return self.cap
+        return head_capacity(self.allocation, self.budget, self.window, n_layers, n_kv_heads)
+
+    def floor_count(self) -> int:
+        return floor_count(self.floor, self.budget)
+
+    def total_budget(self, n_layers: int, n_kv_heads: int) -> int:
+        """Tokens kept over every layer and KV head of a row after an eviction point."""
+        if self.head_budgets is not None:
+            return sum(self.head_budgets)
+        return n_kv_heads * sum(self.layer_budgets(n_layers))
+
+    def check_model(self, n_layers: int) -> None:
+        """Errors that depend on the model: every layer's budget must exceed the protected slots."""
+        low = min(self.layer_budgets(n_layers))
+        if low <= self.n_sink + self.window:
+            raise ValueError(f"budget={self.budget} with allocation={self.allocation!r} gives layer "
+                             f"{self.layer_budgets(n_layers).index(low)} a budget of {low}, which must be larger "
+                             f"than n_sink + window = {self.n_sink} + {self.window}")
+
 
 def make_policy(scorer: str, budget: int, *, n_sink: int = 4, window: int | None = None, obs_window: int = 32,
                 pool: str | None = None, kernel: int = 7, aggregate: str | None = None, mi_batch: int = 1,
-                impl: str | None = None) -> Policy:
+                impl: str | None = None, allocation: str | None = None, floor: float | None = None,
+                chunk: int = 1, repeat_prompt: RepeatPrompt | None = None, head_scores: str | None = None) -> Policy:
     """Validated ``Policy`` with the papers' defaults for what is left as None (aggregate: ``sum`` for
-    OBCache as in its App. B.5, else ``mean`` as kvpress; the two rank identically)."""
-    base, modifier = split_name(scorer)
+    OBCache as in its App. B.5, else ``mean`` as kvpress, the two rank identically; allocation: the name's
+    prefix, else the scorer's (uniform but for KVzip); floor: the scorer's, else the allocation's)."""
+    named, base, modifier = split_name(scorer)
     spec = BASES[base]
+    if allocation is not None and named is not None and allocation != named:
+        raise ValueError(f"allocation={allocation!r} contradicts scorer={scorer!r}")
+    allocation = allocation or named or spec.default_allocation
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation={allocation!r} must be one of {tuple(ALLOCATIONS)}")
+    if (allocation == "heads") != (base == "kvzip-head"):
+        raise ValueError(f"allocation='heads' belongs to scorer 'kvzip-head' (got allocation={allocation!r} with "
+                         f"scorer={scorer!r})")
+    if floor is None:
+        own = spec.default_floor is not None and allocation == spec.default_allocation
+        floor = spec.default_floor if own else ALLOCATIONS[allocation].default_floor
+    if not (isinstance(floor, (int, float)) and 0 <= floor <= 1):
+        raise ValueError(f"floor={floor!r} must be a fraction of the budget in [0, 1]")
+    if not (isinstance(chunk, int) and chunk >= 1):
+        raise ValueError(f"chunk={chunk!r} must be an integer >= 1")
+    if (repeat_prompt is not None) != (spec.scoring_pass == "kvzip"):
+        raise ValueError("scorer='kvzip' needs repeat_prompt=kvjax.kvzip_prompt(tokenizer) (the repeat prompt's "
+                         "token ids)" if repeat_prompt is None else f"repeat_prompt is KVzip's; scorer={scorer!r}")
+    if (head_scores is not None) != (spec.scoring_pass == "heads"):
+        raise ValueError("scorer='kvzip-head' needs head_scores=<file of kvjax.kvzip.save_head_scores>"
+                         if head_scores is None else f"head_scores is kvzip-head's; scorer={scorer!r}")
     mod = MODIFIERS[modifier] if modifier else NO_MODIFIER
     for name, value in (("budget", budget), ("obs_window", obs_window), ("kernel", kernel), ("mi_batch", mi_batch)):
         if not (isinstance(value, int) and value >= 1):
@@ -197,4 +300,8 @@ def make_policy(scorer: str, budget: int, *, n_sink: int = 4, window: int | None
                          f"ending in {', '.join('+' + m for m, s in MODIFIERS.items() if s.mi)})")
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
-    return Policy(base, budget, n_sink, window, obs_window, pool, kernel, aggregate, modifier, mi_batch, impl)
+    if aggregate == "layer" and ALLOCATIONS[allocation].shared is not None:
+        raise ValueError(f"aggregate='layer' keeps the same tokens in every KV head, which allocation="
+                         f"{allocation!r} shares unevenly among them")
+    return Policy(base, budget, n_sink, window, obs_window, pool, kernel, aggregate, modifier, mi_batch, impl,
+                  allocation, float(floor), chunk, repeat_prompt, head_scores)

@@ -83,6 +83,17 @@ def no_eviction(params, prompt):
                          n_sink=0, window=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_head_scores(tiny_llama, tmp_path_factory):
+    """A file of (made-up) kvzip-head scores for the tiny Llama."""
+    from kvjax.kvzip import save_head_scores
+
+    cfg = tiny_llama.config
+    path = str(tmp_path_factory.mktemp("kvzip") / "heads.json")
+    save_head_scores(path, np.linspace(0, 1, cfg.n_layers * cfg.n_kv_heads).reshape(cfg.n_layers, -1), cfg)
+    return path
+
+
 @pytest.fixture
 def count_compiles():
     """``with count_compiles() as box:`` counts XLA backend compilations in ``box["n"]``."""

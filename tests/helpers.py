@@ -5,7 +5,7 @@ import numpy as np
 import torch
 import transformers
 
-from kvjax.budget_cache import Moments
+from kvjax.moments import Moments
 from reference_eviction import parse_scorer
 
 # --- real-model prompts: a needle in repetitive filler (SmolLM2 tests)
@@ -29,6 +29,26 @@ def moments_of(k_evicted, v_evicted):
     """Moments of evicted tokens k, v [B, Hk, E, K]."""
     return Moments(count=jnp.full(k_evicted.shape[:2], float(k_evicted.shape[2])), k_sum=k_evicted.sum(2),
                    v_sum=v_evicted.sum(2), vk_sum=jnp.einsum("bhei,bhej->bhij", v_evicted, k_evicted))
+
+
+def scorer_requirements(name: str, head_scores: str, tiny: bool = True) -> dict:
+    """What a scorer name needs beyond the common options, for tests that run every name: KVzip's repeat
+    prompt (any token ids do), kvzip-head's file of head scores (``head_scores``), and for PyramidKV on the
+    tiny models of two or three layers (``tiny``) nothing protected (its last layer keeps m/20 tokens)."""
+    from kvjax.kvzip import RepeatPrompt
+    from kvjax.scorers import BASES, split_name
+
+    allocation, base, _ = split_name(name)
+    needs = {"kvzip": dict(repeat_prompt=RepeatPrompt((5, 6, 7), (5, 6, 8), (9,))),
+             "heads": dict(head_scores=head_scores)}.get(BASES[base].scoring_pass, {})
+    return needs | (dict(n_sink=0, window=0) if allocation == "pyramidkv" and tiny else {})
+
+
+def own_pass(name: str) -> bool:
+    """The scorer scores the prompt in a pass of its own (KVzip): prefill protocol only."""
+    from kvjax.scorers import BASES, split_name
+
+    return BASES[split_name(name)[1]].scoring_pass is not None
 
 
 # --- the NumPy reference's self-checks: prompt length and new tokens of the ``prompt`` / ``no_eviction`` fixtures

@@ -58,6 +58,7 @@ SCORERS = (BASES + tuple(f"{b}+{m}" for b in ("h2o", "tova", "snapkv") for m in 
 PROTOCOLS = ("blockwise", "prefill")
 POOLS = ("max", "avg", "none")
 AGGREGATES = ("sum", "mean", "max", "layer")
+ALLOCATIONS = ("uniform", "pyramidkv", "adakv", "global")
 NEAR_TIE_RTOL = 1e-6
 S_TILDE_CLAMP = 1e-6  # NC: entries of S̃ of magnitude below this are set to 0 (App. C.2)
 
@@ -344,13 +345,71 @@ def keep_highest(positions, protected, prio, budget: int) -> Decision:
         return Decision(np.ones(n, bool), prio, False, False)
     unprotected = np.flatnonzero(~protected)
     n_free = budget - int(protected.sum())
-    assert 0 < n_free < len(unprotected), "budget > n_sink + window guarantees this"
+    assert 0 <= n_free < len(unprotected), "budget > n_sink + window (or an allocation's count) guarantees this"
     # Highest priority first; among equal priorities the later position first.
     order = sorted(range(len(unprotected)), key=lambda i: (prio[i], positions[unprotected[i]]), reverse=True)
     keep = protected.copy()
     keep[unprotected[order[:n_free]]] = True
+    if n_free == 0:
+        return Decision(keep, prio, False, False)
     last_kept, first_evicted = prio[order[n_free - 1]], prio[order[n_free]]
     return Decision(keep, prio, is_near_tie(last_kept, first_evicted), bool(last_kept == first_evicted))
+
+
+def chunk_means(positions, prio, chunk: int) -> np.ndarray:
+    """Each priority (of the unprotected tokens at ``positions``, in position order) replaced by the mean
+    over the unprotected tokens of its chunk (positions c·chunk … (c+1)·chunk − 1)."""
+    positions, prio = np.asarray(positions), np.asarray(prio, np.float64)
+    chunks = positions // chunk
+    return np.array([prio[chunks == c].mean() for c in chunks])
+
+
+def pyramid_budgets(budget: int, window: int, n_layers: int) -> list[int]:
+    """PyramidKV's layer budgets: window + m/20 for the last layer, window + 2m − m/20 for the first (m =
+    budget − window), linear between, in whole tokens summing to n_layers · budget: each layer gets the floor
+    of its exact share, and the tokens left over go one each to the layers with the largest fractions (the
+    lower layer first among equal fractions)."""
+    m = budget - window
+    last, first = m / 20, 2 * m - m / 20
+    shares = [first + (last - first) * layer / (n_layers - 1) for layer in range(n_layers)] if n_layers > 1 \
+        else [float(m)]
+    budgets = [int(np.floor(s)) for s in shares]
+    left = n_layers * m - sum(budgets)
+    for layer in sorted(range(n_layers), key=lambda i: (-(shares[i] - budgets[i]), i))[:left]:
+        budgets[layer] += 1
+    return [b + window for b in budgets]
+
+
+def shared_counts(heads: list[dict], total: int, floor: int, cap: int) -> tuple[list[int], bool, bool]:
+    """Kept counts of heads sharing ``total`` slots (AdaKV over a layer's heads; one threshold over all).
+
+    ``heads``: one dict per head (in head order) with ``positions`` (position order), ``protected`` and
+    ``prio`` (the unprotected tokens' priorities in position order). Every head keeps its protected tokens and
+    at least ``floor`` tokens (its best unprotected ones after the protected); the remaining slots go one by
+    one to the best token still unkept over all heads (priority, then later position, then lower head index)
+    that does not take its head past ``cap``. Returns the counts and whether the last pick and the first
+    refused one were a near / exact tie."""
+    counts = [len(h["positions"]) for h in heads]
+    if sum(counts) <= total:
+        return counts, False, False
+    kept, candidates = [], []
+    for index, h in enumerate(heads):
+        n_protected = int(np.sum(h["protected"]))
+        unprotected_positions = np.asarray(h["positions"])[~np.asarray(h["protected"], bool)]
+        best = sorted(range(len(h["prio"])), key=lambda i: (h["prio"][i], unprotected_positions[i]), reverse=True)
+        floored = min(max(floor, n_protected), counts[index])
+        kept.append(floored)
+        for rank, i in enumerate(best):
+            if n_protected + rank >= floored and n_protected + rank < cap:
+                candidates.append((h["prio"][i], int(unprotected_positions[i]), -index, index))
+    candidates.sort(reverse=True)  # priority, later position, lower head first
+    rest = max(total - sum(kept), 0)
+    for _, _, _, index in candidates[:rest]:
+        kept[index] += 1
+    if 0 < rest < len(candidates):
+        a, b = candidates[rest - 1][0], candidates[rest][0]
+        return kept, is_near_tie(a, b), bool(a == b)
+    return kept, False, False
 
 
 def select_kept(positions, states, *, scorer: str, budget: int, seen: int, n_sink: int, window: int,
@@ -441,8 +500,11 @@ class Reference:
 
     def __init__(self, params, *, scorer: str, budget: int | None, protocol: str = "blockwise",
                  block_size: int = 16, n_sink: int = 0, window: int = 0, obs_window: int = 32, pool: str = "max",
-                 kernel: int = 7, aggregate: str | None = None, evict_every: int = 1, decode_evict: bool = True):
+                 kernel: int = 7, aggregate: str | None = None, evict_every: int = 1, decode_evict: bool = True,
+                 allocation: str = "uniform", floor: float | None = None, chunk: int = 1):
         base, modifier = parse_scorer(scorer)
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation={allocation!r}; expected one of {ALLOCATIONS}")
         if aggregate is None:
             aggregate = default_aggregate(scorer)
         if protocol not in PROTOCOLS:
@@ -472,6 +534,8 @@ class Reference:
         self.n_sink, self.window, self.obs_window = n_sink, window, obs_window
         self.pool, self.kernel, self.aggregate = pool, kernel, aggregate
         self.evict_every, self.decode_evict = evict_every, decode_evict
+        self.allocation, self.chunk = allocation, chunk
+        self.floor = {"adakv": 0.2}.get(allocation, 0.0) if floor is None else floor
 
         L, Hk, K = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         self.G = cfg.n_heads // cfg.n_kv_heads
@@ -538,15 +602,13 @@ class Reference:
                                 s.state[g] = col[j]
                             else:  # h2o, snapkv
                                 s.state[g] += col[j]
-            # 4. evict (each KV head by its own priorities, or by the layer's shared ones)
-            if evict_point:
-                shared = self._layer_priorities(layer) if self.aggregate == "layer" else None
-                for kh in range(cfg.n_kv_heads):
-                    self._evict(layer, kh, shared)
             for t, p in enumerate(positions):
                 self.history[layer]["o"][int(p)] = attn[t].copy()
-            # 5. the rest of the layer (eviction above did not touch this step's attention output)
+            # 5. the rest of the layer
             x = finish_layer(cfg, w, layer, x, attn)
+        # 4. evict, once every layer has attended (an eviction never changes the outputs of its own step)
+        if evict_point:
+            self._evict_all()
         return logits_of(cfg, w, x)
 
     def _priorities(self, layer: int, kh: int, aggregate: str) -> np.ndarray:
@@ -572,22 +634,65 @@ class Reference:
                                    aggregate="mean")
         return np.mean([self._priorities(layer, kh, "mean") for kh in range(len(heads))], axis=0)
 
-    def _evict(self, layer: int, kh: int, shared: np.ndarray | None = None):
-        if self.budget is None:
+    def _evict_all(self):
+        """Step 4 for every (layer, KV head): priorities, the allocation's kept counts, then each head's choice."""
+        if self.budget is None:  # no eviction at all
             return
+        cfg = self.cfg
+        L, Hk = cfg.n_layers, cfg.n_kv_heads
+        heads = {}
+        for layer in range(L):
+            unprotected = [not protected_mask([s.position for s in slots], seen=self.seen, n_sink=self.n_sink,
+                                              window=self.window).all() for slots in self.cache[layer]]
+            shared = self._layer_priorities(layer) if self.aggregate == "layer" and all(unprotected) else None
+            for kh in range(Hk):
+                positions = [s.position for s in self.cache[layer][kh]]
+                protected = protected_mask(positions, seen=self.seen, n_sink=self.n_sink, window=self.window)
+                if not unprotected[kh]:  # nothing to choose from
+                    prio = np.zeros(0)
+                else:
+                    prio = self._priorities(layer, kh, self.aggregate) if shared is None else shared
+                if self.chunk > 1:
+                    prio = chunk_means(np.asarray(positions)[~protected], prio, self.chunk)
+                heads[layer, kh] = dict(positions=positions, protected=protected, prio=prio)
+        for (layer, kh), count in self._counts(heads).items():
+            self._evict(layer, kh, heads[layer, kh]["prio"], count)
+
+    def _counts(self, heads: dict) -> dict:
+        """The allocation's kept count of every (layer, KV head)."""
+        L, Hk, b = self.cfg.n_layers, self.cfg.n_kv_heads, self.budget
+        if self.allocation in ("uniform", "pyramidkv"):
+            budgets = pyramid_budgets(b, self.window, L) if self.allocation == "pyramidkv" else [b] * L
+            return {(layer, kh): min(len(h["positions"]), budgets[layer]) for (layer, kh), h in heads.items()}
+        floor = int(np.ceil(self.floor * b))
+        groups = [[(layer, kh) for kh in range(Hk)] for layer in range(L)] if self.allocation == "adakv" \
+            else [[(layer, kh) for layer in range(L) for kh in range(Hk)]]
+        counts = {}
+        for group in groups:
+            kept, near, exact = shared_counts([heads[key] for key in group], len(group) * b, floor, Hk * b)
+            self.near_ties += near
+            self.exact_ties += exact
+            counts |= dict(zip(group, kept))
+        return counts
+
+    def _evict(self, layer: int, kh: int, prio: np.ndarray | None = None, count: int | None = None):
+        """Keep ``count`` (default: the budget) of one head's tokens, chosen by ``prio`` (default: the head's
+        own priorities)."""
         slots = self.cache[layer][kh]
-        if len(slots) > self.budget:
+        count = self.budget if count is None else count
+        if len(slots) > count:
             positions = [s.position for s in slots]
             states = np.stack([s.state for s in slots])
             protected = protected_mask(positions, seen=self.seen, n_sink=self.n_sink, window=self.window)
-            prio = self._priorities(layer, kh, self.aggregate) if shared is None else shared
+            if prio is None:
+                prio = self._priorities(layer, kh, self.aggregate)
             if self.moment_informed:
                 d = select_moment_informed(positions, np.stack([s.key for s in slots]),
-                                           np.stack([s.value for s in slots]), protected, prio, self.budget,
+                                           np.stack([s.value for s in slots]), protected, prio, count,
                                            self.moments(layer, kh), zeroth=self.zeroth)
                 keep, order, near, exact = d.keep, d.evicted, d.near_ties, d.exact_ties
             else:
-                d = keep_highest(positions, protected, prio, self.budget)
+                d = keep_highest(positions, protected, prio, count)
                 keep, near, exact = d.keep, int(d.near_tie), int(d.exact_tie)
                 order = [j for j in range(len(slots)) if not keep[j]]
             self.near_ties += near
@@ -666,12 +771,13 @@ class Reference:
 
 
 def run_reference(params, prompt, max_new_tokens, *, scorer, budget, protocol, block_size, n_sink, window,
-                  obs_window=32, pool="max", kernel=7, aggregate=None, evict_every=1,
-                  decode_evict=True) -> dict:
+                  obs_window=32, pool="max", kernel=7, aggregate=None, evict_every=1, decode_evict=True,
+                  allocation="uniform", floor=None, chunk=1) -> dict:
     """Prefill ``prompt`` under ``protocol`` then greedily decode ``max_new_tokens`` tokens; see module doc.
 
     ``scorer``: any name of :data:`SCORERS`; ``aggregate=None``: ``sum`` for OBCache modifiers, else ``mean``."""
     ref = Reference(params, scorer=scorer, budget=budget, protocol=protocol, block_size=block_size,
                     n_sink=n_sink, window=window, obs_window=obs_window, pool=pool, kernel=kernel,
-                    aggregate=aggregate, evict_every=evict_every, decode_evict=decode_evict)
+                    aggregate=aggregate, evict_every=evict_every, decode_evict=decode_evict, allocation=allocation,
+                    floor=floor, chunk=chunk)
     return ref.run(prompt, max_new_tokens)

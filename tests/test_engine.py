@@ -11,7 +11,7 @@ from helpers import FILLER, NEEDLE, QUESTION
 from kvjax.options import eviction_from
 from kvjax.sampling import Sampling
 
-BASES = sorted(kvjax.scorers.BASES)
+BASES = sorted(name for name, spec in kvjax.scorers.BASES.items() if spec.scoring_pass is None)  # kvzip: test_kvzip
 
 
 def prompts_of(lengths, seed=0, vocab=97):

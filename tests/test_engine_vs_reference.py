@@ -86,9 +86,52 @@ def test_layer_aggregate_matches_reference(model, case, protocol):
     check_against_reference(model, case, protocol, 2, distinct_prompts())
 
 
+# Every allocation with each base (pyramidkv's β = 20 needs no protected slots to leave its last layer any room
+# at this size: layer budgets 39, 20, 1 over three layers), on the paged cache; uniform on pages too, which
+# must keep exactly what the dense cache keeps.
+ALLOCATION_CASES = [
+    dict(scorer="streamingllm", n_sink=2, window=0),
+    dict(scorer="h2o", n_sink=2, window=3),
+    dict(scorer="tova", n_sink=0, window=0),
+    dict(scorer="snapkv", n_sink=2, window=4, obs_window=4, pool="max", kernel=3),
+]
+PYRAMID = dict(n_sink=0, window=0, budget=20)
+
+
+@pytest.fixture(scope="module")
+def model3():
+    cfg = kvjax.ModelConfig(arch="llama", vocab_size=89, d_model=48, n_layers=3, n_heads=6, n_kv_heads=2,
+                            head_dim=8, d_ff=64, max_seq_len=512, norm_eps=1e-5, eos_token_ids=(3,), pad_token_id=0)
+    return kvjax.init_params(cfg, jax.random.key(5), scale=0.4)
+
+
+@pytest.mark.parametrize("protocol", ["blockwise", "prefill"])
+@pytest.mark.parametrize("allocation", ["uniform", "pyramidkv", "adakv", "global"])
+@pytest.mark.parametrize("case", ALLOCATION_CASES, ids=lambda c: c["scorer"])
+def test_allocations_match_reference(model3, case, allocation, protocol):
+    case = case | (PYRAMID if allocation == "pyramidkv" else {})
+    check_against_reference(model3, case | dict(allocation=allocation, page_size=4), protocol, 2, distinct_prompts())
+
+
+@pytest.mark.parametrize("allocation", ["adakv", "global"])
+@pytest.mark.parametrize("case", [dict(scorer="momentkv", n_sink=1, window=4, obs_window=4, pool="max", kernel=3),
+                                  dict(scorer="h2o+caote", n_sink=2, window=3)], ids=lambda c: c["scorer"])
+def test_shared_allocations_with_modifiers_match_reference(model3, case, allocation):
+    check_against_reference(model3, case | dict(allocation=allocation, page_size=4), "prefill", 2,
+                            distinct_prompts())
+
+
+@pytest.mark.parametrize("case", [dict(scorer="snapkv", n_sink=2, window=4, obs_window=4, pool="max", kernel=3),
+                                  dict(scorer="h2o", n_sink=2, window=3, allocation="adakv", page_size=4)],
+                         ids=lambda c: c.get("allocation", "uniform"))
+def test_chunk_selection_matches_reference(model3, case):
+    check_against_reference(model3, case | dict(chunk=3), "prefill", 2, distinct_prompts())
+
+
 def check_against_reference(model, case, protocol, evict_every, prompts):
-    settings = dict(budget=BUDGET, protocol=protocol, block_size=BLOCK, evict_every=evict_every, **case)
-    refs = [run_reference(model, p, NEW_TOKENS, **settings) for p in prompts]
+    settings = dict(budget=BUDGET, protocol=protocol, block_size=BLOCK, evict_every=evict_every) | case
+    refs = [run_reference(model, p, NEW_TOKENS, **{k: v for k, v in settings.items() if k != "page_size"})
+            for p in prompts]
     # Exact agreement is only well posed without float-noise near ties (exact ties follow the tie rule).
     assert [r["near_ties"] - r["exact_ties"] for r in refs] == [0, 0]
 
@@ -128,7 +171,7 @@ def test_blockwise_matches_reference_after_every_block(model, case):
         padded, lengths = pad_rows([chunk], BLOCK, 0)
         state = prefill_budget_cache(model, cache, jnp.asarray(padded), jnp.array([fed], jnp.int32),
                                      jnp.asarray(lengths), jax.random.key(0), ev=ev, out_width=round_capacity(1),
-                                     decode_slots=BUDGET + 1)
+                                     decode_spare=1)
         cache, fed = state.cache, fed + len(chunk)
         assert kept(np.asarray(cache.pos), 0) == expected, f"after block {block}"
     np.testing.assert_allclose(np.asarray(state.logits[0]), ref["prefill_logits"], atol=1e-4)

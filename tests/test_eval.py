@@ -101,9 +101,11 @@ def test_sweep_with_room_for_everything_answers_like_the_full_cache(tokenizer, t
 def test_perplexity_with_room_for_everything_equals_the_full_cache(tiny_smollm2_vocab, tokenizer):
     tokens = text_tokens(tokenizer, 96)
     full = np.asarray(full_cache_nll(tiny_smollm2_vocab, tokens))
-    roomy = np.asarray(evicting_nll(tiny_smollm2_vocab, tokens, eviction_from(budget=128, scorer="streamingllm").decoding()))
+    roomy = np.asarray(evicting_nll(tiny_smollm2_vocab, tokens,
+                                    eviction_from(budget=128, scorer="streamingllm").decoding()))
     np.testing.assert_allclose(roomy, full, atol=1e-4)
-    tight = np.asarray(evicting_nll(tiny_smollm2_vocab, tokens, eviction_from(budget=16, scorer="streamingllm").decoding()))
+    tight = np.asarray(evicting_nll(tiny_smollm2_vocab, tokens,
+                                    eviction_from(budget=16, scorer="streamingllm").decoding()))
     np.testing.assert_allclose(tight[:15], full[:15], atol=1e-4)  # nothing evicted yet
     assert np.abs(tight[20:] - full[20:]).max() > 1e-3
     result = run_perplexity(tiny_smollm2_vocab, tokenizer, ["streamingllm"], [16], length=96,

@@ -57,7 +57,7 @@ def test_two_dimensional_batch_returns_list(tiny_llama):
 
 def test_stream_yields_the_generated_tokens(tiny_llama):
     prompt = random_prompt(13, 3)
-    chunks = list(kvjax.generate_stream(tiny_llama, prompt, max_new_tokens=10, chunk=3, stop_ids=()))
+    chunks = list(kvjax.generate_stream(tiny_llama, prompt, max_new_tokens=10, every=3, stop_ids=()))
     assert len(chunks) == 4
     np.testing.assert_array_equal(np.concatenate([c[0] for c in chunks]),
                                   kvjax.generate(tiny_llama, prompt, max_new_tokens=10, stop_ids=()))

@@ -22,8 +22,8 @@ and col, absolute for lse):
     bfloat16  3e-2 / 3e-2     3e-2 / 1e-2        3e-2 / 5e-2
 
 bfloat16 is loose because the kernels form the logits in float32 while the reference (as
-kvjax.kernels.attention_with_scores, and as XLA would) rounds the bf16 × bf16 product to bf16 before the softmax, and rounds the output to bf16
-before the OBCache differences; float32 differs only by summation order.
+kvjax.kernels.attention_with_scores, and as XLA would) rounds the bf16 × bf16 product to bf16 before the
+softmax, and rounds the output to bf16 before the OBCache differences; float32 differs only by summation order.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from kvjax.kernels.block_attention import reference as block_ref
 from kvjax.kernels.block_attention import tpu as block_tpu
 from kvjax.kernels.decode_attention import reference as decode_ref
 
-from kvjax.budget_cache import Moments
+from kvjax.moments import Moments
 
 SCORES = ("attn", "obcache-value", "obcache-key", "obcache-joint")
 TOLERANCE = {  # dtype -> output -> (atol, rtol); atol is a fraction of max |reference| except for lse

@@ -40,10 +40,12 @@ def test_readme_lists_every_scorer_name():
     assert scorer_table() in readme
 
 
-def test_readme_lists_every_eviction_keyword():
+def test_readme_lists_every_eviction_keyword_and_allocation():
+    from kvjax.allocation import allocation_table
     from kvjax.options import options_table
 
-    assert options_table() in (ROOT / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert options_table() in readme and allocation_table() in readme
 
 
 def test_kernels_import_nothing_of_kvjax_outside_kvjax_kernels():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from helpers import distinct_prompts
+from helpers import distinct_prompts, scorer_requirements
 from kvjax.scorers import SCORERS
 
 BUDGET = 14
@@ -22,10 +22,11 @@ def prefilled(tiny_llama):
 
 
 @pytest.mark.parametrize("name", SCORERS)
-def test_compress_equals_the_prefill_protocol(tiny_llama, prefilled, name):
+def test_compress_equals_the_prefill_protocol(tiny_llama, prefilled, name, tiny_head_scores):
     settings = dict(budget=BUDGET, scorer=name, obs_window=4, n_sink=1)
     if not name.startswith(("streamingllm", "tova")):
         settings["window"] = 3
+    settings |= scorer_requirements(name, tiny_head_scores)
     shared = prefilled.compress(**settings)
     direct = kvjax.prefill(tiny_llama, distinct_prompts(), protocol="prefill", block_size=8, **settings)
     np.testing.assert_array_equal(kept(shared), kept(direct))
@@ -33,7 +34,10 @@ def test_compress_equals_the_prefill_protocol(tiny_llama, prefilled, name):
     for field in ("count", "k_sum", "v_sum", "vk_sum"):
         np.testing.assert_allclose(np.asarray(getattr(shared.cache.moments, field)),
                                    np.asarray(getattr(direct.cache.moments, field)), atol=1e-3)
-    assert np.asarray(direct.cache.moments.count).min() > 0  # something was evicted in every row and head
+    evicted = np.asarray(direct.cache.moments.count)
+    # something was evicted in every row and head (kvzip-head keeps some heads whole; pyramidkv's first layer
+    # holds a short row whole on this two-layer model)
+    assert (evicted.max() if name in ("kvzip-head", "pyramidkv") else evicted.min()) > 0
     for a, b in zip(kvjax.decode(tiny_llama, shared, max_new_tokens=5, stop_ids=()),
                     kvjax.decode(tiny_llama, direct, max_new_tokens=5, stop_ids=()), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -69,7 +73,7 @@ def test_appending_without_eviction_keeps_the_question_and_the_answer(tiny_llama
     ev = context.ev.without_eviction()
     padded, lengths = pad_rows(questions, prompt_bucket(6, ev.block_size), 0)
     state = prefill_budget_cache(tiny_llama, context.cache, padded, context.lengths, lengths, jax.random.key(0), ev=ev,
-                                 out_width=4, decode_slots=ev.extend_slots(padded.shape[1]) + 4)
+                                 out_width=4, decode_spare=ev.extend_spare(padded.shape[1]) + 4)
     gen = Generation(tiny_llama, state, 4, Sampling(), (), ev)
     gen.run(4)
     before, after = kept(context), np.asarray(gen.state.cache.sorted_pos)

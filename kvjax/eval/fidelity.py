@@ -57,7 +57,7 @@ def compressed_outputs(params: Params, cache, tokens: jax.Array, start: jax.Arra
     """The continuation tokens [1, C] at positions ``start`` + t, appended to a compressed cache without
     eviction (``ev`` from ``Eviction.without_eviction``): attention outputs and logits as ``full_outputs``."""
     C = tokens.shape[1]
-    cache = cache.resize(ev.policy.budget + C)
+    cache = ev.fit(cache, params.config, C)
     positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
     seg = Segment(positions=positions, valid=jnp.ones((1, C), bool), seen=start + C, evict=False, policy=ev.policy)
     hidden, rec = decode_hidden(params, tokens, _recorder(params, cache, 1, C), seg)
@@ -80,8 +80,9 @@ def run_fidelity(params: Params, tokenizer, scorers, budgets, length: int = 2048
                  prompts: int = 2, options: dict | None = None, progress: bool = True) -> dict:
     """Per scorer × budget, averaged over ``prompts`` stretches of the real text (``length`` context tokens
     then ``continuation`` tokens): per-layer relative errors, their mean, and the mean KL per token."""
-    import kvjax
     from tqdm import tqdm
+
+    import kvjax
 
     ids = tokenizer(pydoc_prose(), add_special_tokens=False)["input_ids"]
     total = length + continuation

@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.budget_cache import BudgetCache
 from kvjax.cache import FullCache, Segment
-from kvjax.engine import Eviction, decode_segment
+from kvjax.engine import Eviction, decode_segment, step
 from kvjax.eval.haystack import pydoc_prose
 from kvjax.model import decode_hidden, logits_from_hidden
 from kvjax.options import eviction_from
@@ -46,14 +45,14 @@ def full_cache_nll(params: Params, tokens: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("ev",))
 def evicting_nll(params: Params, tokens: jax.Array, ev: Eviction) -> jax.Array:
     """[N - 1] negative log-likelihoods of tokens [N] fed one at a time as decode steps of ``ev``."""
-    cache = BudgetCache.init(params.config, 1, ev.decode_slots(0), params.dtype)
+    cache = ev.empty_cache(params.config, 1, ev.decode_spare(0), params.dtype)
 
-    def step(cache, t):
+    def feed(cache, t):
         seg = decode_segment(ev, t, t[None], jnp.ones(1, bool))
-        hidden, cache = decode_hidden(params, tokens[t][None, None], cache, seg)
+        hidden, cache = step(params, tokens[t][None, None], cache, seg)
         return cache, _nll(params, hidden[0, 0], tokens[t + 1])
 
-    return jax.lax.scan(step, cache, jnp.arange(tokens.shape[0] - 1, dtype=jnp.int32))[1]
+    return jax.lax.scan(feed, cache, jnp.arange(tokens.shape[0] - 1, dtype=jnp.int32))[1]
 
 
 def text_tokens(tokenizer, length: int) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from kvjax.eval.sweep import FULL, Method, Row
+from kvjax.eval.sweep import FULL, Row
 
 
 def accuracy(rows: Sequence[Row]) -> dict[tuple, tuple[float, int]]:
@@ -14,7 +14,7 @@ def accuracy(rows: Sequence[Row]) -> dict[tuple, tuple[float, int]]:
     settings = sorted({r.setting for r in rows})
     scores = collections.defaultdict(list)
     for r in rows:
-        label = Method(r.scorer, r.budget, r.protocol).label
+        label = r.method_label
         for setting in (settings if r.scorer == FULL else [r.setting]):
             scores[(setting, r.length, label, r.budget)].append(r.score)
     return {key: (100.0 * sum(v) / len(v), len(v)) for key, v in scores.items()}
@@ -45,7 +45,7 @@ def timing(rows: Sequence[Row]) -> str:
     """Seconds per answer by method (own work), and the shared full prefills."""
     per = collections.defaultdict(list)
     for r in rows:
-        per[Method(r.scorer, r.budget, r.protocol).label].append(r.seconds)
+        per[r.method_label].append(r.seconds)
     shared = {r.sample: r.prefill_seconds for r in rows if r.prefill_seconds}  # one prefill serves both settings
     lines = ["| method | answers | seconds per answer |", "| --- | ---: | ---: |"]
     lines += [f"| {k} | {len(v)} | {sum(v) / len(v):.2f} |" for k, v in sorted(per.items())]

@@ -23,6 +23,7 @@ import jax
 
 import kvjax
 from kvjax.eval.niah import Sample, score
+from kvjax.options import with_tokenizer
 from kvjax.params import Params
 from kvjax.scorers import MODIFIERS, split_name
 
@@ -32,16 +33,22 @@ FULL = "full"  # the uncompressed baseline's scorer name
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """One way of compressing: a scorer at a budget under a protocol (``FULL`` = no compression)."""
+    """One way of compressing: a scorer at a budget under a protocol (``FULL`` = no compression), with eviction
+    keywords of its own (``options``: (name, value) pairs, over the run's shared ones) and a ``name`` that
+    labels it in tables (default: the scorer, and the protocol unless "prefill")."""
 
     scorer: str
     budget: int | None = None
     protocol: str = "prefill"  # "-" for FULL
+    options: tuple[tuple[str, object], ...] = ()
+    name: str | None = None
 
     @property
     def label(self) -> str:
         if self.scorer == FULL:
             return FULL
+        if self.name:
+            return self.name
         return self.scorer if self.protocol == "prefill" else f"{self.scorer} ({self.protocol})"
 
 
@@ -73,9 +80,14 @@ class Row:
     score: float
     seconds: float
     prefill_seconds: float
+    label: str = ""  # the method's label (empty in rows written before methods had names)
 
     def key(self) -> tuple:
         return self.sample, self.setting, self.scorer, self.budget, self.protocol, self.options
+
+    @property
+    def method_label(self) -> str:
+        return self.label or Method(self.scorer, self.budget, self.protocol).label
 
 
 def read_rows(path: str) -> list[Row]:
@@ -97,14 +109,15 @@ def run(params: Params, tokenizer, samples: list[Sample], methods_: list[Method]
     """Answer every sample with every method in every setting, appending to the JSONL file ``out``. Budgets
     that hold a sample's whole prompt are skipped for it (they equal the full cache, which is tested).
 
-    options: eviction keywords (``kvjax.EvictionOptions``) shared by every method; ``mi_batch`` goes to the
-    scorers with moment-informed eviction only. Returns every row of ``out`` for these samples, methods and
-    options.
+    options: eviction keywords (``kvjax.EvictionOptions``) shared by every method (a method's own override
+    them); ``mi_batch`` goes to the scorers with moment-informed eviction only; kvzip's repeat prompt is made
+    from ``tokenizer``. Returns every row of ``out`` for these samples, methods and options.
     """
     from tqdm import tqdm
 
-    options = dict(options or {})
-    tag = json.dumps(options, sort_keys=True)
+    shared_options = dict(options or {})
+    mine = lambda m: shared_options | dict(m.options)  # noqa: E731
+    tag = lambda m: json.dumps(mine(m), sort_keys=True)  # noqa: E731
     for setting in settings:
         if setting not in SETTINGS:
             raise ValueError(f"setting={setting!r} must be one of {SETTINGS}")
@@ -112,57 +125,57 @@ def run(params: Params, tokenizer, samples: list[Sample], methods_: list[Method]
     jobs = [(s, setting, m) for s in samples for setting in settings for m in methods_
             if (m.scorer != FULL or setting == settings[0]) and (m.budget or 0) < s.length]
     todo = [job for job in jobs
-            if (job[0].id, job[1], job[2].scorer, job[2].budget, job[2].protocol, tag) not in done]
+            if (job[0].id, job[1], job[2].scorer, job[2].budget, job[2].protocol, tag(job[2])) not in done]
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     bar = tqdm(total=len(todo), desc="niah", unit="answer", disable=not progress)
     with open(out, "a") as f:
         for sample in samples:
-            mine = [(setting, m) for s, setting, m in todo if s is sample]
-            if not mine:
+            here = [(setting, m) for s, setting, m in todo if s is sample]
+            if not here:
                 continue
             shared, shared_s = None, 0.0
-            if any(m.protocol in ("prefill", "-") for _, m in mine):
+            if any(m.protocol in ("prefill", "-") for _, m in here):
                 start = time.perf_counter()
                 shared = kvjax.prefill_full(params, list(sample.prompt))
                 jax.block_until_ready(shared.cache)
                 shared_s = time.perf_counter() - start
-            for setting, m in mine:
+            for setting, m in here:
                 start = time.perf_counter()
-                answer = _answer(params, sample, setting, m, shared, options, block_size)
+                eviction = with_tokenizer(tokenizer, scorer=m.scorer, budget=m.budget,
+                                          **scorer_options(m.scorer, mine(m)))
+                answer = _answer(params, sample, setting, m, shared, eviction, block_size)
                 prediction = tokenizer.decode(answer, skip_special_tokens=True)
                 row = Row(sample=sample.id, task=sample.task, haystack=sample.haystack, length=sample.length,
                           depth=sample.depth, setting=setting, scorer=m.scorer, budget=m.budget,
-                          protocol=m.protocol, options=tag, prediction=prediction,
+                          protocol=m.protocol, options=tag(m), prediction=prediction,
                           score=score(prediction, sample.answers), seconds=time.perf_counter() - start,
-                          prefill_seconds=shared_s if shared is not None and m.protocol != "blockwise" else 0.0)
+                          prefill_seconds=shared_s if shared is not None and m.protocol != "blockwise" else 0.0,
+                          label=m.label)
                 f.write(json.dumps(dataclasses.asdict(row)) + "\n")
                 f.flush()
                 bar.update()
     bar.close()
-    wanted = {(s.id, setting, m.scorer, m.budget, m.protocol, tag) for s, setting, m in jobs}
+    wanted = {(s.id, setting, m.scorer, m.budget, m.protocol, tag(m)) for s, setting, m in jobs}
     return [row for row in read_rows(out) if row.key() in wanted]
 
 
 def scorer_options(scorer: str, options: dict) -> dict:
     """The shared options that apply to ``scorer`` (``mi_batch`` only to MomentKV's eviction)."""
-    modifier = split_name(scorer)[1]
+    modifier = split_name(scorer)[2]
     if modifier and MODIFIERS[modifier].mi:
         return options
     return {k: v for k, v in options.items() if k != "mi_batch"}
 
 
-def _answer(params: Params, sample: Sample, setting: str, m: Method, shared, options: dict, block_size: int):
-    """The generated token ids of one (sample, setting, method)."""
+def _answer(params: Params, sample: Sample, setting: str, m: Method, shared, eviction: dict, block_size: int):
+    """The generated token ids of one (sample, setting, method); ``eviction``: its eviction keywords."""
     if m.scorer == FULL:
         return shared.generate(sample.max_new_tokens)
     aware = setting == "query-aware"
     question = None if aware else list(sample.question)
-    options = scorer_options(m.scorer, options)
     if m.protocol == "prefill":
-        context = shared.compress(budget=m.budget, scorer=m.scorer, upto=None if aware else len(sample.context),
-                                  **options)
+        context = shared.compress(upto=None if aware else len(sample.context), **eviction)
     else:
         tokens = list(sample.prompt if aware else sample.context)
-        context = kvjax.prefill(params, tokens, budget=m.budget, scorer=m.scorer, protocol=m.protocol,
-                                block_size=block_size, **options)
+        context = kvjax.prefill(params, tokens, protocol=m.protocol, **({"block_size": block_size} | eviction))
     return kvjax.decode(params, context, question, sample.max_new_tokens, evict=False)

@@ -1,0 +1,138 @@
+"""Budget allocation: how many slots each (layer, row, KV head) keeps at an eviction point.
+
+One table, ``ALLOCATIONS``. An allocation turns the eviction keys of every slot (``+inf`` protected, ``-inf``
+empty, else the scorer's priority) into a kept count per (layer, row, KV head), ``targets``; which slots a
+head then keeps is the scorer's business (its highest keys, or MomentKV's moment-informed eviction down to
+the count). Allocations whose per-head counts differ run on the paged cache (``kvjax.paged_cache``), whose
+memory follows the total budget. Semantics: ``docs/eviction.md`` ("Allocations").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocationSpec:
+    """shared: None (every head by itself), "layer" (the KV heads of a layer share its budget) or "all"
+    (every layer and KV head of a row share one threshold); paged: per-head counts differ, so the cache is
+    paged; default_floor: the fraction of the budget every head keeps at least (shared allocations)."""
+
+    description: str
+    shared: str | None = None
+    paged: bool = True
+    default_floor: float = 0.0
+
+
+ALLOCATIONS: dict[str, AllocationSpec] = {
+    "uniform": AllocationSpec("every layer and KV head keeps `budget` tokens", paged=False),
+    "pyramidkv": AllocationSpec("layer budgets decreasing linearly with depth, averaging `budget` (PyramidKV, "
+                                "β = 20); the KV heads of a layer keep the same number"),
+    "adakv": AllocationSpec("each layer keeps `n_kv_heads × budget` tokens, shared among its KV heads by score "
+                            "(top-k over the layer's heads), every head at least `floor × budget` (AdaKV, "
+                            "α = 0.2)", shared="layer", default_floor=0.2),
+    "global": AllocationSpec("one threshold over every layer and KV head: `n_layers × n_kv_heads × budget` "
+                             "tokens in all, at most `n_kv_heads × budget` in one head", shared="all"),
+    "heads": AllocationSpec("a fixed budget per layer and KV head (kvzip-head: the best heads by saved head "
+                            "scores keep the whole context, the others their sinks and window)"),
+}
+PYRAMID_BETA = 20
+
+
+def allocation_table() -> str:
+    """The README's Markdown table of the allocations."""
+    rows = ["| allocation | kept per (layer, KV head) | cache |", "| --- | --- | --- |"]
+    return "\n".join(rows + [f"| `{name}` | {spec.description} | {'paged' if spec.paged else 'dense'} |"
+                             for name, spec in ALLOCATIONS.items()])
+
+
+def pyramid_budgets(budget: int, window: int, n_layers: int) -> tuple[int, ...]:
+    """PyramidKV's per-layer budgets: with m = budget − window, layer l keeps window + the linear schedule
+    from 2m − m/β (first layer) down to m/β (last layer), whose mean is m; rounded to whole tokens by largest
+    remainders so that the layers keep exactly ``n_layers × budget`` in all. (KVCache-Factory rounds the step
+    down instead, which keeps up to about 1.5% more.)"""
+    m = budget - window
+    low, high = m / PYRAMID_BETA, 2 * m - m / PYRAMID_BETA
+    exact = [high - layer * (high - low) / (n_layers - 1) for layer in range(n_layers)] if n_layers > 1 else [m]
+    whole = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(n_layers), key=lambda layer: (whole[layer] - exact[layer], layer))
+    for layer in by_remainder[: n_layers * m - sum(whole)]:
+        whole[layer] += 1
+    return tuple(w + window for w in whole)
+
+
+def layer_budgets(allocation: str, budget: int, window: int, n_layers: int) -> tuple[int, ...]:
+    """The budget of each layer's every KV head (its average under the shared allocations)."""
+    if allocation == "pyramidkv":
+        return pyramid_budgets(budget, window, n_layers)
+    return (budget,) * n_layers
+
+
+def head_capacity(allocation: str, budget: int, window: int, n_layers: int, n_kv_heads: int) -> int:
+    """The most tokens one (layer, row, KV head) may keep after an eviction point."""
+    if ALLOCATIONS[allocation].shared is not None:
+        return n_kv_heads * budget
+    return max(layer_budgets(allocation, budget, window, n_layers))
+
+
+def floor_count(floor: float, budget: int) -> int:
+    """Tokens every head keeps at least under a shared allocation (protected ones included)."""
+    return math.ceil(floor * budget)
+
+
+def ranks(*keys: jax.Array) -> jax.Array:
+    """Rank of every entry along the last axis when sorted ascending by ``keys`` (lexicographic; ties by
+    index). keys: arrays of one shape [..., N]."""
+    index = jnp.broadcast_to(jnp.arange(keys[0].shape[-1]), keys[0].shape)
+    permutation = jax.lax.sort((*keys, index), dimension=-1, num_keys=len(keys))[-1]
+    return jnp.argsort(permutation, axis=-1)
+
+
+def shared_targets(key: jax.Array, pos: jax.Array, total: int, floor: int, cap: int) -> jax.Array:
+    """Kept counts [..., H] of H heads sharing ``total`` slots; key, pos: [..., H, S].
+
+    Every head keeps its protected slots (key +inf) and at least ``floor`` (its best ones); the rest of
+    ``total`` goes to the best remaining slots over all H heads (key descending, then the later position,
+    then the lower head); no head keeps more than ``cap`` or than its protected slots if those are more.
+    With no more valid slots than ``total``, every one is kept.
+    """
+    H, S = key.shape[-2:]
+    valid = key > -jnp.inf
+    count = valid.sum(-1)
+    rank = ranks(-key, -pos)  # within each head; protected slots first
+    floored = jnp.minimum(jnp.maximum(floor, (key == jnp.inf).sum(-1)), count)
+    eligible = valid & (rank >= floored[..., None]) & (rank < cap)
+    rest = jnp.maximum(total - floored.sum(-1), 0)
+    flat = lambda x: x.reshape(x.shape[:-2] + (H * S,))  # noqa: E731
+    head = jnp.broadcast_to(jnp.arange(H)[:, None], key.shape)
+    overall = ranks(flat(jnp.where(eligible, -key, jnp.inf)), flat(-pos), flat(head))
+    chosen = (overall < rest[..., None]).reshape(key.shape) & eligible
+    kept = floored + chosen.sum(-1)
+    return jnp.where(count.sum(-1, keepdims=True) <= total, count, kept)
+
+
+def targets(allocation: str, key: jax.Array, pos: jax.Array, budgets: tuple[int, ...], floor: int,
+            cap: int, head_budgets: tuple[int, ...] | None = None) -> jax.Array:
+    """[L, B, Hk] kept counts from the eviction keys and positions [L, B, Hk, S] of every slot.
+
+    budgets: the per-layer budgets (``layer_budgets``); floor: ``floor_count``; cap: ``head_capacity``;
+    head_budgets: the "heads" allocation's budget of each (layer, KV head), flattened.
+    """
+    count = (key > -jnp.inf).sum(-1)
+    spec = ALLOCATIONS[allocation]
+    if allocation == "heads":
+        L, _, Hk, _ = key.shape
+        return jnp.minimum(count, jnp.asarray(head_budgets, jnp.int32).reshape(L, 1, Hk))
+    if spec.shared is None:
+        return jnp.minimum(count, jnp.asarray(budgets, jnp.int32)[:, None, None])
+    L, B, Hk, S = key.shape
+    if spec.shared == "layer":
+        return shared_targets(key, pos, Hk * budgets[0], floor, cap).astype(jnp.int32)
+    # "all": one threshold over the row's layers and heads
+    rows = lambda x: x.transpose(1, 0, 2, 3).reshape(B, L * Hk, S)  # noqa: E731
+    kept = shared_targets(rows(key), rows(pos), L * Hk * budgets[0], floor, cap)
+    return kept.reshape(B, L, Hk).transpose(1, 0, 2).astype(jnp.int32)

@@ -1,0 +1,169 @@
+"""KVzip: query-agnostic importance by context reconstruction (Algorithm 1 of ``kvzip-appendix.tex``).
+
+After the context c (n_c tokens) is prefilled, it is cut into chunks of m tokens and each chunk is fed again
+as the answer to a repeat prompt — "Repeat the previous context:" + c_1, then "Repeat the previous context
+starting with" + the last 8 tokens of c_(t−1) + ":" + c_t — through the model with the prefilled cache (the
+repeat tokens take positions n_c, n_c + 1, …; their own keys and values are discarded afterwards). In every
+layer, the repeat queries' softmax over [the chunk's keys, the repeat input's keys (causal)] gives each
+chunk token the maximum attention it receives over the queries and over the query heads of its KV head:
+its score. The context-independent mode keeps per head only the maximum over positions (``head_scores``),
+saved once from a calibration context and used later with no scoring pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.cache import FullCache, Segment
+from kvjax.config import ModelConfig
+from kvjax.kernels._shared import NEG_INF
+from kvjax.model import decode_hidden
+from kvjax.params import Params
+
+CHUNK = 2048  # m: context tokens per repeat input (the paper's 2K)
+TRAIL = 8  # tokens of the previous chunk that start a later repeat prompt
+QUERY_BLOCK = 512  # repeat queries scored at once
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatPrompt:
+    """Token ids of the repeat prompt: ``first`` before chunk 1, ``later`` + the previous chunk's last
+    ``TRAIL`` tokens + ``colon`` before each later chunk."""
+
+    first: tuple[int, ...]
+    later: tuple[int, ...]
+    colon: tuple[int, ...]
+
+    def input_for(self, context: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """The repeat input of the chunk ``context[start:stop]``."""
+        if start == 0:
+            head = self.first
+        else:
+            head = self.later + tuple(int(t) for t in context[max(0, start - TRAIL): start]) + self.colon
+        return np.concatenate([np.asarray(head, np.int32), context[start:stop].astype(np.int32)])
+
+
+def kvzip_prompt(tokenizer) -> RepeatPrompt:
+    """KVzip's repeat prompt in ``tokenizer``'s ids (the official code's wording after two newlines)."""
+    ids = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    return RepeatPrompt(first=ids("\n\nRepeat the previous context:"),
+                        later=ids("\n\nRepeat the previous context starting with"), colon=ids(":"))
+
+
+@struct.dataclass
+class RepeatScoring:
+    """A full cache fed one repeat input, recording the chunk's scores.
+
+    full: the prefilled full cache (the repeat tokens are written after each row's context); scores:
+    [L, B, Hk, C] the scores so far, per cache slot; start, stop: [B] the chunk's slots."""
+
+    full: FullCache
+    scores: jax.Array
+    start: jax.Array
+    stop: jax.Array
+    chunk: int = struct.field(pytree_node=False, default=CHUNK)
+
+    def attend(self, layer, q, k, v, seg: Segment):
+        out, full = self.full.attend(layer, q, k, v, seg)
+        B, T, H, K = q.shape
+        Hk, m = k.shape[2], self.chunk
+        slots = self.start[:, None] + jnp.arange(m)  # [B, m]
+        in_chunk = slots < self.stop[:, None]
+        rows, heads = jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None]
+        chunk_k = full.k[layer][rows, heads, jnp.minimum(slots, full.capacity - 1)[:, None]]  # [B, Hk, m, K]
+        keys = jnp.concatenate([chunk_k, k.swapaxes(1, 2).astype(chunk_k.dtype)], axis=2).astype(q.dtype)
+        qg = q.reshape(B, T, Hk, H // Hk, K)
+        score = jnp.zeros((B, Hk, m), jnp.float32)
+        for lo in range(0, T, QUERY_BLOCK):  # no [T, m + T] matrix at once
+            hi = min(lo + QUERY_BLOCK, T)
+            z = jnp.einsum("bthgk,bhsk->bhgts", qg[:, lo:hi], keys).astype(jnp.float32) / jnp.sqrt(jnp.float32(K))
+            causal = jnp.arange(T)[None, :] <= jnp.arange(lo, hi)[:, None]
+            repeat = causal[None] & seg.valid[:, None, :]  # [B, hi − lo, T]
+            visible = jnp.concatenate([jnp.broadcast_to(in_chunk[:, None, :], (B, hi - lo, m)), repeat], -1)
+            weights = jax.nn.softmax(jnp.where(visible[:, None, None], z, NEG_INF), axis=-1)[..., :m]
+            weights = jnp.where(seg.valid[:, lo:hi][:, None, None, :, None], weights, 0.0)
+            score = jnp.maximum(score, weights.max(axis=(2, 3)))  # over the group's query heads and the queries
+        at = (layer, rows, heads, jnp.where(in_chunk, slots, self.scores.shape[-1])[:, None])
+        return out, self.replace(full=full, scores=self.scores.at[at].max(score, mode="drop"))
+
+
+@jax.jit
+def _score_chunk(params: Params, scoring: RepeatScoring, tokens: jax.Array, lengths: jax.Array,
+                 context: jax.Array) -> RepeatScoring:
+    """Feed repeat inputs tokens [B, W] (``lengths`` [B] valid) at positions ``context`` [B] + t."""
+    positions = context[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    valid = jnp.arange(tokens.shape[1]) < lengths[:, None]
+    _, scoring = decode_hidden(params, tokens, scoring, Segment(positions=positions, valid=valid))
+    return scoring
+
+
+def kvzip_scores(params: Params, full: FullCache, rows: list[np.ndarray], prompt: RepeatPrompt,
+                 chunk: int = CHUNK) -> jax.Array:
+    """KVzip's score [L, B, Hk, C] of every context token (0 past each row's context) from the prefilled full
+    cache of the contexts ``rows`` (C slots), with chunks of ``chunk`` tokens. ``full`` is not changed: the
+    repeat inputs go to a copy."""
+    B = len(rows)
+    width = chunk + max(len(prompt.first), len(prompt.later) + TRAIL + len(prompt.colon))
+    longest = max(len(r) for r in rows)
+    L, _, Hk, C, _ = full.k.shape
+    grow = [(0, 0)] * 3 + [(0, max(0, longest + width - C)), (0, 0)]  # a copy with room for a repeat input
+    scoring = RepeatScoring(full=FullCache(k=jnp.pad(full.k, grow), v=jnp.pad(full.v, grow)),
+                            scores=jnp.zeros((L, B, Hk, C), jnp.float32), start=jnp.zeros(B, jnp.int32),
+                            stop=jnp.zeros(B, jnp.int32), chunk=chunk)
+    context = jnp.asarray([len(r) for r in rows], jnp.int32)
+    for start in range(0, longest, chunk):
+        inputs = [prompt.input_for(r, start, min(start + chunk, len(r))) if start < len(r) else np.zeros(0, np.int32)
+                  for r in rows]
+        tokens = np.zeros((B, width), np.int32)
+        for b, ids in enumerate(inputs):
+            tokens[b, : len(ids)] = ids
+        stop = np.array([min(start + chunk, len(r)) for r in rows], np.int32)
+        scoring = _score_chunk(params, scoring.replace(start=jnp.full(B, start, jnp.int32), stop=jnp.asarray(stop)),
+                               jnp.asarray(tokens), jnp.asarray([len(i) for i in inputs], np.int32), context)
+    return scoring.scores
+
+
+def config_fingerprint(cfg: ModelConfig) -> str:
+    """A short hash of a model's configuration: what head scores and saved contexts are checked against."""
+    return hashlib.sha256(cfg.to_json().encode()).hexdigest()[:16]
+
+
+def head_scores(scores: jax.Array, lengths) -> np.ndarray:
+    """S_head [L, Hk]: each head's largest token score over the contexts (scores [L, B, Hk, C] of
+    ``kvzip_scores``; lengths [B])."""
+    scores = np.asarray(scores)
+    mask = np.arange(scores.shape[-1]) < np.asarray(lengths)[:, None]  # [B, C]
+    return np.where(mask[None, :, None], scores, 0.0).max(axis=(1, 3))
+
+
+def save_head_scores(path: str, scores: np.ndarray, cfg: ModelConfig) -> None:
+    """Write head scores [L, Hk] and the model's fingerprint to ``path`` (JSON, atomically)."""
+    if np.shape(scores) != (cfg.n_layers, cfg.n_kv_heads):
+        raise ValueError(f"head scores must be [{cfg.n_layers}, {cfg.n_kv_heads}], got {np.shape(scores)}")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"model": config_fingerprint(cfg), "scores": np.asarray(scores).tolist()}, f)
+    os.replace(tmp, path)
+
+
+def load_head_scores(path: str, cfg: ModelConfig) -> np.ndarray:
+    """Head scores [L, Hk] saved by ``save_head_scores`` for this model; a clear error otherwise."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        scores = np.asarray(saved["scores"], np.float64)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"head_scores={path!r} is not a head-scores file of kvjax ({e})") from e
+    if saved.get("model") != config_fingerprint(cfg) or scores.shape != (cfg.n_layers, cfg.n_kv_heads):
+        raise ValueError(f"head_scores={path!r} was made for another model (fingerprint {saved.get('model')}, "
+                         f"shape {scores.shape}); this one is {config_fingerprint(cfg)}, "
+                         f"[{cfg.n_layers}, {cfg.n_kv_heads}]")
+    return scores

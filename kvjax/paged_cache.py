@@ -1,0 +1,276 @@
+"""The paged budget cache: per-head budgets that differ, in memory that follows their total.
+
+Each batch row has one pool of pages of P token slots, holding the keys and values of every layer and KV
+head. A (layer, row, KV head) holds its n tokens in logical slots 0 … n−1, backed by the first ⌈n / P⌉
+pages of its page table. What is kept per slot — original position, scorer state, the slot order by
+position — is per head in logical order with capacity C = M·P (M: the table's length), as in
+``BudgetCache``, so every scorer runs unchanged on it.
+
+New tokens take the next logical slots; a head that needs a page takes one of the row's free pages. An
+eviction point (every layer at once) asks the allocation (``kvjax.allocation``) how many slots each head
+keeps, lets the scorer choose which, adds the evicted tokens to the moments, moves each head's kept tokens
+above its new count into the holes below it (one row copy per such token: the only time keys and values
+move) and returns the pages past the new count to the pool. The pool holds the total budget plus the spare
+slots of one step, plus one page per (layer, KV head) for partly filled pages (``pool_pages``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.allocation import ALLOCATIONS, ranks, targets
+from kvjax.cache import Segment
+from kvjax.config import ModelConfig
+from kvjax.kernels import corrected_attention
+from kvjax.kernels.paged_attention import paged_block_attention_with_scores, paged_decode_attention_with_scores
+from kvjax.kernels.paged_attention.reference import gather_pages
+from kvjax.moments import Moments, moment_informed_eviction
+from kvjax.priorities import eviction_keys, update_state
+from kvjax.scorers import Policy
+from kvjax.slots import row_head_index
+
+
+def pool_pages(total_tokens: int, spare: int, n_layers: int, n_kv_heads: int, page_size: int) -> int:
+    """Pages a row's pool needs: every head's kept tokens (``total_tokens`` over all layers and heads) plus
+    ``spare`` new tokens each, plus one partly filled page per (layer, KV head). (Heads holding n_h tokens use
+    Σ ⌈n_h / P⌉ ≤ ⌊Σ n_h / P⌋ + heads pages.)"""
+    heads = n_layers * n_kv_heads
+    return (total_tokens + heads * spare) // page_size + heads
+
+
+@struct.dataclass
+class PagedCache:
+    """k_pages, v_pages: [B, N, P, K] each row's page pool; table: [L, B, Hk, M] int32 the pages of each
+    (layer, row, KV head) in logical order; n_pages: [L, B, Hk] int32 pages in use; free: [B, N] bool;
+    pos: [L, B, Hk, C] int32 original positions by logical slot (C = M·P; valid slots are 0 … n−1, -1 =
+    empty); state: [L, B, Hk, G, C] float32 scorer state; order: [L, B, Hk, C] int32 the slots by position,
+    valid ones first, then the empty ones ascending; moments: ``Moments`` of the evicted tokens."""
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    table: jax.Array
+    n_pages: jax.Array
+    free: jax.Array
+    pos: jax.Array
+    state: jax.Array
+    order: jax.Array
+    moments: Moments
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, pages_per_head: int, page_size: int, n_pool: int,
+             dtype) -> PagedCache:
+        L, Hk, K, M, P = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, pages_per_head, page_size
+        C = M * P
+        return cls(k_pages=jnp.zeros((batch, n_pool, P, K), dtype), v_pages=jnp.zeros((batch, n_pool, P, K), dtype),
+                   table=jnp.zeros((L, batch, Hk, M), jnp.int32), n_pages=jnp.zeros((L, batch, Hk), jnp.int32),
+                   free=jnp.ones((batch, n_pool), bool), pos=jnp.full((L, batch, Hk, C), -1, jnp.int32),
+                   state=jnp.zeros((L, batch, Hk, cfg.group_size, C), jnp.float32),
+                   order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (L, batch, Hk, C)),
+                   moments=Moments.zeros((L, batch, Hk), K))
+
+    @classmethod
+    def from_dense(cls, k: jax.Array, v: jax.Array, pos: jax.Array, state: jax.Array, page_size: int) -> PagedCache:
+        """The paged copy of a full cache: k, v [L, B, Hk, S, K]; pos [L, B, Hk, S] with each head's valid
+        tokens in slots 0 … n−1 in position order; state [L, B, Hk, G, S]. Head (l, h) gets the pages
+        (l·Hk + h)·M … of its row's pool (M = ⌈S / P⌉); those past its tokens are free."""
+        L, B, Hk, S, K = k.shape
+        P = page_size
+        M = -(-S // P)
+        C = M * P
+
+        def pages(x):
+            x = jnp.pad(x, [(0, 0)] * 3 + [(0, C - S), (0, 0)]).reshape(L, B, Hk, M, P, K)
+            return x.transpose(1, 0, 2, 3, 4, 5).reshape(B, L * Hk * M, P, K)
+
+        pos = jnp.pad(pos, [(0, 0)] * 3 + [(0, C - S)], constant_values=-1)
+        n_pages = -(-(pos >= 0).sum(-1) // P)
+        first = (jnp.arange(L)[:, None] * Hk + jnp.arange(Hk)) * M  # [L, Hk]
+        table = jnp.broadcast_to((first[:, None, :, None] + jnp.arange(M)).astype(jnp.int32), (L, B, Hk, M))
+        used = jnp.arange(M) < n_pages[..., None]  # [L, B, Hk, M]
+        free = ~used.transpose(1, 0, 2, 3).reshape(B, L * Hk * M)
+        return cls(k_pages=pages(k), v_pages=pages(v), table=table, n_pages=n_pages.astype(jnp.int32), free=free,
+                   pos=pos, state=jnp.pad(state, [(0, 0)] * 4 + [(0, C - S)]),
+                   order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), pos.shape),
+                   moments=Moments.zeros((L, B, Hk), K))
+
+    @property
+    def slots(self) -> int:
+        return self.pos.shape[-1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def kv(self) -> tuple[jax.Array, jax.Array]:
+        return self.k_pages, self.v_pages
+
+    @property
+    def sorted_pos(self) -> jax.Array:
+        """Positions in ``order``: each (layer, row, KV head)'s valid positions ascending, then -1s."""
+        return jnp.take_along_axis(self.pos, self.order, -1)
+
+    def _rows(self, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys and values [L, B, Hk, E, K] of logical slots [L, B, Hk, E] (their pages must be in use)."""
+        P = self.page_size
+        page = jnp.take_along_axis(self.table, slots // P, -1)
+        b = jnp.arange(page.shape[1])[None, :, None, None]
+        return self.k_pages[b, page, slots % P], self.v_pages[b, page, slots % P]
+
+    def _take_pages(self, layer, tokens: int) -> PagedCache:
+        """Give every head of layer ``layer`` the pages for ``tokens`` more slots, from its row's free pages."""
+        P = self.page_size
+        count = (self.pos[layer] >= 0).sum(-1)  # [B, Hk]
+        n_pages = self.n_pages[layer]
+        extra = jnp.maximum(-(-(count + tokens) // P) - n_pages, 0)
+
+        def take(cache: PagedCache) -> PagedCache:
+            B, N = cache.free.shape
+            first_free = jnp.argsort(~cache.free, axis=-1, stable=True)  # free pages first, ascending
+            start = jnp.cumsum(extra, -1) - extra  # [B, Hk]
+            j = jnp.arange(-(-tokens // P) + 1)
+            ok = j < extra[..., None]  # [B, Hk, E]
+            page = jnp.take_along_axis(first_free[:, None, :], jnp.minimum(start[..., None] + j, N - 1), -1)
+            rows = jnp.arange(B)[:, None, None]
+            table = cache.table[layer].at[rows, jnp.arange(n_pages.shape[1])[None, :, None],
+                                          jnp.where(ok, n_pages[..., None] + j, cache.table.shape[-1])].set(
+                page, mode="drop")
+            free = cache.free.at[rows, jnp.where(ok, page, N)].set(False, mode="drop")
+            return cache.replace(table=cache.table.at[layer].set(table), free=free,
+                                 n_pages=cache.n_pages.at[layer].set(n_pages + extra))
+
+        return jax.lax.cond(jnp.any(extra > 0), take, lambda c: c, self)
+
+    def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+               seg: Segment) -> tuple[jax.Array, PagedCache]:
+        """Layer ``layer``: put k, v [B, T, Hk, K] in each head's next logical slots (taking pages as
+        needed), attend q [B, T, H, K] and update the scores, as ``seg.policy`` says (``BudgetCache.attend``
+        on pages). Eviction comes after the step, for every layer at once (``evict``)."""
+        B, T, Hk, _ = k.shape
+        P = self.page_size
+        cache = self._take_pages(layer, T)
+        pos, table, n_pages = cache.pos[layer], cache.table[layer], cache.n_pages[layer]
+        slot = (pos >= 0).sum(-1)[..., None] + jnp.arange(T)  # [B, Hk, T]: valid slots are 0 … n−1
+        page = jnp.take_along_axis(table, slot // P, -1)
+        rows = jnp.arange(B)[:, None, None]
+        k_pages = cache.k_pages.at[rows, page, slot % P].set(k.swapaxes(1, 2).astype(cache.k_pages.dtype))
+        v_pages = cache.v_pages.at[rows, page, slot % P].set(v.swapaxes(1, 2).astype(cache.v_pages.dtype))
+        new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
+        pos = pos.at[row_head_index(slot) + (slot,)].set(new_pos)
+        p = seg.policy
+        moments = jax.tree.map(lambda x: x[layer], cache.moments)
+        attention = (q, k_pages, v_pages, table, n_pages, pos, seg.positions, seg.query_weights, p.score_kind)
+        if T == 1:
+            out, _, col = paged_decode_attention_with_scores(*attention, moments if p.moment_correction else None,
+                                                             p.zeroth_order, impl=p.impl)
+        else:
+            out, lse, col = paged_block_attention_with_scores(*attention, impl=p.impl)
+            if p.moment_correction:
+                out = corrected_attention(out, lse, q, moments, p.zeroth_order)
+        state = cache.state[layer]
+        if col is not None:
+            state = update_state(p, state, col, seg.query_weights.sum(-1) > 0)
+        return out, cache.replace(k_pages=k_pages, v_pages=v_pages, pos=cache.pos.at[layer].set(pos),
+                                  state=cache.state.at[layer].set(state))
+
+    def evict(self, p: Policy, seen: jax.Array) -> PagedCache:
+        """Every layer at once: the allocation's kept count per (layer, row, KV head), the scorer's choice of
+        slots, the moments, compaction and page release. seen: [B] one past the newest position."""
+        L, B, Hk, C = self.pos.shape
+        cap = p.head_capacity(L, Hk)
+        shared = ALLOCATIONS[p.allocation].shared
+        max_evict = min(C, (C - cap) * {None: 1, "layer": Hk, "all": L * Hk}[shared])
+        kv = None
+        if p.moment_eviction or p.meta is not None:  # the scorer reads keys or values of every slot
+            kv = jax.vmap(lambda t, n, s: gather_pages(self.k_pages, self.v_pages, t, n, s)[:2])(
+                self.table, self.n_pages, self.pos)
+        v_all = kv[1] if kv is not None else jnp.zeros(self.pos.shape + (1,), jnp.float32)
+        key, prio, unprotected = jax.vmap(lambda s, q, v, o: eviction_keys(p, s, q, v, o, seen))(
+            self.state, self.pos, v_all, self.order)
+        valid = self.pos >= 0
+        count = valid.sum(-1)
+        kept = targets(p.allocation, key, self.pos, p.layer_budgets(L), p.floor_count(), cap, p.head_budgets)
+        if p.moment_eviction:
+            evicted = jax.vmap(lambda *a: moment_informed_eviction(*a, p.zeroth_order, max_evict, p.mi_batch))(
+                prio, unprotected, count - kept, kv[0], kv[1], self.pos, self.moments)
+            keep = valid & ~evicted
+        else:
+            keep = valid & (ranks(-key, -self.pos) < kept[..., None])
+        dropped = valid & ~keep
+        first_dropped = jnp.argsort(~dropped, axis=-1, stable=True)[..., :max_evict]  # [L, B, Hk, E]
+        weight = jnp.take_along_axis(dropped, first_dropped, -1).astype(jnp.float32)
+        k_out, v_out = self._rows(first_dropped)
+        moments = jax.vmap(Moments.add)(self.moments, weight, k_out, v_out)
+        return self._compact(p, keep, moments, max_evict)
+
+    def _compact(self, p: Policy, keep: jax.Array, moments: Moments, max_moves: int) -> PagedCache:
+        """Lay every head's ``keep`` [L, B, Hk, C] slots out in logical slots 0 … n−1 (the kept ones above n
+        move into the holes below it) and free the pages past ⌈n / P⌉."""
+        L, B, Hk, C = self.pos.shape
+        P, N = self.page_size, self.free.shape[1]
+        slot = jnp.arange(C)
+        n = keep.sum(-1)  # [L, B, Hk]
+        hole = ~keep & (slot < n[..., None])
+        tail = keep & (slot >= n[..., None])
+        holes = jnp.argsort(~hole, axis=-1, stable=True)[..., :max_moves]  # [L, B, Hk, E] ascending
+        tails = jnp.argsort(~tail, axis=-1, stable=True)[..., :max_moves]
+        moving = jnp.arange(max_moves) < tail.sum(-1)[..., None]
+        page_of = lambda s: jnp.take_along_axis(self.table, s // P, -1)  # noqa: E731
+        b = jnp.arange(B)[None, :, None, None]
+        dst_page = jnp.where(moving, page_of(holes), N)  # out of range: dropped
+        k_pages = self.k_pages.at[b, dst_page, holes % P].set(self.k_pages[b, page_of(tails), tails % P],
+                                                              mode="drop")
+        v_pages = self.v_pages.at[b, dst_page, holes % P].set(self.v_pages[b, page_of(tails), tails % P],
+                                                              mode="drop")
+        index = (jnp.arange(L)[:, None, None, None], b, jnp.arange(Hk)[None, None, :, None])
+        moved_to = jnp.where(moving, holes, C)
+        source = jnp.broadcast_to(slot, keep.shape).at[index + (moved_to,)].set(tails, mode="drop")
+        new_slot = jnp.broadcast_to(slot, keep.shape).at[index + (jnp.where(moving, tails, C),)].set(holes,
+                                                                                                    mode="drop")
+        live = slot < n[..., None]
+        pos = jnp.where(live, jnp.take_along_axis(self.pos, source, -1), -1)
+        if p.base_spec.reset_after_evict:
+            state = self.state * 0.0
+        else:
+            state = jnp.where(live[..., None, :], jnp.take_along_axis(self.state, source[..., None, :], -1), 0.0)
+        kept_in_order = jnp.take_along_axis(keep, self.order, -1)
+        rank = jnp.where(kept_in_order, jnp.cumsum(kept_in_order, -1) - 1, C)
+        order = jnp.broadcast_to(slot, keep.shape).at[index + (rank,)].set(
+            jnp.take_along_axis(new_slot, self.order, -1), mode="drop")
+        n_pages = -(-n // P)
+        released = jnp.arange(self.table.shape[-1]) >= n_pages[..., None]
+        released &= jnp.arange(self.table.shape[-1]) < self.n_pages[..., None]
+        free = self.free.at[b, jnp.where(released, self.table, N)].set(True, mode="drop")
+        return self.replace(k_pages=k_pages, v_pages=v_pages, n_pages=n_pages.astype(jnp.int32), free=free,
+                            pos=pos.astype(jnp.int32), state=state, order=order.astype(jnp.int32), moments=moments)
+
+    def resize(self, pages_per_head: int, n_pool: int) -> PagedCache:
+        """The same contents in a new pool of ``n_pool`` pages and tables of ``pages_per_head`` pages, each
+        head's pages packed in (layer, KV head) order. Every head's tokens must be in slots 0 … n−1 (as after
+        an eviction point) and fit."""
+        L, B, Hk, M = self.table.shape
+        P = self.page_size
+        M2, C2 = pages_per_head, pages_per_head * P
+        start = (jnp.cumsum(self.n_pages.transpose(1, 0, 2).reshape(B, L * Hk), -1)
+                 - self.n_pages.transpose(1, 0, 2).reshape(B, L * Hk)).reshape(B, L, Hk).transpose(1, 0, 2)
+        j = jnp.arange(M)
+        new_page = jnp.where(j < self.n_pages[..., None], start[..., None] + j, n_pool)  # [L, B, Hk, M]
+        b = jnp.arange(B)[None, :, None, None]
+        source = jnp.zeros((B, n_pool), jnp.int32).at[b, new_page].set(self.table, mode="drop")
+        gather = lambda pages: jnp.take_along_axis(pages, source[:, :, None, None], 1)  # noqa: E731
+        table = start[..., None] + jnp.arange(M2)
+        total = self.n_pages.sum((0, 2))  # [B]
+        fit = lambda x, fill: (jax.lax.slice_in_dim(x, 0, C2, axis=-1) if C2 <= x.shape[-1]  # noqa: E731
+                               else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, C2 - x.shape[-1])],
+                                            constant_values=fill))
+        order = jnp.take_along_axis(self.pos, self.order, -1) >= 0  # valid first: keep their order
+        order = jnp.where(order, self.order, jnp.broadcast_to(jnp.arange(self.slots), self.order.shape))
+        order = fit(order, 0)
+        if C2 > self.slots:
+            order = jnp.where(jnp.arange(C2) < self.slots, order, jnp.arange(C2))
+        return self.replace(k_pages=gather(self.k_pages), v_pages=gather(self.v_pages),
+                            table=table.astype(jnp.int32), n_pages=self.n_pages,
+                            free=jnp.arange(n_pool) >= total[:, None], pos=fit(self.pos, -1),
+                            state=fit(self.state, 0.0), order=order.astype(jnp.int32))

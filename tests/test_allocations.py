@@ -1,0 +1,103 @@
+"""Budget allocations on the paged cache: memory that follows the total budget, the page pool's bookkeeping
+under many eviction points, and clear errors. (That every allocation keeps exactly what the NumPy reference
+keeps is in test_engine_vs_reference.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import kvjax
+from kvjax.decoding import Generation
+from kvjax.options import eviction_from
+from kvjax.sampling import Sampling
+
+SMOLLM2 = kvjax.ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                            head_dim=64, d_ff=1536, max_seq_len=8192)
+ALLOCATIONS = ("pyramidkv", "adakv", "global")
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("budget", [64, 128, 256, 512, 1024])
+def test_cache_bytes_follow_the_total_budget(budget, batch):
+    """SmolLM2's shapes: a compressed context's keys and values take what the uniform cache takes, plus at most
+    5% or one page per (layer, row, KV head) — never n_kv_heads × the largest head's share."""
+    cfg, L, Hk = SMOLLM2, SMOLLM2.n_layers, SMOLLM2.n_kv_heads
+
+    def kv_bytes(allocation):
+        ev = eviction_from(budget=budget, scorer="snapkv", allocation=allocation, n_sink=0)
+        return kvjax.cache_bytes(jax.eval_shape(lambda: ev.empty_cache(cfg, batch, ev.decode_spare(0), jnp.float32)),
+                                 kv_only=True), ev
+
+    uniform, _ = kv_bytes("uniform")
+    assert uniform == 2 * L * batch * Hk * (budget + 1) * cfg.head_dim * 4
+    for allocation in ALLOCATIONS:
+        paged, ev = kv_bytes(allocation)
+        page = 2 * ev.page_size * cfg.head_dim * 4
+        assert uniform <= paged <= max(1.05 * uniform, uniform + L * batch * Hk * page), allocation
+        largest = ev.policy.head_capacity(L, Hk)  # what a dense layout would hold per head
+        assert paged < 2 * L * batch * Hk * largest * cfg.head_dim * 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = kvjax.ModelConfig(arch="llama", vocab_size=97, d_model=32, n_layers=3, n_heads=6, n_kv_heads=3,
+                            head_dim=8, d_ff=48, max_seq_len=512, eos_token_ids=(3,), pad_token_id=0)
+    return kvjax.init_params(cfg, jax.random.key(7), scale=0.4)
+
+
+def check_pool(cache, page_size):
+    """Every used page belongs to one (layer, row, KV head); the rest are free; each head holds its tokens in
+    slots 0 … n−1 backed by ⌈n / P⌉ pages."""
+    table, n_pages, free = map(np.asarray, (cache.table, cache.n_pages, cache.free))
+    pos = np.asarray(cache.pos)
+    L, B, Hk, _ = table.shape
+    for b in range(B):
+        used = [table[layer, b, h, j] for layer in range(L) for h in range(Hk) for j in range(n_pages[layer, b, h])]
+        assert len(used) == len(set(used)), "a page is used twice"
+        assert set(used) == set(np.flatnonzero(~free[b])), "the free pages are not the unused ones"
+        for layer in range(L):
+            for h in range(Hk):
+                n = int((pos[layer, b, h] >= 0).sum())
+                assert (pos[layer, b, h, :n] >= 0).all() and n_pages[layer, b, h] == -(-n // page_size)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_page_pool_stays_consistent_under_every_allocation(model, data):
+    allocation = data.draw(st.sampled_from(("uniform",) + ALLOCATIONS))
+    protocol = data.draw(st.sampled_from(("blockwise", "prefill")))
+    page = data.draw(st.sampled_from((2, 4, 8)))
+    lengths = data.draw(st.lists(st.integers(5, 60), min_size=1, max_size=3))
+    evict_every = data.draw(st.integers(1, 3))
+    options = dict(budget=24, scorer=data.draw(st.sampled_from(("snapkv", "h2o", "tova", "momentkv"))),
+                   allocation=allocation, protocol=protocol, block_size=8, evict_every=evict_every, page_size=page,
+                   obs_window=4, n_sink=0, window=0 if allocation == "pyramidkv" else 2)
+    ev = eviction_from(**options)
+    rng = np.random.default_rng(data.draw(st.integers(0, 99)))
+    prompts = [rng.integers(4, 97, n).astype(np.int32) for n in lengths]
+    gen = Generation.from_prompts(model, prompts, 12, Sampling(), 0, (), ev)
+    check_pool(gen.state.cache, page)
+    for _ in range(12):
+        gen.run(1)
+        check_pool(gen.state.cache, page)
+    kept = (np.asarray(gen.state.cache.pos) >= 0).sum(-1)  # [L, B, Hk]
+    total = ev.policy.total_budget(model.config.n_layers, model.config.n_kv_heads)
+    assert (kept.sum((0, 2)) <= total + evict_every * model.config.n_layers * model.config.n_kv_heads).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(scorer="adakv+snapkv", allocation="global"), "allocation='global' contradicts scorer='adakv\\+snapkv'"),
+    (dict(allocation="even"), "allocation='even' must be one of"),
+    (dict(scorer="adakv", floor=1.5), r"floor=1.5 must be a fraction of the budget in \[0, 1\]"),
+    (dict(chunk=0), "chunk=0 must be an integer >= 1"),
+    (dict(allocation="adakv", page_size=0), "page_size=0 must be an integer >= 1"),
+    (dict(allocation="heads"), "allocation='heads' belongs to scorer 'kvzip-head'"),
+    (dict(scorer="adakv+adakv"), "names two allocations"),
+    (dict(scorer="tova", aggregate="layer", allocation="adakv"), "aggregate='layer' keeps the same tokens"),
+    (dict(scorer="pyramidkv", budget=40), "gives layer 2 a budget of"),
+])
+def test_bad_allocation_arguments(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        kvjax.generate(model, np.arange(4, 60, dtype=np.int32), 2, **{"budget": 64} | kwargs)

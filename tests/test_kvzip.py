@@ -1,0 +1,150 @@
+"""KVzip: the scores of Algorithm 1 (kvzip-appendix.tex) against a direct float64 NumPy computation on a tiny
+model, the compression that keeps the top scores across a layer's KV heads, the head-level mode with saved
+head scores, and the errors a user meets."""
+
+import jax
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.kvzip import RepeatPrompt, head_scores, kvzip_scores, load_head_scores, save_head_scores
+from kvjax.prefilled import prefill_full
+from reference_eviction import attention, finish_layer, numpy_params, qkv, shared_counts
+
+PROMPT = RepeatPrompt(first=(5, 6, 7), later=(5, 6, 8), colon=(9,))
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = kvjax.ModelConfig(arch="qwen2", vocab_size=97, d_model=32, n_layers=2, n_heads=6, n_kv_heads=2,
+                            head_dim=8, d_ff=48, max_seq_len=512, norm_eps=1e-5, qkv_bias=True, eos_token_ids=(3,),
+                            pad_token_id=0)
+    return kvjax.init_params(cfg, jax.random.key(4), scale=0.4)
+
+
+def numpy_kvzip(params, context: np.ndarray, chunk: int) -> np.ndarray:
+    """Algorithm 1 as written, in float64: prefill the context; for each chunk feed its repeat input through the
+    model after the context (ordinary causal attention over context and input); in each layer, the softmax of
+    the input's queries over [the chunk's keys, the input's keys (causal)] gives each chunk key the maximum over
+    the queries and the GQA group. Returns S [L, Hk, n_c]."""
+    from kvjax.rope import inverse_frequencies
+
+    cfg, w = params.config, numpy_params(params)
+    inv_freq = np.asarray(inverse_frequencies(cfg), np.float64)
+    L, Hk, G = cfg.n_layers, cfg.n_kv_heads, cfg.group_size
+
+    def forward(tokens, positions, past):
+        """Run tokens at positions after ``past`` ([layer] -> (k, v) of earlier positions); returns every layer's
+        (q, k, v) of the tokens."""
+        x, out = w["embed"][tokens], []
+        for layer in range(L):
+            q, k, v = qkv(cfg, w, layer, x, positions, inv_freq)
+            keys = np.concatenate([past[layer][0], k]) if past else k
+            values = np.concatenate([past[layer][1], v]) if past else v
+            visible = np.arange(len(keys))[None, :] <= (len(keys) - len(tokens) + np.arange(len(tokens)))[:, None]
+            attn = np.stack([attention(q[:, h], keys[:, h // G], values[:, h // G], visible)[2]
+                             for h in range(cfg.n_heads)], axis=1)
+            out.append((q, k, v))
+            x = finish_layer(cfg, w, layer, x, attn)
+        return out
+
+    n = len(context)
+    cache = [(k, v) for _, k, v in forward(context, np.arange(n), None)]
+    scores = np.zeros((L, Hk, n))
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        head = PROMPT.first if start == 0 else PROMPT.later + tuple(context[max(0, start - 8): start]) + PROMPT.colon
+        tokens = np.concatenate([np.asarray(head), context[start:stop]])
+        layers = forward(tokens, n + np.arange(len(tokens)), cache)
+        T = len(tokens)
+        for layer, (q, k, _) in enumerate(layers):
+            keys = np.concatenate([cache[layer][0][start:stop], k])  # [m + T, Hk, K]
+            visible = np.concatenate([np.ones((T, stop - start), bool), np.tril(np.ones((T, T), bool))], axis=1)
+            for h in range(cfg.n_heads):
+                _, A, _, _ = attention(q[:, h], keys[:, h // G], keys[:, h // G], visible)
+                scores[layer, h // G, start:stop] = np.maximum(scores[layer, h // G, start:stop],
+                                                               A[:, : stop - start].max(axis=0))
+    return scores
+
+
+def test_scores_equal_algorithm_1(model):
+    """Three chunks (the later ones start with the previous chunk's last 8 tokens) and a batch of two contexts
+    of different lengths."""
+    rng = np.random.default_rng(0)
+    contexts = [rng.integers(10, 97, 41).astype(np.int32), rng.integers(10, 97, 23).astype(np.int32)]
+    shared = prefill_full(model, contexts)
+    got = np.asarray(kvzip_scores(model, shared.cache.full, contexts, PROMPT, chunk=CHUNK))
+    for row, context in enumerate(contexts):
+        want = numpy_kvzip(model, context, CHUNK)
+        np.testing.assert_allclose(got[:, row, :, : len(context)], want, rtol=1e-4, atol=1e-6)
+        assert not got[:, row, :, len(context):].any()
+        assert (want > 0).all()
+    np.testing.assert_allclose(head_scores(got, [41, 23]),
+                               np.maximum(numpy_kvzip(model, contexts[0], CHUNK).max(-1),
+                                          numpy_kvzip(model, contexts[1], CHUNK).max(-1)), rtol=1e-4)
+
+
+def test_compression_keeps_the_top_scores_over_each_layers_heads(model):
+    """kvzip's default: each layer keeps n_kv_heads × budget tokens, the top scores over its heads (no floor),
+    the first n_sink protected; then the question and the answer are appended, nothing evicted."""
+    context = np.random.default_rng(3).integers(10, 97, 40).astype(np.int32)
+    compressed = kvjax.prefill(model, context, budget=12, scorer="kvzip", repeat_prompt=PROMPT, n_sink=2)
+    scores = numpy_kvzip(model, context, 2048)  # one chunk of the paper's size
+    kept = np.asarray(compressed.cache.sorted_pos)[:, 0]  # [L, Hk, C]
+    cfg, uneven = model.config, False
+    for layer in range(cfg.n_layers):
+        heads = [dict(positions=list(range(40)), protected=np.arange(40) < 2, prio=scores[layer, h, 2:])
+                 for h in range(cfg.n_kv_heads)]
+        counts, near, _ = shared_counts(heads, cfg.n_kv_heads * 12, 0, cfg.n_kv_heads * 12)
+        assert not near and sum(counts) == cfg.n_kv_heads * 12
+        uneven |= len(set(counts)) > 1
+        for h in range(cfg.n_kv_heads):
+            best = 2 + np.argsort(-scores[layer, h, 2:], kind="stable")[: counts[h] - 2]
+            assert sorted(p for p in kept[layer, h] if p >= 0) == sorted([0, 1] + best.tolist())
+    assert uneven
+    question = np.arange(10, 16, dtype=np.int32)
+    answer = kvjax.decode(model, compressed, question, 4, stop_ids=())
+    appended = kvjax.decode(model, compressed, question, 4, evict=False, stop_ids=())
+    np.testing.assert_array_equal(answer, appended)
+
+
+def test_head_level_mode_keeps_whole_heads(model, tmp_path):
+    cfg = model.config
+    scores = np.array([[0.9, 0.1], [0.2, 0.8]])  # heads (0, 0) and (1, 1) are the best
+    path = str(tmp_path / "heads.json")
+    save_head_scores(path, scores, cfg)
+    np.testing.assert_array_equal(load_head_scores(path, cfg), scores)
+    context = np.random.default_rng(2).integers(10, 97, 40).astype(np.int32)
+    # two of the four heads full: budget = (2 · 40 + 2 · 6) / 4 = 23 tokens per head on average
+    compressed = kvjax.prefill(model, context, budget=23, scorer="kvzip-head", head_scores=path, n_sink=2, window=4)
+    kept = [[sorted(p for p in head if p >= 0) for head in layer] for layer in np.asarray(compressed.cache.pos)[:, 0]]
+    reduced = [0, 1] + list(range(36, 40))
+    assert kept == [[list(range(40)), reduced], [reduced, list(range(40))]]
+    other = kvjax.ModelConfig(**{**cfg.__dict__, "n_layers": 3})
+    with pytest.raises(ValueError, match="was made for another model"):
+        load_head_scores(path, other)
+
+
+@pytest.mark.parametrize("scorer", ["kvzip", "kvzip-head"])
+def test_budget_covering_the_prompt_equals_the_full_cache(model, scorer, tmp_path):
+    path = str(tmp_path / "heads.json")
+    save_head_scores(path, np.ones((2, 2)), model.config)
+    needs = dict(repeat_prompt=PROMPT) if scorer == "kvzip" else dict(head_scores=path)
+    prompts = [np.random.default_rng(5).integers(10, 97, n).astype(np.int32) for n in (30, 17)]
+    full = kvjax.generate(model, prompts, 8, stop_ids=())
+    kept = kvjax.generate(model, prompts, 8, budget=40, scorer=scorer, stop_ids=(), **needs)
+    for a, b in zip(full, kept, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_kvzip_needs_its_inputs_and_the_prefill_protocol(model):
+    ids = np.arange(10, 50, dtype=np.int32)
+    with pytest.raises(ValueError, match="needs repeat_prompt=kvjax.kvzip_prompt"):
+        kvjax.generate(model, ids, 4, budget=12, scorer="kvzip")
+    with pytest.raises(ValueError, match="needs head_scores="):
+        kvjax.generate(model, ids, 4, budget=12, scorer="kvzip-head")
+    with pytest.raises(ValueError, match="needs protocol='prefill'"):
+        kvjax.generate(model, ids, 4, budget=12, scorer="kvzip", repeat_prompt=PROMPT, protocol="blockwise")
+    with pytest.raises(ValueError, match="a fractional budget must lie in"):
+        kvjax.generate(model, ids, 4, budget=1.5)
