@@ -141,8 +141,8 @@ def run(params: Params, tokenizer, samples: list[Sample], methods_: list[Method]
                 shared_s = time.perf_counter() - start
             for setting, m in here:
                 start = time.perf_counter()
-                eviction = with_tokenizer(tokenizer, scorer=m.scorer, budget=m.budget,
-                                          **scorer_options(m.scorer, mine(m)))
+                eviction = {} if m.scorer == FULL else with_tokenizer(
+                    tokenizer, scorer=m.scorer, budget=m.budget, **scorer_options(m.scorer, mine(m)))
                 answer = _answer(params, sample, setting, m, shared, eviction, block_size)
                 prediction = tokenizer.decode(answer, skip_special_tokens=True)
                 row = Row(sample=sample.id, task=sample.task, haystack=sample.haystack, length=sample.length,
