@@ -16,8 +16,9 @@ from kvjax.params import Params, init_params
 from kvjax.prefilled import Prefilled, prefill_full
 from kvjax.sampling import Sampling
 from kvjax.scorers import SCORERS
+from kvjax.sharding import make_mesh, shard
 
 __all__ = ["ALLOCATIONS", "SCORERS", "BudgetCache", "CheckpointError", "Context", "EvictionOptions", "ModelConfig",
            "PagedCache", "Params", "Prefilled", "Sampling", "cache_bytes", "chat_tokens", "decode", "forward",
-           "generate", "generate_stream", "init_params", "kvzip_prompt", "load", "load_tokenizer", "prefill",
-           "prefill_full"]
+           "generate", "generate_stream", "init_params", "kvzip_prompt", "load", "load_tokenizer", "make_mesh",
+           "prefill", "prefill_full", "shard"]

@@ -19,7 +19,14 @@ from kvjax.kernels import block_attention_with_scores, corrected_attention, deco
 from kvjax.moments import Moments, moment_informed_eviction
 from kvjax.priorities import eviction_keys, update_state
 from kvjax.scorers import Policy
-from kvjax.slots import row_head_index
+from kvjax.sharding import per_shard
+from kvjax.slots import set_layer_slots, set_slots
+
+# The leading logical axes of the attention kernels' arguments (q, k, v, slot_pos, query_pos, query_weights)
+# and outputs (out, lse, col), for running them per shard.
+KV = ("batch", "kv_heads")
+ATTENTION_AXES = (("batch", None, "heads"), KV, KV, KV, ("batch",), ("batch",))
+ATTENTION_OUT_AXES = (("batch", None, "heads"), ("batch", None, "heads"), KV)
 
 
 @struct.dataclass
@@ -36,6 +43,10 @@ class BudgetCache:
     state: jax.Array
     order: jax.Array
     moments: Moments
+
+    AXES = dict(k=("layers", "batch", "kv_heads", "slots", "head_dim"),
+                v=("layers", "batch", "kv_heads", "slots", "head_dim"), pos=("layers", "batch", "kv_heads", "slots"),
+                state=("layers", "batch", "kv_heads", "group", "slots"), order=("layers", "batch", "kv_heads", "slots"))
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, slots: int, dtype) -> BudgetCache:
@@ -85,18 +96,20 @@ class BudgetCache:
         small = jax.tree.map(lambda x: x[layer], self.replace(k=None, v=None))
         count = (small.pos >= 0).sum(-1)  # [B, Hk]
         free = jnp.take_along_axis(small.order, count[..., None] + jnp.arange(T), -1)  # [B, Hk, T]
-        at = row_head_index(free) + (free,)
-        k_all = self.k.at[(layer,) + at].set(k.swapaxes(1, 2).astype(self.k.dtype))
-        v_all = self.v.at[(layer,) + at].set(v.swapaxes(1, 2).astype(self.v.dtype))
+        k_all = set_layer_slots(self.k, layer, free, k.swapaxes(1, 2).astype(self.k.dtype))
+        v_all = set_layer_slots(self.v, layer, free, v.swapaxes(1, 2).astype(self.v.dtype))
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
-        here = small.replace(k=k_all[layer], v=v_all[layer], pos=small.pos.at[at].set(new_pos))
+        here = small.replace(k=k_all[layer], v=v_all[layer], pos=set_slots(small.pos, free, new_pos))
         p = seg.policy
-        attention = (q, here.k, here.v, here.pos, seg.positions, seg.query_weights, p.score_kind)
+        attention = (q, here.k, here.v, here.pos, seg.positions, seg.query_weights)
         if T == 1:  # decoding: the decode kernel, MomentKV's correction included
             moments = here.moments if p.moment_correction else None
-            out, _, col = decode_attention_with_scores(*attention, moments, p.zeroth_order, impl=p.impl)
+            out, _, col = per_shard(
+                lambda *a: decode_attention_with_scores(*a[:-1], p.score_kind, a[-1], p.zeroth_order, impl=p.impl),
+                (*attention, moments), (*ATTENTION_AXES, KV), ATTENTION_OUT_AXES, B, Hk)
         else:
-            out, lse, col = block_attention_with_scores(*attention, impl=p.impl)
+            out, lse, col = per_shard(lambda *a: block_attention_with_scores(*a, p.score_kind, impl=p.impl),
+                                      attention, ATTENTION_AXES, ATTENTION_OUT_AXES, B, Hk)
             if p.moment_correction:
                 out = corrected_attention(out, lse, q, here.moments, p.zeroth_order)
         if col is not None:  # new slots start from zero: empty slots hold a zero state
@@ -133,7 +146,7 @@ class BudgetCache:
         # Stable partition of the order: kept slots first (valid ones stay in position order), dropped after.
         dest = jnp.where(drop, b + jnp.cumsum(drop, -1) - 1, jnp.cumsum(~drop, -1) - 1)
         rank = jnp.broadcast_to(jnp.arange(self.slots), pos.shape)
-        index = jnp.zeros_like(rank).at[row_head_index(dest) + (dest,)].set(rank)
+        index = set_slots(jnp.zeros_like(rank), dest, rank)
         order = jnp.take_along_axis(self.order, index, -1)
         return self._release(p, order, order[..., b:])
 
@@ -156,7 +169,7 @@ class BudgetCache:
         join the moments, their position becomes -1 and their state 0; ``order`` is the new order."""
         take = lambda x: jnp.take_along_axis(x, dropped[..., None], axis=-2)  # noqa: E731
         weight = (jnp.take_along_axis(self.pos, dropped, -1) >= 0).astype(jnp.float32)
-        freed = jnp.zeros(self.pos.shape, bool).at[row_head_index(dropped) + (dropped,)].set(True)
+        freed = set_slots(jnp.zeros(self.pos.shape, bool), dropped, True)
         if p.base_spec.reset_after_evict:
             state = _reset(self.state)
         else:
@@ -189,5 +202,5 @@ def lowest_slots(key: jax.Array, n: int) -> jax.Array:
     """[B, Hk, S] mask of the ``n`` lowest entries of key; among equal keys the first goes first."""
     index = jnp.broadcast_to(jnp.arange(key.shape[-1]), key.shape)
     _, order = jax.lax.sort((key, index), dimension=-1, num_keys=2)
-    return jnp.zeros_like(index).at[row_head_index(order) + (order,)].set(index) < n
+    return set_slots(jnp.zeros_like(index), order, index) < n
 

@@ -52,6 +52,9 @@ class FullCache:
     k: jax.Array
     v: jax.Array
 
+    AXES = dict(k=("layers", "batch", "kv_heads", "slots", "head_dim"),
+                v=("layers", "batch", "kv_heads", "slots", "head_dim"))
+
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, capacity: int, dtype) -> FullCache:
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim)

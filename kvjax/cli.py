@@ -15,6 +15,7 @@ def _generate(args) -> int:
 
     eviction = from_arguments(args)
     eviction_from(**with_tokenizer(None, **eviction))  # bad settings fail before the model loads
+    mesh = kvjax.make_mesh(args.mesh) if args.mesh else None
     start = time.perf_counter()
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
@@ -27,7 +28,7 @@ def _generate(args) -> int:
     start, new = time.perf_counter(), []
     stream = kvjax.generate_stream(params, ids, max_new_tokens=args.max_new_tokens, every=args.stream_every,
                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                   seed=args.seed, **with_tokenizer(tokenizer, **eviction))
+                                   seed=args.seed, mesh=mesh, **with_tokenizer(tokenizer, **eviction))
     printed = ""
     for (chunk,) in stream:
         new.extend(int(t) for t in chunk)
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default: %(default)s)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
     g.add_argument("--stream-every", type=int, default=4, help="decode steps between streamed outputs")
+    g.add_argument("--mesh", metavar="AXES", help="run on a device mesh, e.g. data=2,model=4 (batch over data, heads "
+                                                  "and MLP over model; docs/sharding.md); default: one device")
     add_arguments(g.add_argument_group("eviction (kvjax.EvictionOptions; active with --budget; docs/eviction.md)"))
     g.set_defaults(run=_generate)
     h = sub.add_parser("kvzip-heads", help="calibrate kvzip-head: KVzip's head scores of a context, to a file",

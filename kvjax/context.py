@@ -12,6 +12,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from kvjax.budget_cache import BudgetCache
 from kvjax.decoding import Context, DecodeState, Generation, prefill_budget_cache
@@ -22,11 +23,14 @@ from kvjax.paged_cache import PagedCache
 from kvjax.params import Params
 from kvjax.prefilled import Prefilled
 from kvjax.sampling import Sampling
+from kvjax.sharding import check_batch, constrain, on_mesh, shard
 
 
-def prefill(params: Params, tokens, **eviction) -> Context:
+def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> Context:
     """Prefill and compress prompts (1-D or a batch) under a budget. ``eviction``: the keywords of
-    ``kvjax.EvictionOptions``, as ``kvjax.generate``; ``budget`` is required."""
+    ``kvjax.EvictionOptions``, as ``kvjax.generate``; ``budget`` is required. ``mesh``: a device mesh
+    (``kvjax.sharding.make_mesh``) to place the params and the context on (the batch must split over its
+    ``data`` axis); the context's ``decode`` runs there too."""
     rows, batched = check_tokens(tokens, params.config.vocab_size)
     longest = max(len(r) for r in rows)
     ev = eviction_from(context=longest, **eviction)
@@ -34,13 +38,16 @@ def prefill(params: Params, tokens, **eviction) -> Context:
         raise ValueError("budget=None: prefill builds a compressed context and needs a budget; use "
                          "kvjax.generate (or kvjax.prefill_full) for a full cache")
     check_context(params.config, longest, 0)
+    check_batch(len(rows), mesh)
     if ev.policy.base_spec.scoring_pass is not None:  # KVzip: a scoring pass over the whole prefilled prompt
-        return Prefilled(params, rows if batched else rows[0]).compress(**eviction)
+        return Prefilled(params, rows if batched else rows[0], mesh=mesh).compress(**eviction)
     padded, lengths = pad_rows(rows, prompt_bucket(longest, ev.block_size), params.config.pad_token_id)
-    state = prefill_budget_cache(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
-                                 jnp.asarray(lengths), jax.random.key(0), ev=ev, out_width=1,
-                                 decode_spare=ev.decode_spare(0))
-    return Context(cache=state.cache, lengths=lengths, logits=state.logits, ev=ev, batched=batched)
+    params = params if mesh is None else shard(params, mesh)
+    with on_mesh(mesh):
+        state = prefill_budget_cache(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
+                                     jnp.asarray(lengths), jax.random.key(0), ev=ev, out_width=1,
+                                     decode_spare=ev.decode_spare(0))
+    return Context(cache=state.cache, lengths=lengths, logits=state.logits, ev=ev, batched=batched, mesh=mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ev", "out_width", "spare"))
@@ -48,9 +55,9 @@ def _resume(cfg, cache: BudgetCache | PagedCache, lengths, logits, key, ev: Evic
             spare: int) -> DecodeState:
     """A decode state over the context's cache (pass copies: jit may forward inputs that decode donates)."""
     B = lengths.shape[0]
-    return DecodeState(cache=ev.fit(cache, cfg, spare), out=jnp.zeros((B, out_width), jnp.int32),
-                       lengths=lengths, n_new=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool), logits=logits,
-                       key=key, step=jnp.zeros((), jnp.int32))
+    return constrain(DecodeState(cache=ev.fit(cache, cfg, spare), out=jnp.zeros((B, out_width), jnp.int32),
+                                 lengths=lengths, n_new=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool),
+                                 logits=logits, key=key, step=jnp.zeros((), jnp.int32)))
 
 
 def decode(params: Params, context: Context, tokens=None, max_new_tokens: int = 64, *, evict: bool = True,
@@ -71,8 +78,9 @@ def decode(params: Params, context: Context, tokens=None, max_new_tokens: int = 
 
 def resume(params: Params, context: Context, tokens, max_new: int, sampling: Sampling, seed: int,
            stop_ids: Sequence[int] | None, evict: bool = True) -> Generation:
-    """The ``Generation`` that ``decode`` runs (arguments as there)."""
-    cfg = params.config
+    """The ``Generation`` that ``decode`` runs (arguments as there), on the context's mesh."""
+    cfg, mesh = params.config, context.mesh
+    params = params if mesh is None else shard(params, mesh)
     own_pass = context.ev.policy.base_spec.scoring_pass is not None
     ev = context.ev if evict and not own_pass else context.ev.without_eviction()
     out_width, key = round_capacity(max_new), jax.random.key(seed)
@@ -80,8 +88,9 @@ def resume(params: Params, context: Context, tokens, max_new: int, sampling: Sam
     if tokens is None:
         check_context(cfg, int(context.lengths.max()), max_new, what="context length")
         copies = jax.tree.map(jnp.copy, (context.cache, context.logits))
-        state = _resume(cfg, copies[0], jnp.asarray(context.lengths), copies[1], key, ev=ev, out_width=out_width,
-                        spare=spare)
+        with on_mesh(mesh):
+            state = _resume(cfg, copies[0], jnp.asarray(context.lengths), copies[1], key, ev=ev,
+                            out_width=out_width, spare=spare)
     else:
         rows, _ = check_tokens(tokens if context.batched else [np.asarray(tokens)], cfg.vocab_size)
         if len(rows) != len(context.lengths):
@@ -91,6 +100,7 @@ def resume(params: Params, context: Context, tokens, max_new: int, sampling: Sam
         padded, lengths = pad_rows(rows, prompt_bucket(max(len(r) for r in rows), ev.block_size), cfg.pad_token_id)
         if ev.protocol == APPEND:  # room for the appended tokens too
             spare = ev.extend_spare(padded.shape[1]) + out_width
-        state = prefill_budget_cache(params, context.cache, jnp.asarray(padded), jnp.asarray(context.lengths),
-                                     jnp.asarray(lengths), key, ev=ev, out_width=out_width, decode_spare=spare)
-    return Generation(params, state, max_new, sampling, stop_ids, ev)
+        with on_mesh(mesh):
+            state = prefill_budget_cache(params, context.cache, jnp.asarray(padded), jnp.asarray(context.lengths),
+                                         jnp.asarray(lengths), key, ev=ev, out_width=out_width, decode_spare=spare)
+    return Generation(params, state, max_new, sampling, stop_ids, ev, mesh)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh
 
 from kvjax.budget_cache import BudgetCache
 from kvjax.cache import FullCache, Segment
@@ -22,6 +23,7 @@ from kvjax.model import decode_hidden, logits_from_hidden
 from kvjax.paged_cache import PagedCache
 from kvjax.params import Params
 from kvjax.sampling import Sampling, sample
+from kvjax.sharding import check_batch, constrain, on_mesh, to_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +31,8 @@ class Context:
     """A batch of prompts prefilled into a budget cache.
 
     cache: BudgetCache or PagedCache with room for the budget; lengths: [B] tokens seen per row; logits: [B, V]
-    next-token logits after each row's last token; ev: the eviction settings it was built with.
+    next-token logits after each row's last token; ev: the eviction settings it was built with; mesh: the
+    device mesh its arrays are placed on (None: one device), which decoding it uses too.
     """
 
     cache: BudgetCache | PagedCache
@@ -37,6 +40,7 @@ class Context:
     logits: jax.Array
     ev: Eviction
     batched: bool
+    mesh: Mesh | None = None
 
 
 @struct.dataclass
@@ -48,7 +52,7 @@ class DecodeState:
     next-token logits; key: PRNG key; step: scalar loop counter.
     """
 
-    cache: FullCache | BudgetCache
+    cache: FullCache | BudgetCache | PagedCache
     out: jax.Array
     lengths: jax.Array
     n_new: jax.Array
@@ -57,12 +61,18 @@ class DecodeState:
     key: jax.Array
     step: jax.Array
 
+    # What the host reads (the tokens, counts and flags) is replicated: every process of a multi-host run can
+    # read it whole.
+    AXES = dict(out=(None, None), lengths=(None,), n_new=(None,), done=(None,), logits=("batch", "vocab"), key=(),
+                step=())
+
 
 def start_state(params: Params, cache, lengths, last_hidden, key, out_width: int) -> DecodeState:
     B = lengths.shape[0]
-    return DecodeState(cache=cache, out=jnp.full((B, out_width), params.config.pad_token_id, jnp.int32),
-                       lengths=lengths, n_new=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool),
-                       logits=logits_from_hidden(params, last_hidden), key=key, step=jnp.zeros((), jnp.int32))
+    return constrain(DecodeState(cache=cache, out=jnp.full((B, out_width), params.config.pad_token_id, jnp.int32),
+                                 lengths=lengths, n_new=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool),
+                                 logits=logits_from_hidden(params, last_hidden), key=key,
+                                 step=jnp.zeros((), jnp.int32)))
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "out_width"))
@@ -70,7 +80,7 @@ def prefill_full_cache(params: Params, tokens: jax.Array, lengths: jax.Array, ke
             out_width: int) -> DecodeState:
     """Full cache. tokens: [B, P] right-padded prompts with ``lengths`` [B] valid tokens each."""
     B, P = tokens.shape
-    cache = FullCache.init(params.config, B, capacity, params.dtype)
+    cache = constrain(FullCache.init(params.config, B, capacity, params.dtype))
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     hidden, cache = decode_hidden(params, tokens, cache, Segment(positions=positions, from_start=True))
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
@@ -85,7 +95,7 @@ def prefill_budget_cache(params: Params, cache: BudgetCache | PagedCache | None,
     cfg, spare = params.config, ev.extend_spare(tokens.shape[1])
     if cache is None:
         cache = ev.empty_cache(cfg, tokens.shape[0], spare, params.dtype)
-    cache, last = extend(params, ev.fit(cache, cfg, spare), tokens, start, lengths, ev)
+    cache, last = extend(params, constrain(ev.fit(cache, cfg, spare)), tokens, start, lengths, ev)
     return start_state(params, ev.fit(cache, cfg, decode_spare), start + lengths, last, key, out_width)
 
 
@@ -108,28 +118,32 @@ def decode_steps(params: Params, state: DecodeState, max_new_tokens: jax.Array, 
         done = s.done | jnp.isin(tok, jnp.asarray(stop_ids, jnp.int32)) | (n_new >= max_new_tokens)
         seg = decode_segment(ev, s.step, s.lengths, active)
         hidden, cache = step(params, tok[:, None], s.cache, seg)
-        return DecodeState(cache=cache, out=out, lengths=s.lengths + active, n_new=n_new, done=done,
-                           logits=logits_from_hidden(params, hidden[:, 0]), key=key, step=s.step + 1)
+        return constrain(DecodeState(cache=cache, out=out, lengths=s.lengths + active, n_new=n_new, done=done,
+                                     logits=logits_from_hidden(params, hidden[:, 0]), key=key, step=s.step + 1))
 
-    return jax.lax.while_loop(cond, body, state)
+    return constrain(jax.lax.while_loop(cond, body, state))
 
 
 class Generation:
     """A batch being decoded: streamed (``run`` in chunks) or whole (one ``run``).
 
-    ev=None means a full cache; otherwise the budget cache and eviction engine configured by ``ev``.
+    ev=None means a full cache; otherwise the budget cache and eviction engine configured by ``ev``; mesh: the
+    device mesh the state is placed on (None: one device).
     """
 
     def __init__(self, params: Params, state: DecodeState, max_new_tokens: int, sampling: Sampling,
-                 stop_ids: Sequence[int] | None, ev: Eviction | None):
+                 stop_ids: Sequence[int] | None, ev: Eviction | None, mesh: Mesh | None = None):
         self.params, self.state, self.max_new, self.sampling = params, state, max_new_tokens, sampling
         self.ev = None if ev is None else ev.decoding()
         self.stop_ids = tuple(sorted(params.config.eos_token_ids if stop_ids is None else stop_ids))
+        self.mesh = mesh
 
     @classmethod
     def from_prompts(cls, params: Params, rows: list[np.ndarray], max_new_tokens: int, sampling: Sampling,
-                     seed: int, stop_ids: Sequence[int] | None, ev: Eviction | None) -> Generation:
-        """Validate lengths, pad to the bucket and prefill (full cache or the eviction protocol)."""
+                     seed: int, stop_ids: Sequence[int] | None, ev: Eviction | None,
+                     mesh: Mesh | None = None) -> Generation:
+        """Validate lengths, pad to the bucket and prefill (full cache or the eviction protocol) on ``mesh``."""
+        check_batch(len(rows), mesh)
         cfg = params.config
         max_new_tokens = check_max_new(max_new_tokens)
         longest = max(len(r) for r in rows)
@@ -137,24 +151,26 @@ class Generation:
         bucket = prompt_bucket(longest, 1 if ev is None else ev.block_size)
         padded, lengths = pad_rows(rows, bucket, cfg.pad_token_id)
         out_width, key = round_capacity(max_new_tokens), jax.random.key(seed)
-        if ev is None:
-            state = prefill_full_cache(params, jnp.asarray(padded), jnp.asarray(lengths), key,
-                                       capacity=round_capacity(bucket + max_new_tokens), out_width=out_width)
-        else:
-            state = prefill_budget_cache(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
-                                         jnp.asarray(lengths), key, ev=ev, out_width=out_width,
-                                         decode_spare=ev.decode_spare(out_width))
-        return cls(params, state, max_new_tokens, sampling, stop_ids, ev)
+        with on_mesh(mesh):
+            if ev is None:
+                state = prefill_full_cache(params, jnp.asarray(padded), jnp.asarray(lengths), key,
+                                           capacity=round_capacity(bucket + max_new_tokens), out_width=out_width)
+            else:
+                state = prefill_budget_cache(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
+                                             jnp.asarray(lengths), key, ev=ev, out_width=out_width,
+                                             decode_spare=ev.decode_spare(out_width))
+        return cls(params, state, max_new_tokens, sampling, stop_ids, ev, mesh)
 
     def run(self, steps: int) -> list[np.ndarray]:
         """Decode up to ``steps`` more tokens; returns each row's new tokens since the previous call."""
-        before = np.asarray(self.state.n_new)
-        stop = int(self.state.step) + steps
-        self.state = decode_steps(self.params, self.state, jnp.int32(self.max_new), jnp.int32(stop), self.sampling,
-                            self.stop_ids, self.ev)
-        out, n_new = np.asarray(self.state.out), np.asarray(self.state.n_new)
+        before = to_host(self.state.n_new)
+        stop = int(to_host(self.state.step)) + steps
+        with on_mesh(self.mesh):
+            self.state = decode_steps(self.params, self.state, jnp.int32(self.max_new), jnp.int32(stop),
+                                      self.sampling, self.stop_ids, self.ev)
+        out, n_new = to_host(self.state.out), to_host(self.state.n_new)
         return [out[i, before[i]: n_new[i]] for i in range(len(n_new))]
 
     @property
     def finished(self) -> bool:
-        return bool(np.all(np.asarray(self.state.done)))
+        return bool(np.all(to_host(self.state.done)))

@@ -71,6 +71,8 @@ class RepeatScoring:
     stop: jax.Array
     chunk: int = struct.field(pytree_node=False, default=CHUNK)
 
+    AXES = dict(scores=("layers", "batch", "kv_heads", "slots"), start=("batch",), stop=("batch",))
+
     def attend(self, layer, q, k, v, seg: Segment):
         out, full = self.full.attend(layer, q, k, v, seg)
         B, T, H, K = q.shape

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.slots import row_head_index
+from kvjax.slots import max_slots
 
 
 @struct.dataclass
@@ -26,6 +26,10 @@ class Moments:
     k_sum: jax.Array
     v_sum: jax.Array
     vk_sum: jax.Array
+
+    AXES = dict(count=("layers", "batch", "kv_heads"), k_sum=("layers", "batch", "kv_heads", "head_dim"),
+                v_sum=("layers", "batch", "kv_heads", "head_dim"),
+                vk_sum=("layers", "batch", "kv_heads", "head_dim", "head_dim"))
 
     @classmethod
     def zeros(cls, lead: tuple[int, ...], head_dim: int) -> Moments:
@@ -84,7 +88,7 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
         k_c = jnp.take_along_axis(kf, chosen[..., None], axis=2) * w[..., None]
         v_c = jnp.take_along_axis(vf, chosen[..., None], axis=2)
         dots = jnp.einsum("bhck,bhsk->bhsc", k_c, kf)  # w_c (k_c·k_j)
-        evicted = evicted.at[row_head_index(chosen) + (chosen,)].max(w > 0)
+        evicted = max_slots(evicted, chosen, w > 0)
         return (evicted, count + w.sum(-1), k_sum + k_c.sum(2), v_sum + jnp.einsum("bhc,bhck->bhk", w, v_c),
                 sk + jnp.einsum("bhsc,bhck->bhsk", dots, v_c), kk_sum + dots.sum(-1))
 

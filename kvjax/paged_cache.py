@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.allocation import ALLOCATIONS, ranks, targets
+from kvjax.budget_cache import ATTENTION_AXES, ATTENTION_OUT_AXES, KV
 from kvjax.cache import Segment
 from kvjax.config import ModelConfig
 from kvjax.kernels import corrected_attention
@@ -29,7 +30,8 @@ from kvjax.kernels.paged_attention.reference import gather_pages
 from kvjax.moments import Moments, moment_informed_eviction
 from kvjax.priorities import eviction_keys, update_state
 from kvjax.scorers import Policy
-from kvjax.slots import row_head_index
+from kvjax.sharding import per_shard
+from kvjax.slots import per_row, set_slots
 
 
 def pool_pages(total_tokens: int, spare: int, n_layers: int, n_kv_heads: int, page_size: int) -> int:
@@ -57,6 +59,12 @@ class PagedCache:
     state: jax.Array
     order: jax.Array
     moments: Moments
+
+    # The pool is split by batch row only: its pages hold every KV head (see docs/sharding.md).
+    AXES = dict(k_pages=("batch", "pages", "page", "head_dim"), v_pages=("batch", "pages", "page", "head_dim"),
+                table=("layers", "batch", "kv_heads", "table"), n_pages=("layers", "batch", "kv_heads"),
+                free=("batch", "pages"), pos=("layers", "batch", "kv_heads", "slots"),
+                state=("layers", "batch", "kv_heads", "group", "slots"), order=("layers", "batch", "kv_heads", "slots"))
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, pages_per_head: int, page_size: int, n_pool: int,
@@ -116,8 +124,9 @@ class PagedCache:
         """Keys and values [L, B, Hk, E, K] of logical slots [L, B, Hk, E] (their pages must be in use)."""
         P = self.page_size
         page = jnp.take_along_axis(self.table, slots // P, -1)
-        b = jnp.arange(page.shape[1])[None, :, None, None]
-        return self.k_pages[b, page, slots % P], self.v_pages[b, page, slots % P]
+        read = lambda pool: per_row(lambda x, pg, off: x[pg, off], pool, page, slots % P,  # noqa: E731
+                                    axes=(0, 1, 1)).swapaxes(0, 1)
+        return read(self.k_pages), read(self.v_pages)
 
     def _take_pages(self, layer, tokens: int) -> PagedCache:
         """Give every head of layer ``layer`` the pages for ``tokens`` more slots, from its row's free pages."""
@@ -133,11 +142,10 @@ class PagedCache:
             j = jnp.arange(-(-tokens // P) + 1)
             ok = j < extra[..., None]  # [B, Hk, E]
             page = jnp.take_along_axis(first_free[:, None, :], jnp.minimum(start[..., None] + j, N - 1), -1)
-            rows = jnp.arange(B)[:, None, None]
-            table = cache.table[layer].at[rows, jnp.arange(n_pages.shape[1])[None, :, None],
-                                          jnp.where(ok, n_pages[..., None] + j, cache.table.shape[-1])].set(
-                page, mode="drop")
-            free = cache.free.at[rows, jnp.where(ok, page, N)].set(False, mode="drop")
+            table = set_slots(cache.table[layer], jnp.where(ok, n_pages[..., None] + j, cache.table.shape[-1]),
+                              page, mode="drop")
+            taken = jnp.where(ok, page, N).reshape(B, -1)
+            free = per_row(lambda f, t: f.at[t].set(False, mode="drop"), cache.free, taken, axes=(0, 0))
             return cache.replace(table=cache.table.at[layer].set(table), free=free,
                                  n_pages=cache.n_pages.at[layer].set(n_pages + extra))
 
@@ -154,19 +162,23 @@ class PagedCache:
         pos, table, n_pages = cache.pos[layer], cache.table[layer], cache.n_pages[layer]
         slot = (pos >= 0).sum(-1)[..., None] + jnp.arange(T)  # [B, Hk, T]: valid slots are 0 … n−1
         page = jnp.take_along_axis(table, slot // P, -1)
-        rows = jnp.arange(B)[:, None, None]
-        k_pages = cache.k_pages.at[rows, page, slot % P].set(k.swapaxes(1, 2).astype(cache.k_pages.dtype))
-        v_pages = cache.v_pages.at[rows, page, slot % P].set(v.swapaxes(1, 2).astype(cache.v_pages.dtype))
+        write = lambda pool, new: per_row(lambda x, pg, off, val: x.at[pg, off].set(val), pool, page,  # noqa: E731
+                                          slot % P, new.swapaxes(1, 2).astype(pool.dtype), axes=(0, 0, 0, 0))
+        k_pages, v_pages = write(cache.k_pages, k), write(cache.v_pages, v)
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
-        pos = pos.at[row_head_index(slot) + (slot,)].set(new_pos)
+        pos = set_slots(pos, slot, new_pos)
         p = seg.policy
         moments = jax.tree.map(lambda x: x[layer], cache.moments)
-        attention = (q, k_pages, v_pages, table, n_pages, pos, seg.positions, seg.query_weights, p.score_kind)
+        attention = (q, k_pages, v_pages, table, n_pages, pos, seg.positions, seg.query_weights)
+        axes = (ATTENTION_AXES[0], ("batch",), ("batch",), KV, KV, *ATTENTION_AXES[3:])  # pools: per row
         if T == 1:
-            out, _, col = paged_decode_attention_with_scores(*attention, moments if p.moment_correction else None,
-                                                             p.zeroth_order, impl=p.impl)
+            out, _, col = per_shard(
+                lambda *a: paged_decode_attention_with_scores(*a[:-1], p.score_kind, a[-1], p.zeroth_order,
+                                                              impl=p.impl),
+                (*attention, moments if p.moment_correction else None), (*axes, KV), ATTENTION_OUT_AXES, B, Hk)
         else:
-            out, lse, col = paged_block_attention_with_scores(*attention, impl=p.impl)
+            out, lse, col = per_shard(lambda *a: paged_block_attention_with_scores(*a, p.score_kind, impl=p.impl),
+                                      attention, axes, ATTENTION_OUT_AXES, B, Hk)
             if p.moment_correction:
                 out = corrected_attention(out, lse, q, moments, p.zeroth_order)
         state = cache.state[layer]
@@ -218,17 +230,17 @@ class PagedCache:
         tails = jnp.argsort(~tail, axis=-1, stable=True)[..., :max_moves]
         moving = jnp.arange(max_moves) < tail.sum(-1)[..., None]
         page_of = lambda s: jnp.take_along_axis(self.table, s // P, -1)  # noqa: E731
-        b = jnp.arange(B)[None, :, None, None]
         dst_page = jnp.where(moving, page_of(holes), N)  # out of range: dropped
-        k_pages = self.k_pages.at[b, dst_page, holes % P].set(self.k_pages[b, page_of(tails), tails % P],
-                                                              mode="drop")
-        v_pages = self.v_pages.at[b, dst_page, holes % P].set(self.v_pages[b, page_of(tails), tails % P],
-                                                              mode="drop")
-        index = (jnp.arange(L)[:, None, None, None], b, jnp.arange(Hk)[None, None, :, None])
-        moved_to = jnp.where(moving, holes, C)
-        source = jnp.broadcast_to(slot, keep.shape).at[index + (moved_to,)].set(tails, mode="drop")
-        new_slot = jnp.broadcast_to(slot, keep.shape).at[index + (jnp.where(moving, tails, C),)].set(holes,
-                                                                                                    mode="drop")
+
+        def move(pool):  # per row: the tails' rows into the holes' rows
+            def row(x, dst, dst_off, src, src_off):
+                return x.at[dst, dst_off].set(x[src, src_off], mode="drop")
+            return per_row(row, pool, dst_page, holes % P, page_of(tails), tails % P, axes=(0, 1, 1, 1, 1))
+
+        k_pages, v_pages = move(self.k_pages), move(self.v_pages)
+        identity = jnp.broadcast_to(slot, keep.shape)
+        source = set_slots(identity, jnp.where(moving, holes, C), tails, lead=3, mode="drop")
+        new_slot = set_slots(identity, jnp.where(moving, tails, C), holes, lead=3, mode="drop")
         live = slot < n[..., None]
         pos = jnp.where(live, jnp.take_along_axis(self.pos, source, -1), -1)
         if p.base_spec.reset_after_evict:
@@ -237,12 +249,12 @@ class PagedCache:
             state = jnp.where(live[..., None, :], jnp.take_along_axis(self.state, source[..., None, :], -1), 0.0)
         kept_in_order = jnp.take_along_axis(keep, self.order, -1)
         rank = jnp.where(kept_in_order, jnp.cumsum(kept_in_order, -1) - 1, C)
-        order = jnp.broadcast_to(slot, keep.shape).at[index + (rank,)].set(
-            jnp.take_along_axis(new_slot, self.order, -1), mode="drop")
+        order = set_slots(identity, rank, jnp.take_along_axis(new_slot, self.order, -1), lead=3, mode="drop")
         n_pages = -(-n // P)
         released = jnp.arange(self.table.shape[-1]) >= n_pages[..., None]
         released &= jnp.arange(self.table.shape[-1]) < self.n_pages[..., None]
-        free = self.free.at[b, jnp.where(released, self.table, N)].set(True, mode="drop")
+        returned = jnp.where(released, self.table, N).swapaxes(0, 1).reshape(B, -1)
+        free = per_row(lambda f, r: f.at[r].set(True, mode="drop"), self.free, returned, axes=(0, 0))
         return self.replace(k_pages=k_pages, v_pages=v_pages, n_pages=n_pages.astype(jnp.int32), free=free,
                             pos=pos.astype(jnp.int32), state=state, order=order.astype(jnp.int32), moments=moments)
 
@@ -257,8 +269,9 @@ class PagedCache:
                  - self.n_pages.transpose(1, 0, 2).reshape(B, L * Hk)).reshape(B, L, Hk).transpose(1, 0, 2)
         j = jnp.arange(M)
         new_page = jnp.where(j < self.n_pages[..., None], start[..., None] + j, n_pool)  # [L, B, Hk, M]
-        b = jnp.arange(B)[None, :, None, None]
-        source = jnp.zeros((B, n_pool), jnp.int32).at[b, new_page].set(self.table, mode="drop")
+        by_row = lambda x: x.swapaxes(0, 1).reshape(B, -1)  # noqa: E731
+        source = per_row(lambda s, at, old: s.at[at].set(old, mode="drop"), jnp.zeros((B, n_pool), jnp.int32),
+                         by_row(new_page), by_row(self.table), axes=(0, 0, 0))
         gather = lambda pages: jnp.take_along_axis(pages, source[:, :, None, None], 1)  # noqa: E731
         table = start[..., None] + jnp.arange(M2)
         total = self.n_pages.sum((0, 2))  # [B]

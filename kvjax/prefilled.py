@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh
 
 from kvjax.budget_cache import BudgetCache
 from kvjax.cache import PREFILL_CHUNK, FullCache, Segment
@@ -33,6 +34,7 @@ from kvjax.params import Params
 from kvjax.priorities import query_weights, update_state
 from kvjax.sampling import Sampling
 from kvjax.scorers import Policy
+from kvjax.sharding import check_batch, constrain, on_mesh, shard
 
 
 @struct.dataclass
@@ -41,6 +43,8 @@ class RecordingCache:
 
     full: FullCache
     q: jax.Array
+
+    AXES = dict(q=("layers", "batch", "positions", "heads", "head_dim"))
 
     def attend(self, layer, q, k, v, seg):
         out, full = self.full.attend(layer, q, k, v, seg)
@@ -51,8 +55,8 @@ class RecordingCache:
 def _prefill_full(params: Params, tokens: jax.Array, room: int) -> tuple[RecordingCache, jax.Array]:
     cfg = params.config
     B, P = tokens.shape
-    cache = RecordingCache(full=FullCache.init(cfg, B, P + room, params.dtype),
-                           q=jnp.zeros((cfg.n_layers, B, P, cfg.n_heads, cfg.head_dim), params.dtype))
+    cache = constrain(RecordingCache(full=FullCache.init(cfg, B, P + room, params.dtype),
+                                     q=jnp.zeros((cfg.n_layers, B, P, cfg.n_heads, cfg.head_dim), params.dtype)))
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     hidden, cache = decode_hidden(params, tokens, cache, Segment(positions=positions, from_start=True))
     return cache, hidden
@@ -115,7 +119,7 @@ def _compress(cfg, ev: Eviction, k: jax.Array, v: jax.Array, state: jax.Array,
                             moments=Moments.zeros((L, B, Hk), K))
     else:
         cache = PagedCache.from_dense(k, v, pos, state, ev.page_size)
-    return ev.fit(cache.evict(ev.policy, lengths), cfg, ev.decode_spare(0))
+    return constrain(ev.fit(cache.evict(ev.policy, lengths), cfg, ev.decode_spare(0)))
 
 
 def whole_heads(policy: Policy, cfg, context: int) -> Policy:
@@ -136,16 +140,20 @@ class Prefilled:
 
     ``compress(**eviction)`` returns the ``kvjax.Context`` that ``kvjax.prefill(..., protocol="prefill")``
     would, optionally for a prefix of each prompt (``upto``: queries and keys are causal, so the prefix's
-    are already here). ``generate`` decodes from the full cache itself.
+    are already here). ``generate`` decodes from the full cache itself. ``mesh``: the device mesh everything
+    runs on (None: one device).
     """
 
-    def __init__(self, params: Params, tokens, room: int = 256):
+    def __init__(self, params: Params, tokens, room: int = 256, mesh: Mesh | None = None):
         rows, self.batched = check_tokens(tokens, params.config.vocab_size)
         longest = max(len(r) for r in rows)
         check_context(params.config, longest, 0)
+        check_batch(len(rows), mesh)
         padded, self.lengths = pad_rows(rows, prompt_bucket(longest), params.config.pad_token_id)
-        self.params, self.rows = params, rows
-        self.cache, self.hidden = _prefill_full(params, jnp.asarray(padded), room)
+        self.params = params if mesh is None else shard(params, mesh)
+        self.rows, self.mesh = rows, mesh
+        with on_mesh(mesh):
+            self.cache, self.hidden = _prefill_full(self.params, jnp.asarray(padded), room)
         self._states: dict = {}
 
     def _state(self, policy: Policy, lengths: np.ndarray) -> jax.Array:
@@ -184,17 +192,19 @@ class Prefilled:
             raise ValueError("budget=None: compress needs a budget")
         if ev.policy.base_spec.scoring_pass == "heads":
             ev = dataclasses.replace(ev, policy=whole_heads(ev.policy, self.params.config, int(lengths.max())))
-        state = self._state(ev.policy, lengths)
-        cache = _compress(self.params.config, ev, self.cache.full.k, self.cache.full.v, state,
-                          jnp.asarray(lengths))
-        last = jnp.take_along_axis(self.hidden, jnp.asarray(lengths - 1)[:, None, None], axis=1)[:, 0]
-        return Context(cache=cache, lengths=lengths, logits=logits_from_hidden(self.params, last), ev=ev,
-                       batched=self.batched)
+        with on_mesh(self.mesh):
+            state = self._state(ev.policy, lengths)
+            cache = _compress(self.params.config, ev, self.cache.full.k, self.cache.full.v, state,
+                              jnp.asarray(lengths))
+            last = jnp.take_along_axis(self.hidden, jnp.asarray(lengths - 1)[:, None, None], axis=1)[:, 0]
+            logits = logits_from_hidden(self.params, last)
+        return Context(cache=cache, lengths=lengths, logits=logits, ev=ev, batched=self.batched, mesh=self.mesh)
 
     def kvzip_head_scores(self, prompt: RepeatPrompt) -> np.ndarray:
         """KVzip's head scores S_head [L, Hk] of these prompts (the calibration of ``kvzip-head``: each head's
         largest token score over the prompts; save them with ``kvjax.kvzip.save_head_scores``)."""
-        return head_scores(kvzip_scores(self.params, self.cache.full, self.rows, prompt), self.lengths)
+        with on_mesh(self.mesh):
+            return head_scores(kvzip_scores(self.params, self.cache.full, self.rows, prompt), self.lengths)
 
     def generate(self, max_new_tokens: int = 64, *, stop_ids: Sequence[int] | None = None):
         """Greedy continuation of the prompts with the full cache (as ``kvjax.generate`` with no budget)."""
@@ -205,12 +215,14 @@ class Prefilled:
         check_context(self.params.config, int(self.lengths.max()), max_new)
         last = jnp.take_along_axis(self.hidden, jnp.asarray(self.lengths - 1)[:, None, None], axis=1)[:, 0]
         cache = jax.tree.map(jnp.copy, self.cache.full)  # decoding donates its cache; this one is kept
-        state = start_state(self.params, cache, jnp.asarray(self.lengths), last, jax.random.key(0),
-                            round_capacity(max_new))
-        out = Generation(self.params, state, max_new, Sampling(), stop_ids, None).run(max_new)
+        with on_mesh(self.mesh):
+            state = start_state(self.params, cache, jnp.asarray(self.lengths), last, jax.random.key(0),
+                                round_capacity(max_new))
+        out = Generation(self.params, state, max_new, Sampling(), stop_ids, None, self.mesh).run(max_new)
         return out if self.batched else out[0]
 
 
-def prefill_full(params: Params, tokens, room: int = 256) -> Prefilled:
-    """Run the full-cache prefill of ``tokens`` (1-D or a batch) once; ``room`` extra slots for decoding."""
-    return Prefilled(params, tokens, room)
+def prefill_full(params: Params, tokens, room: int = 256, *, mesh: Mesh | None = None) -> Prefilled:
+    """Run the full-cache prefill of ``tokens`` (1-D or a batch) once; ``room`` extra slots for decoding;
+    ``mesh``: a device mesh to run on."""
+    return Prefilled(params, tokens, room, mesh)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.scorers import Policy
-from kvjax.slots import row_head_index
+from kvjax.slots import set_slots
 
 
 def query_weights(policy: Policy, positions: jax.Array, valid: jax.Array, end: jax.Array) -> jax.Array | None:
@@ -64,7 +64,7 @@ def _pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.A
     shifted = [padded[..., i: i + S] for i in range(kernel)]
     pooled = functools.reduce(jnp.maximum, shifted) if kind == "max" else sum(shifted) / kernel
     pooled = jnp.where(present, pooled, xs)
-    rank = jnp.zeros_like(order).at[row_head_index(order) + (order,)].set(jnp.arange(S, dtype=order.dtype))
+    rank = set_slots(jnp.zeros_like(order), order, jnp.broadcast_to(jnp.arange(S, dtype=order.dtype), order.shape))
     return jnp.take_along_axis(pooled, jnp.broadcast_to(rank.reshape(by_pos.shape), x.shape), -1)
 
 
@@ -82,7 +82,7 @@ def _chunk_mean(x: jax.Array, present: jax.Array, pos: jax.Array, order: jax.Arr
         same = (cp[..., i: i + S] == cs) & ps
         total, count = total + jnp.where(same, xp[..., i: i + S], 0.0), count + same
     mean = jnp.where(ps, total / jnp.maximum(count, 1), xs)
-    rank = jnp.zeros_like(order).at[row_head_index(order) + (order,)].set(jnp.arange(S, dtype=order.dtype))
+    rank = set_slots(jnp.zeros_like(order), order, jnp.broadcast_to(jnp.arange(S, dtype=order.dtype), order.shape))
     return jnp.take_along_axis(mean, rank, -1)
 
 

@@ -1,13 +1,43 @@
-"""Index helpers over the slot axis of [B, Hk, S] arrays (one row per batch row and KV head)."""
+"""Updates along the slot axis of per-(row, KV head) arrays.
+
+Written as a scatter vmapped over the row and KV-head axes, so that those stay batch dimensions of the
+scatter: when they are split over a device mesh, every device updates its own rows and heads with no
+communication (a scatter indexed by broadcast row and head numbers would gather its updates first).
+"""
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 
-def row_head_index(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Broadcast (row, head) indices for indexing the last axis of [B, Hk, S] arrays with x [B, Hk, ...]."""
-    B, Hk = x.shape[:2]
-    return jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None]
+def _per_row_head(update, lead: int = 2):
+    for _ in range(lead):
+        update = jax.vmap(update)
+    return update
 
+
+def set_slots(x: jax.Array, index: jax.Array, values, lead: int = 2, mode: str | None = None) -> jax.Array:
+    """x [B, Hk, S, ...] with ``x[b, h, index[b, h, i]] = values[b, h, i]`` (values may be a scalar; ``lead``
+    leading axes are per-row-and-head, e.g. 3 for [L, B, Hk, S]; mode="drop" skips out-of-range indices)."""
+    if not hasattr(values, "shape") or values.ndim == 0:
+        return _per_row_head(lambda xi, ii: xi.at[ii].set(values, mode=mode), lead)(x, index)
+    return _per_row_head(lambda xi, ii, vi: xi.at[ii].set(vi, mode=mode), lead)(x, index, values)
+
+
+def per_row(fn, *arrays, axes):
+    """``fn`` applied to each batch row: ``arrays`` have their row axis at ``axes`` (one per array), the result
+    has it first. A vmap, so that a row axis split over devices needs no communication."""
+    return jax.vmap(fn, in_axes=axes)(*arrays)
+
+
+def max_slots(x: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
+    """x [B, Hk, S] with ``x[b, h, index[b, h, i]] = max(x[...], values[b, h, i])``."""
+    return _per_row_head(lambda xi, ii, vi: xi.at[ii].max(vi))(x, index, values)
+
+
+def set_layer_slots(x: jax.Array, layer: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
+    """x [L, B, Hk, S, ...] with ``x[layer, b, h, index[b, h, i]] = values[b, h, i]``: in place in the stacked
+    array, the row and KV-head axes batch dimensions of the scatter."""
+    update = jax.vmap(jax.vmap(lambda xi, ii, vi: xi.at[layer, ii].set(vi), in_axes=(1, 0, 0), out_axes=1),
+                      in_axes=(1, 0, 0), out_axes=1)
+    return update(x, index, values)

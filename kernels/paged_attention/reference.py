@@ -54,7 +54,8 @@ def gather_pages(k_pages, v_pages, page_table, n_pages, slot_pos):
     used = used_slots(n_pages, M, P)
 
     def gather(pages):  # pages[b, page_table[b, h]] -> [B, Hk, M·P, K]
-        dense = pages[jnp.arange(B)[:, None, None], page_table].reshape(B, Hk, M * P, K)
+        # a gather per row (vmapped, so that a batch split over devices gathers locally)
+        dense = jax.vmap(lambda row, table: row[table])(pages, page_table).reshape(B, Hk, M * P, K)
         return jnp.where(used[..., None], dense, jnp.zeros((), pages.dtype))
 
     return gather(k_pages), gather(v_pages), jnp.where(used, slot_pos, -1)
