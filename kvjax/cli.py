@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from kvjax.compilation_cache import enable as enable_compilation_cache
 from kvjax.eval.cli import add_eval_parser
 from kvjax.options import add_arguments, eviction_from, from_arguments, with_tokenizer
 
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    enable_compilation_cache()
     try:
         return args.run(args)
     except (ValueError, TypeError) as e:  # CheckpointError included: clear messages, no traceback

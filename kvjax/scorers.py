@@ -52,12 +52,15 @@ class ModifierSpec:
     mi: bool = False
     nc: bool = False
     zeroth: bool = False
-    bases: tuple[str, ...] = ("h2o", "tova", "snapkv")
+    bases: tuple[str, ...] = ("h2o", "h2o-window", "tova", "snapkv")
 
 
 BASES: dict[str, BaseSpec] = {
     "streamingllm": BaseSpec("the n_sink first and the most recent tokens", "none", "accumulate", False, "zero"),
-    "h2o": BaseSpec("attention accumulated over every query seen", "all", "accumulate", False, "quarter"),
+    "h2o": BaseSpec("attention accumulated over every query seen, prompt queries included", "all", "accumulate", False, "quarter"),
+    "h2o-window": BaseSpec("H2O's prefill variant (OBCache App. C.2.1): attention accumulated over the last "
+                           "obs_window prompt queries (kept as the window; the papers use 16), then every decoding "
+                           "query", "window", "accumulate", False, "obs"),
     "tova": BaseSpec("attention of the newest query", "last", "replace", True, "zero"),
     "snapkv": BaseSpec("attention of the last obs_window queries, pooled along positions", "window", "accumulate",
                        True, "obs", default_pool="max"),
@@ -78,19 +81,19 @@ MODIFIERS: dict[str, ModifierSpec] = {
     "obcache-joint": ModifierSpec("OBCache joint saliency (value + key + 2 Σ A² z (‖v‖² − v·o)) replaces the "
                                   "attention column", score_kind="obcache-joint"),
     "caote": ModifierSpec("CAOTE: h/(1−h) ‖Σ h_i v_i − v_j‖ over the base score h normalised to sum 1",
-                          meta="caote", bases=("h2o", "tova", "snapkv", "kvzip")),
+                          meta="caote", bases=("h2o", "h2o-window", "tova", "snapkv", "kvzip")),
     "fastcaote": ModifierSpec("FastCAOTE: h/(1−h) ‖mean(v) − v_j‖", meta="fastcaote",
-                              bases=("h2o", "tova", "snapkv", "kvzip")),
+                              bases=("h2o", "h2o-window", "tova", "snapkv", "kvzip")),
     "momentkv": ModifierSpec("MomentKV: moment-informed eviction (score × ‖residual‖, one token at a time) and "
                              "normalization-corrected attention", mi=True, nc=True,
-                             bases=("h2o", "tova", "snapkv", "kvzip")),
+                             bases=("h2o", "h2o-window", "tova", "snapkv", "kvzip")),
     "momentkv-mi": ModifierSpec("MomentKV moment-informed eviction only", mi=True,
-                                bases=("h2o", "tova", "snapkv", "kvzip")),
+                                bases=("h2o", "h2o-window", "tova", "snapkv", "kvzip")),
     "momentkv-nc": ModifierSpec("MomentKV normalization-corrected attention only (eviction by the base score)",
-                                nc=True, bases=("h2o", "tova", "snapkv", "streamingllm", "kvzip")),
+                                nc=True, bases=("h2o", "h2o-window", "tova", "snapkv", "streamingllm", "kvzip")),
     "momentkv-zeroth": ModifierSpec("MomentKV zeroth order: residual v − v̄ and correction by v̄ (no "
                                     "outer-product term)", mi=True, nc=True, zeroth=True,
-                                    bases=("h2o", "tova", "snapkv", "kvzip")),
+                                    bases=("h2o", "h2o-window", "tova", "snapkv", "kvzip")),
 }
 NO_MODIFIER = ModifierSpec("")
 ALIASES = {"momentkv": ("snapkv+momentkv", "MomentKV's own setting: SnapKV scoring, MI + NC"),

@@ -1,10 +1,15 @@
 """Shared fixtures: tiny random models, the real SmolLM2 weights, and the --runslow switch."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
 
 SMOLLM2 = "smollm2-135m-instruct"
+# The CLI turns JAX's persistent compilation cache on (kvjax.compilation_cache); tests that call it in-process
+# must not write to the user's cache nor count its hits as compilations. test_compilation_cache turns it on.
+os.environ["KVJAX_COMPILATION_CACHE"] = "off"
 
 
 def pytest_addoption(parser):

@@ -44,7 +44,7 @@ import numpy as np
 from kvjax.params import params_to_flat
 from kvjax.rope import inverse_frequencies
 
-BASES = ("streamingllm", "h2o", "tova", "snapkv")
+BASES = ("streamingllm", "h2o", "h2o-window", "tova", "snapkv")
 OBCACHE = ("obcache-value", "obcache-key", "obcache-joint")
 CAOTE = ("caote", "fastcaote")
 MOMENTKV = ("momentkv", "momentkv-mi", "momentkv-nc", "momentkv-zeroth")
@@ -53,7 +53,7 @@ MI_MODIFIERS = ("momentkv", "momentkv-mi", "momentkv-zeroth")  # moment-informed
 NC_MODIFIERS = ("momentkv", "momentkv-nc", "momentkv-zeroth")  # normalization-corrected inference
 ALIASES = {"momentkv": "snapkv+momentkv"}
 # Every valid scorer name.
-SCORERS = (BASES + tuple(f"{b}+{m}" for b in ("h2o", "tova", "snapkv") for m in MODIFIERS)
+SCORERS = (BASES + tuple(f"{b}+{m}" for b in ("h2o", "h2o-window", "tova", "snapkv") for m in MODIFIERS)
            + ("streamingllm+momentkv-nc",) + tuple(ALIASES))
 PROTOCOLS = ("blockwise", "prefill")
 POOLS = ("max", "avg", "none")
@@ -600,7 +600,7 @@ class Reference:
                         for j, s in enumerate(slots):
                             if self.base == "tova":
                                 s.state[g] = col[j]
-                            else:  # h2o, snapkv
+                            else:  # h2o, h2o-window, snapkv
                                 s.state[g] += col[j]
             for t, p in enumerate(positions):
                 self.history[layer]["o"][int(p)] = attn[t].copy()
@@ -725,7 +725,7 @@ class Reference:
         end = block_end if self.protocol == "blockwise" else prompt_len
         if self.base == "tova":
             return positions == end - 1
-        return positions >= end - self.obs_window  # snapkv; W capped by the block / prompt automatically
+        return positions >= end - self.obs_window  # snapkv, h2o-window; W capped by the block / prompt
 
     def run(self, prompt, max_new_tokens: int) -> dict:
         prompt = [int(t) for t in prompt]

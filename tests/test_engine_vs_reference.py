@@ -37,6 +37,7 @@ CASES = [
     dict(scorer="snapkv", n_sink=2, window=4, obs_window=4, pool="max", kernel=3),
     dict(scorer="snapkv", n_sink=1, window=5, obs_window=6, pool="avg", kernel=3, aggregate="max"),
     dict(scorer="h2o", n_sink=0, window=2, aggregate="sum"),
+    dict(scorer="h2o-window", n_sink=2, window=4, obs_window=4),
 ]
 
 
@@ -48,6 +49,8 @@ MODIFIER_CASES = [
     dict(scorer="snapkv+fastcaote", n_sink=2, window=4, obs_window=4, pool="max", kernel=3),
     dict(scorer="momentkv", n_sink=1, window=4, obs_window=4, pool="max", kernel=3),
     dict(scorer="h2o+momentkv-zeroth", n_sink=2, window=3),
+    dict(scorer="h2o-window+obcache-key", n_sink=2, window=4, obs_window=4),
+    dict(scorer="h2o-window+caote", n_sink=1, window=3, obs_window=3),
     dict(scorer="tova+momentkv-nc", n_sink=2, window=0),
 ]
 

@@ -48,10 +48,11 @@ def expected_kept(positions, protected, prio, budget):
 
 def test_scorer_grammar_and_default_aggregate(params):
     names = {"streamingllm", "h2o", "tova", "snapkv", "streamingllm+momentkv-nc", "momentkv"}
-    names |= {f"{b}+{m}" for b in ("h2o", "tova", "snapkv") for m in
+    names |= {"h2o-window"}
+    names |= {f"{b}+{m}" for b in ("h2o", "h2o-window", "tova", "snapkv") for m in
               ("obcache-value", "obcache-key", "obcache-joint", "caote", "fastcaote", "momentkv", "momentkv-mi",
                "momentkv-nc", "momentkv-zeroth")}
-    assert set(SCORERS) == names and len(SCORERS) == len(names) == 33
+    assert set(SCORERS) == names and len(SCORERS) == len(names) == 43
     assert set(MODIFIERS) == {n.split("+")[1] for n in names if "+" in n}
     assert parse_scorer("momentkv") == ("snapkv", "momentkv")
     assert parse_scorer("snapkv+momentkv") == ("snapkv", "momentkv")

@@ -40,11 +40,13 @@ PRESETS = {
                            dict(name="kvzip (global)", scorer="global+kvzip")],
                   budgets=[64, 128, 256, 512], lengths=[2048, 4096], samples=4, settings=["query-agnostic"],
                   **RELIABLE),
-    # Numbers that come back half right (docs/eviction.md): SnapKV with and without chunk-level selection on
-    # 7-digit needles, the question inside the compressed prompt; 24 samples per length (2 haystacks × 12 depths).
+    # Numbers that come back half right (docs/eviction.md): SnapKV with and without chunk-level selection or a wide
+    # pooling kernel on 7-digit needles, the question inside the compressed prompt; 24 samples per length (2
+    # haystacks × 12 depths).
     "digits": dict(methods=[dict(name="snapkv", scorer="snapkv"),
                             dict(name="snapkv chunk=8", scorer="snapkv", chunk=8),
-                            dict(name="snapkv chunk=16", scorer="snapkv", chunk=16)],
+                            dict(name="snapkv chunk=16", scorer="snapkv", chunk=16),
+                            dict(name="snapkv kernel=31", scorer="snapkv", kernel=31)],
                    budgets=[128, 256], lengths=[1024, 2048], samples=12, settings=["query-aware"],
                    tasks=["single-number"], haystacks=["filler", "pydoc"]),
 }
