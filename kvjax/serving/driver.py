@@ -1,0 +1,190 @@
+"""Continuous batching: a thread that owns an ``Engine`` and its decode state, admits waiting requests into
+free slots between decode steps, streams each slot's new tokens to its request, and frees the slot on a stop
+id, the token limit or ``Request.cancel``.
+
+``Driver.submit`` validates a request (ValueError), puts it in a bounded queue (``QueueFull`` when full) and
+returns at once; ``Driver.stop`` finishes every accepted request, then ends the thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from typing import Callable
+
+from kvjax.serving.engine import Engine, Inputs
+from kvjax.sharding import to_host
+
+
+class QueueFull(Exception):
+    """The driver's queue of waiting requests is full."""
+
+
+class Closed(Exception):
+    """The driver is stopping (or has failed) and accepts no new requests."""
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request and, as it runs, its output. on_update(tokens, finish_reason) is called from the driver's
+    thread with each decode step's new tokens (a list of ints) and, on the last call, the finish reason:
+    "stop" (a stop id, included in the tokens), "length" (the token limit), "cancelled" or "error"."""
+
+    inputs: Inputs
+    stop_ids: frozenset[int]
+    on_update: Callable[[list[int], str | None], None] | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Stop generating (a no-op once finished): the slot is freed before the next decode step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """Wait for the request to finish; returns its tokens (raises its error, or TimeoutError)."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the request did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.tokens
+
+    def _emit(self, tokens: list[int], finish_reason: str | None = None, error: BaseException | None = None) -> None:
+        self.tokens.extend(tokens)
+        if finish_reason is not None:
+            self.finish_reason, self.error = finish_reason, error
+        if self.on_update is not None:
+            try:
+                self.on_update(tokens, finish_reason)
+            except Exception:  # noqa: BLE001 - a listener that is gone (e.g. its event loop closed) cancels
+                self.cancel()
+        if finish_reason is not None:
+            self._finished.set()
+
+
+class Driver:
+    """The serving loop of one engine. queue_size: requests that may wait for a slot (1 or more)."""
+
+    def __init__(self, engine: Engine, queue_size: int = 64):
+        if not (isinstance(queue_size, int) and queue_size >= 1):
+            raise ValueError(f"queue_size={queue_size!r} must be an integer >= 1")
+        self.engine = engine
+        self._queue: queue.Queue[Request] = queue.Queue(queue_size)
+        self._slots: list[Request | None] = [None] * engine.slots
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="kvjax-driver", daemon=True)
+        self.error: BaseException | None = None
+        self.counts = {"admitted": 0, "stop": 0, "length": 0, "cancelled": 0, "error": 0, "steps": 0}
+
+    def start(self) -> Driver:
+        self._thread.start()
+        return self
+
+    def submit(self, tokens, *, on_update: Callable[[list[int], str | None], None] | None = None,
+               **sampling) -> Request:
+        """Queue a prompt (1-D token ids); ``sampling``: the keywords of ``Engine.inputs`` (max_new_tokens,
+        temperature, top_k, top_p, seed, stop_ids). Raises ValueError for a bad request, QueueFull, Closed."""
+        if self._closing or self.error is not None:
+            raise Closed("the server is shutting down" if self.error is None else f"the engine failed: {self.error}")
+        inputs = self.engine.inputs(tokens, **sampling)
+        request = Request(inputs, frozenset(int(t) for t in inputs.stop[0] if t >= 0), on_update)
+        try:
+            self._queue.put_nowait(request)
+        except queue.Full:
+            raise QueueFull(f"{self._queue.maxsize} requests are already waiting for a slot") from None
+        self._wake.set()
+        return request
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Accept nothing more, finish the accepted requests, then end the thread (if it was started)."""
+        self._closing = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._closing
+
+    @property
+    def active(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    def _run(self) -> None:
+        try:
+            state = self.engine.init_state()
+            while True:
+                self._wake.clear()
+                for i, r in enumerate(self._slots):
+                    if r is not None and r.cancelled:
+                        self._free(i, "cancelled")
+                state = self._admit(state)
+                if not self.active:
+                    if self._closing and self._queue.empty():
+                        return
+                    self._wake.wait()
+                    continue
+                state, tokens = self.engine.generate(state)
+                tokens, done = to_host(tokens), to_host(state.done)
+                self.counts["steps"] += 1
+                for i, r in enumerate(self._slots):
+                    if r is None:
+                        continue
+                    new = [int(t) for t in tokens[i] if t >= 0]
+                    if done[i]:
+                        self._free(i, "stop" if r.tokens + new and (r.tokens + new)[-1] in r.stop_ids
+                                   else "length", new)
+                    else:
+                        r._emit(new)
+        except BaseException as e:  # the engine failed: fail everything accepted, accept nothing more
+            self.error = e
+            for i, r in enumerate(self._slots):
+                if r is not None:
+                    self._free(i, "error", error=e)
+            while not self._queue.empty():
+                self._queue.get_nowait()._emit([], "error", e)
+            raise
+
+    def _admit(self, state):
+        """Prefill waiting requests into free slots (a request that fails to prefill finishes with its error)."""
+        while None in self._slots:
+            try:
+                r = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if r.cancelled:
+                self.counts["cancelled"] += 1
+                r._emit([], "cancelled")
+                continue
+            try:
+                prefix = self.engine.prefill(r.inputs)
+            except Exception as e:  # noqa: BLE001 - the request's own failure, reported to it
+                self.counts["error"] += 1
+                r._emit([], "error", e)
+                continue
+            i = self._slots.index(None)
+            state = self.engine.insert(prefix, state, i)
+            self._slots[i] = r
+            self.counts["admitted"] += 1
+        return state
+
+    def _free(self, i: int, reason: str, tokens: list[int] = (), error: BaseException | None = None) -> None:
+        r, self._slots[i] = self._slots[i], None
+        self.counts[reason] += 1
+        r._emit(list(tokens), reason, error)
