@@ -5,7 +5,7 @@ from kvjax.budget_cache import BudgetCache
 from kvjax.cache import cache_bytes
 from kvjax.checkpoint.errors import CheckpointError
 from kvjax.config import ModelConfig
-from kvjax.context import decode, prefill
+from kvjax.context import decode, extend, prefill
 from kvjax.decoding import Context
 from kvjax.generate import forward, generate, generate_stream
 from kvjax.kvzip import kvzip_prompt
@@ -19,6 +19,6 @@ from kvjax.scorers import SCORERS
 from kvjax.sharding import make_mesh, shard
 
 __all__ = ["ALLOCATIONS", "SCORERS", "BudgetCache", "CheckpointError", "Context", "EvictionOptions", "ModelConfig",
-           "PagedCache", "Params", "Prefilled", "Sampling", "cache_bytes", "chat_tokens", "decode", "forward",
+           "PagedCache", "Params", "Prefilled", "Sampling", "cache_bytes", "chat_tokens", "decode", "extend", "forward",
            "generate", "generate_stream", "init_params", "kvzip_prompt", "load", "load_tokenizer", "make_mesh",
            "prefill", "prefill_full", "shard"]

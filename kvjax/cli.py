@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from kvjax.ask_chat_cli import add_ask_chat_parsers, read_text
 from kvjax.compilation_cache import enable as enable_compilation_cache
 from kvjax.eval.cli import add_eval_parser
 from kvjax.options import add_arguments, eviction_from, from_arguments, with_tokenizer
@@ -17,13 +18,15 @@ def _generate(args) -> int:
     eviction = from_arguments(args)
     eviction_from(**with_tokenizer(None, **eviction))  # bad settings fail before the model loads
     mesh = kvjax.make_mesh(args.mesh) if args.mesh else None
+    message = read_text(args.chat, "--chat") if args.chat is not None else read_text(args.prompt, "--prompt")
+    system = None if args.system is None else read_text(args.system, "--system")
     start = time.perf_counter()
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
     if args.chat is not None:
-        ids = kvjax.chat_tokens(tokenizer, args.chat, system=args.system)
+        ids = kvjax.chat_tokens(tokenizer, message, system=system)
     else:
-        ids = tokenizer(args.prompt)["input_ids"]
+        ids = tokenizer(message)["input_ids"]
     print(f"[{args.model}: loaded in {time.perf_counter() - start:.1f}s, prompt {len(ids)} tokens]",
           file=sys.stderr)
     start, new = time.perf_counter(), []
@@ -57,6 +60,42 @@ def _kvzip_heads(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import os
+    import signal
+
+    import uvicorn
+
+    import kvjax
+    from kvjax.serving import Driver, Engine
+    from kvjax.serving.server import create_app
+
+    eviction = from_arguments(args)
+    eviction_from(**with_tokenizer(None, **eviction))  # bad settings fail before the model loads
+    mesh = kvjax.make_mesh(args.mesh) if args.mesh else None
+    start = time.perf_counter()
+    params = kvjax.load(args.model, dtype=args.dtype)
+    tokenizer = kvjax.load_tokenizer(args.model)
+    engine = Engine(params, slots=args.slots, max_prompt=args.max_prompt, max_new_tokens=args.max_tokens,
+                    mesh=mesh, **eviction)
+    print(f"[{args.model}: loaded in {time.perf_counter() - start:.1f}s]", file=sys.stderr)
+    if args.warmup:
+        start = time.perf_counter()
+        engine.warmup()
+        print(f"[compiled prompt buckets {list(engine.buckets)} and decoding in {time.perf_counter() - start:.1f}s]",
+              file=sys.stderr)
+    driver = Driver(engine, queue_size=args.queue).start()
+    name = os.path.basename(os.path.normpath(args.model))
+    # uvicorn shuts down gracefully on SIGTERM / Ctrl-C (the requests in flight finish first), then raises the
+    # signal again: SIGTERM then ends the process with status 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        uvicorn.run(create_app(driver, name, tokenizer), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        driver.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="registry name, .gguf file, Hugging Face directory or kvjax checkpoint "
                         "(default: %(default)s)")
     text = g.add_mutually_exclusive_group(required=True)
-    text.add_argument("--chat", metavar="MESSAGE", help="a user message, wrapped in the model's chat template")
-    text.add_argument("--prompt", metavar="TEXT", help="raw text to continue (no chat template)")
+    text.add_argument("--chat", metavar="MESSAGE", help="a user message, wrapped in the model's chat template "
+                                                         "(@FILE: the file's text; -: standard input)")
+    text.add_argument("--prompt", metavar="TEXT", help="raw text to continue, no chat template (@FILE, - as --chat)")
     g.add_argument("--system", help="system message for --chat (default: the template's own)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
@@ -90,6 +130,30 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--max-tokens", type=int, default=4096, help="tokens of the file used (default: %(default)s)")
     h.add_argument("--out", required=True, metavar="FILE", help="where to write the head scores (JSON)")
     h.set_defaults(run=_kvzip_heads)
+    s = sub.add_parser("serve", help="serve a model over HTTP: OpenAI-compatible completions and chat",
+                       description="Serve a model with continuous batching over a fixed number of slots: "
+                                   "OpenAI-compatible /v1/completions and /v1/chat/completions (streaming as "
+                                   "server-sent events), /v1/models and /health (docs/serving.md).")
+    s.add_argument("--model", default="smollm2-135m-instruct", help="model source (default: %(default)s)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    s.add_argument("--slots", type=int, default=8, help="requests decoded together (default: %(default)s)")
+    s.add_argument("--max-prompt", type=int, default=1024, help="longest prompt in tokens (default: %(default)s)")
+    s.add_argument("--max-tokens", type=int, default=256,
+                   help="the largest max_tokens a request may ask for (default: %(default)s)")
+    s.add_argument("--queue", type=int, default=64,
+                   help="requests that may wait for a slot; more are answered 429 (default: %(default)s)")
+    s.add_argument("--mesh", metavar="AXES", help="run on a device mesh, e.g. data=2,model=4 (slots over data; "
+                                                  "docs/sharding.md); default: one device")
+    s.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every prompt bucket and decoding before serving (default: %(default)s)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="uvicorn's log level (default: %(default)s)")
+    add_arguments(s.add_argument_group("eviction (kvjax.EvictionOptions, fixed for the server; active with "
+                                       "--budget; docs/eviction.md)"))
+    s.set_defaults(run=_serve)
+    add_ask_chat_parsers(sub)
     add_eval_parser(sub)
     return parser
 

@@ -1,13 +1,14 @@
 """Compress once, ask many times: ``kvjax.prefill`` returns a compressed context, ``kvjax.decode`` continues it.
 
 The context is never consumed: every ``decode`` starts from a copy, so one compressed cache can answer
-several questions (KVzip's query-agnostic setting).
+several questions (KVzip's query-agnostic setting). ``kvjax.extend`` continues a context and returns the
+longer one as well (a conversation whose turns stay inside the budget).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from kvjax.paged_cache import PagedCache
 from kvjax.params import Params
 from kvjax.prefilled import Prefilled
 from kvjax.sampling import Sampling
-from kvjax.sharding import check_batch, constrain, on_mesh, shard
+from kvjax.sharding import check_batch, constrain, on_mesh, shard, to_host
 
 
 def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> Context:
@@ -74,6 +75,40 @@ def decode(params: Params, context: Context, tokens=None, max_new_tokens: int = 
     gen = resume(params, context, tokens, max_new, Sampling(temperature, top_k, top_p), seed, stop_ids, evict)
     out = gen.run(max_new)
     return out if context.batched else out[0]
+
+
+def extend(params: Params, context: Context, tokens=None, max_new_tokens: int = 64, *, every: int = 8,
+           on_tokens: Callable[[list[np.ndarray]], None] | None = None, temperature: float = 0.0, top_k: int = 0,
+           top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None) -> tuple[object, Context]:
+    """As ``decode`` (evicting), and also return the context that now holds ``tokens`` and the answer, evicted
+    under the context's scorer: the next turn of a conversation continues it without prefilling again.
+    ``on_tokens`` (optional) receives each row's new tokens every ``every`` decode steps (streaming).
+
+    The context must evict as it decodes, one token at a time (``decode_evict`` on, ``evict_every=1``), so
+    that it holds at most the budget between turns; a scorer with a scoring pass of its own (kvzip) cannot
+    (it compresses once: ``decode(..., evict=False)``)."""
+    ev = context.ev
+    if ev.policy.base_spec.scoring_pass is not None:
+        raise ValueError(f"scorer={ev.policy.name!r} compresses a context once in a scoring pass of its own and "
+                         "cannot evict later turns; a conversation needs a scorer that evicts as it decodes")
+    if not ev.decode_evict or ev.evict_every != 1:
+        raise ValueError(f"decode_evict={ev.decode_evict!r}, evict_every={ev.evict_every!r}: a context extended "
+                         "turn after turn must evict after every decoded token (decode_evict=True, evict_every=1)")
+    if not (isinstance(every, int) and every >= 1):
+        raise ValueError(f"every={every!r} must be an integer >= 1")
+    max_new = check_max_new(max_new_tokens)
+    gen = resume(params, context, tokens, max_new, Sampling(temperature, top_k, top_p), seed, stop_ids)
+    pieces: list[list[np.ndarray]] = []
+    while not gen.finished and int(to_host(gen.state.n_new).max()) < max_new:
+        pieces.append(gen.run(every if on_tokens is not None else max_new))
+        if on_tokens is not None:
+            on_tokens(pieces[-1])
+    out = [np.concatenate([p[i] for p in pieces]).astype(np.int32) if pieces else np.zeros(0, np.int32)
+           for i in range(len(context.lengths))]
+    state = gen.state
+    longer = Context(cache=ev.fit(state.cache, params.config, ev.decode_spare(0)), lengths=to_host(state.lengths),
+                     logits=state.logits, ev=ev, batched=context.batched, mesh=context.mesh)
+    return (out if context.batched else out[0]), longer
 
 
 def resume(params: Params, context: Context, tokens, max_new: int, sampling: Sampling, seed: int,

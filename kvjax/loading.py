@@ -8,6 +8,7 @@ The checkpoint dir is ``$KVJAX_CHECKPOINTS`` if set, else ``checkpoints/`` at th
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import time
@@ -77,13 +78,22 @@ def _ensure_converted(source: str) -> str:
     from kvjax.checkpoint.gguf_file import read_gguf
     from kvjax.checkpoint.hf_dir import read_hf_dir
 
-    start = time.perf_counter()
-    cfg, flat = (read_gguf if kind == "gguf" else read_hf_dir)(path)
+    root = os.path.dirname(target)
+    os.makedirs(root, exist_ok=True)
+    lock = os.open(root, os.O_RDONLY)  # the checkpoint directory, locked: processes loading at once convert once
     try:
-        tokenizer = _tokenizer_from_source(kind, path)
-    except (OSError, ValueError):  # a bare weights directory without tokenizer files
-        tokenizer = None
-    store.write_checkpoint(target, cfg, flat, tokenizer, fingerprint)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if store.is_checkpoint(target) and store.read_source(target) == fingerprint:
+            return target
+        start = time.perf_counter()
+        cfg, flat = (read_gguf if kind == "gguf" else read_hf_dir)(path)
+        try:
+            tokenizer = _tokenizer_from_source(kind, path)
+        except (OSError, ValueError):  # a bare weights directory without tokenizer files
+            tokenizer = None
+        store.write_checkpoint(target, cfg, flat, tokenizer, fingerprint)
+    finally:
+        os.close(lock)  # releases the lock
     print(f"kvjax: converted {source} -> {target} in {time.perf_counter() - start:.1f}s")
     return target
 
@@ -118,3 +128,17 @@ def chat_tokens(tokenizer, message: str | list[dict], system: str | None = None)
         messages = [{"role": "system", "content": system}] + messages
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def chat_parts(tokenizer, before: str, after: str, answer_prefix: str = "", system: str | None = None
+               ) -> tuple[list[int], list[int]]:
+    """Token ids of a one-turn chat prompt whose user message is ``before + after``, cut between the two: the
+    template's head with ``before`` (a context to compress once), then ``after`` (a question), the end of the
+    user turn, the assistant header and ``answer_prefix``."""
+    marker = "\x00SPLIT\x00"
+    messages = [{"role": "user", "content": before + marker + after}]
+    if system is not None:
+        messages = [{"role": "system", "content": system}] + messages
+    head, tail = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False).split(marker)
+    encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return encode(head), encode(tail + answer_prefix)

@@ -16,6 +16,7 @@ import random
 import uuid
 
 from kvjax.eval.haystack import HAYSTACKS, sentences
+from kvjax.loading import chat_parts
 
 TASKS = ("single-number", "single-word", "single-uuid", "multikey", "multivalue")
 NEEDLES_PER_SAMPLE = 4  # multikey: needles (one asked); multivalue: values of the asked key
@@ -77,16 +78,6 @@ def _value(task: str, rng: random.Random) -> str:
     return str(rng.randint(1_000_000, 9_999_999))
 
 
-def _split_chat(tokenizer, user_text: str, question: str, answer_prefix: str) -> tuple[list[int], list[int]]:
-    """Token ids of the chat prompt, cut where ``question`` starts in the user turn."""
-    marker = "\x00QUESTION\x00"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": user_text + marker + question}],
-                                         add_generation_prompt=True, tokenize=False)
-    head, tail = text.split(marker)
-    encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    return encode(head), encode(tail + answer_prefix)
-
-
 def make_sample(tokenizer, task: str, haystack: str, length: int, index: int, n: int, seed: int = 0) -> Sample:
     """Sample ``index`` of ``n`` for (task, haystack, length): the asked needle sits at depth index/(n-1) and the
     prompt (context + question) holds at most ``length`` tokens, filled with haystack to within 64 of it."""
@@ -127,7 +118,7 @@ def make_sample(tokenizer, task: str, haystack: str, length: int, index: int, n:
         places = sorted(((round(d * n_sentences), needle) for d, needle in needles), reverse=True)
         for at, needle in places:  # deepest first, so the shallower places stay where they were computed
             body = body[:at] + [needle] + body[at:]
-        return _split_chat(tokenizer, instruction + " ".join(body), "\n" + question, prefix)
+        return chat_parts(tokenizer, instruction + " ".join(body), "\n" + question, prefix)
 
     low, high = 0, len(hay)  # the most sentences that fit
     while low < high:

@@ -1,0 +1,123 @@
+"""A compressed context on disk: ``save_context`` / ``load_context``, so a later process asks more questions
+without compressing again.
+
+Layout of ``<dir>/``: ``cache/`` (Orbax: the cache's arrays and the next-token logits) and
+``kvjax_context.json`` (the model's config, the eviction settings it was compressed with, the rows' lengths,
+the dtype and the cache kind; written last). The directory is written under a temporary sibling name and
+renamed into place, so a crash never leaves a half-written context under ``<dir>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+
+import jax
+import numpy as np
+from flax.serialization import from_state_dict
+
+from kvjax.budget_cache import BudgetCache
+from kvjax.checkpoint.errors import CheckpointError
+from kvjax.config import ModelConfig
+from kvjax.decoding import Context
+from kvjax.engine import Eviction
+from kvjax.kvzip import RepeatPrompt
+from kvjax.paged_cache import PagedCache
+from kvjax.params import Params
+from kvjax.scorers import Policy
+from kvjax.sharding import to_host
+
+META_FILE = "kvjax_context.json"
+FORMAT = 1
+CACHE_KINDS = {"budget": BudgetCache, "paged": PagedCache}
+
+
+def _eviction_to_json(ev: Eviction) -> dict:
+    return dataclasses.asdict(ev)
+
+
+def _eviction_from_json(raw: dict) -> Eviction:
+    policy = dict(raw["policy"])
+    if policy.get("repeat_prompt") is not None:
+        policy["repeat_prompt"] = RepeatPrompt(**{k: tuple(v) for k, v in policy["repeat_prompt"].items()})
+    if policy.get("head_budgets") is not None:
+        policy["head_budgets"] = tuple(policy["head_budgets"])
+    return Eviction(**(raw | {"policy": Policy(**policy)}))
+
+
+def save_context(path: str, context: Context, params: Params) -> None:
+    """Write ``context`` (compressed for ``params``' model) to the directory ``path``, replacing one there."""
+    import orbax.checkpoint as ocp
+
+    kind = next(name for name, cls in CACHE_KINDS.items() if isinstance(context.cache, cls))
+    meta = {"format": FORMAT, "config": json.loads(params.config.to_json()), "dtype": np.dtype(params.dtype).name,
+            "cache": kind, "eviction": _eviction_to_json(context.ev), "lengths": [int(n) for n in context.lengths],
+            "batched": context.batched}
+    arrays = {"cache": jax.tree.map(to_host, context.cache), "logits": to_host(context.logits)}
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.", suffix=".tmp", dir=parent)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(os.path.join(tmp, "cache"), arrays)
+            ckpt.wait_until_finished()
+        with open(os.path.join(tmp, META_FILE), "w") as f:  # written last: marks a complete context
+            json.dump(meta, f, indent=1)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_meta(path: str) -> dict:
+    """The metadata of a saved context (CheckpointError if missing, corrupt or of another format)."""
+    try:
+        with open(os.path.join(path, META_FILE)) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not a saved kvjax context: {META_FILE} is missing or corrupt ({e})") from e
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: saved context format {meta.get('format')!r}, this kvjax reads {FORMAT}")
+    return meta
+
+
+def load_context(path: str, params: Params) -> Context:
+    """The context saved in ``path`` (on one device), checked against ``params``: the same model config and
+    dtype, else a CheckpointError naming the differences."""
+    import orbax.checkpoint as ocp
+
+    meta = read_meta(path)
+    saved = ModelConfig.from_json(json.dumps(meta["config"]))
+    if saved != params.config:
+        diff = [f"{f.name}: saved {getattr(saved, f.name)!r}, model {getattr(params.config, f.name)!r}"
+                for f in dataclasses.fields(saved) if getattr(saved, f.name) != getattr(params.config, f.name)]
+        raise CheckpointError(f"{path} was compressed for another model: " + "; ".join(diff))
+    dtype = np.dtype(params.dtype).name
+    if meta["dtype"] != dtype:
+        raise CheckpointError(f"{path} was compressed with dtype={meta['dtype']}; load the model with that dtype "
+                              f"(got {dtype})")
+    ev = _eviction_from_json(meta["eviction"])
+    lengths = np.asarray(meta["lengths"], np.int32)
+    template = jax.eval_shape(lambda: ev.empty_cache(params.config, len(lengths), ev.decode_spare(0), params.dtype))
+    if type(template) is not CACHE_KINDS[meta["cache"]]:
+        raise CheckpointError(f"{path}: a {meta['cache']} cache does not match its eviction settings")
+    with ocp.StandardCheckpointer() as ckpt:
+        try:
+            stored = ckpt.restore(os.path.join(path, "cache"))
+        except Exception as e:
+            raise CheckpointError(f"{path}/cache is corrupt: {type(e).__name__}: {e}") from e
+    try:
+        cache = jax.device_put(from_state_dict(template, stored["cache"]))
+        logits = jax.device_put(stored["logits"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}/cache does not hold a {meta['cache']} cache: {e}") from e
+    want, got = template.kv[0], cache.kv[0]
+    if (got.ndim, got.shape[-1], got.dtype) != (want.ndim, want.shape[-1], want.dtype) \
+            or logits.shape != (len(lengths), params.config.vocab_size):
+        raise CheckpointError(f"{path}/cache: keys {got.shape} {got.dtype} and logits {logits.shape} do not match "
+                              f"its metadata")
+    return Context(cache=cache, lengths=lengths, logits=logits, ev=ev, batched=meta["batched"])
