@@ -187,13 +187,17 @@ class PagedCache:
         return out, cache.replace(k_pages=k_pages, v_pages=v_pages, pos=cache.pos.at[layer].set(pos),
                                   state=cache.state.at[layer].set(state))
 
-    def evict(self, p: Policy, seen: jax.Array) -> PagedCache:
+    def evict(self, p: Policy, seen: jax.Array, max_evict: int | None = None) -> PagedCache:
         """Every layer at once: the allocation's kept count per (layer, row, KV head), the scorer's choice of
-        slots, the moments, compaction and page release. seen: [B] one past the newest position."""
+        slots, the moments, compaction and page release. seen: [B] one past the newest position; max_evict:
+        the most slots one (layer, row, KV head) can lose (static). None: the bound when every layer held at
+        most its total budget before the newest tokens (decoding, prompt blocks): the spare slots of a head
+        (C − cap) times the heads that share a budget; a cache filled otherwise (a full prefill being
+        compressed) must give it."""
         L, B, Hk, C = self.pos.shape
         cap = p.head_capacity(L, Hk)
-        shared = ALLOCATIONS[p.allocation].shared
-        max_evict = min(C, (C - cap) * {None: 1, "layer": Hk, "all": L * Hk}[shared])
+        if max_evict is None:
+            max_evict = min(C, (C - cap) * {None: 1, "layer": Hk, "all": L * Hk}[ALLOCATIONS[p.allocation].shared])
         kv = None
         if p.moment_eviction or p.meta is not None:  # the scorer reads keys or values of every slot
             kv = jax.vmap(lambda t, n, s: gather_pages(self.k_pages, self.v_pages, t, n, s)[:2])(

@@ -116,10 +116,10 @@ def _compress(cfg, ev: Eviction, k: jax.Array, v: jax.Array, state: jax.Array,
     state = jnp.pad(state, [(0, 0)] * 4 + [(0, C - state.shape[-1])])
     if ev.page_size is None:
         cache = BudgetCache(k=k, v=v, pos=pos, state=state, order=jnp.broadcast_to(slots, pos.shape),
-                            moments=Moments.zeros((L, B, Hk), K))
-    else:
-        cache = PagedCache.from_dense(k, v, pos, state, ev.page_size)
-    return constrain(ev.fit(cache.evict(ev.policy, lengths), cfg, ev.decode_spare(0)))
+                            moments=Moments.zeros((L, B, Hk), K)).evict(ev.policy, lengths)
+    else:  # every head holds the whole prompt, so one can lose all of its slots
+        cache = PagedCache.from_dense(k, v, pos, state, ev.page_size).evict(ev.policy, lengths, max_evict=C)
+    return constrain(ev.fit(cache, cfg, ev.decode_spare(0)))
 
 
 def whole_heads(policy: Policy, cfg, context: int) -> Policy:

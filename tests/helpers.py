@@ -92,3 +92,20 @@ def make_hf_model(config_cls, overrides, path, seed=0):
                 p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
     model.save_pretrained(path)
     return model
+
+
+def covering(names):
+    """Of the scorer ``names``: every base and alias, and each modifier once on the base used least so far, so
+    that the default run compiles each part once (tests/test_engine_vs_reference.py checks the combinations)."""
+    from collections import Counter
+
+    from kvjax.scorers import ALIASES, split_name
+
+    parts = {name: split_name(name)[1:] for name in names if name not in ALIASES}
+    picked = [name for name in names if name in ALIASES or not parts[name][1]]
+    uses = Counter(parts[name][0] for name in picked if name in parts)
+    for modifier in dict.fromkeys(m for _, m in parts.values() if m):
+        name = min((n for n, (b, m) in parts.items() if m == modifier), key=lambda n: uses[parts[n][0]])
+        uses[parts[name][0]] += 1
+        picked.append(name)
+    return picked

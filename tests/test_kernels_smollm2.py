@@ -11,7 +11,7 @@ EVICTION = dict(budget=32, block_size=16, obs_window=8)  # window 8 + 4 sinks: 2
 
 
 @pytest.mark.smollm2
-@pytest.mark.parametrize("scorer", ["snapkv", "momentkv"])
+@pytest.mark.parametrize("scorer", ["snapkv", pytest.param("momentkv", marks=pytest.mark.slow)])
 def test_pallas_generation_equals_xla(smollm2, smollm2_tokenizer, scorer):
     ids = kvjax.chat_tokens(smollm2_tokenizer, PROMPT)
     assert 40 <= len(ids) <= 64, len(ids)  # more than the budget: evicted while prefilling

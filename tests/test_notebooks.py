@@ -1,7 +1,8 @@
 """Every notebook in notebooks/ runs top to bottom on CPU, without its shell and magic lines.
 
 Lines starting with ``!`` or ``%`` (pip installs, ``git clone``, ``%cd``; they need network or Colab) are left
-out; the remaining code cells run in order, in one fresh namespace, in a subprocess at the repository root.
+out; the remaining code cells run in order, in one fresh namespace, in a subprocess at the repository root, and
+the output must hold the notebook's line in ``EXPECTED``.
 """
 
 import json
@@ -15,6 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 TIMEOUT = 600
+# A line each notebook's output must hold: the model answered what it was asked.
+EXPECTED = {"quickstart_tpu.ipynb": "Paris", "serving_tpu.ipynb": "Paris",
+            "eviction_methods.ipynb": "needle answered with the full cache: True"}
 
 # Runs the extracted source in a fresh namespace; compiled under its file name so tracebacks show the lines.
 RUNNER = "import sys; p = sys.argv[1]; exec(compile(open(p).read(), p, 'exec'), {'__name__': '__main__'})"
@@ -41,6 +45,7 @@ def python_source(notebook: dict) -> str:
 @pytest.mark.smollm2
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_on_cpu(path, tmp_path):
+    assert path.name in EXPECTED, f"{path.name}: add the line its output must hold to EXPECTED"
     notebook = json.loads(path.read_text(encoding="utf-8"))
     assert notebook["nbformat"] == 4
     code_cells = [c for c in notebook["cells"] if c["cell_type"] == "code"]
@@ -58,4 +63,4 @@ def test_notebook_runs_on_cpu(path, tmp_path):
         pytest.fail(f"{path.name} did not finish within {TIMEOUT} s; stdout so far:\n{e.stdout}")
     report = f"stdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-5000:]}"
     assert proc.returncode == 0, f"{path.name} exited with {proc.returncode}\n{report}"
-    assert "Paris" in proc.stdout, f"{path.name}: no 'Paris' in the output\n{report}"
+    assert EXPECTED[path.name] in proc.stdout, f"{path.name}: no {EXPECTED[path.name]!r} in the output\n{report}"

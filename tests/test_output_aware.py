@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from helpers import moments_of, own_pass, scorer_requirements
+from helpers import covering, moments_of, own_pass, scorer_requirements
 from kvjax.kernels import attention_with_scores, corrected_attention
 from kvjax.priorities import caote
 from kvjax.scorers import SCORERS
@@ -121,14 +121,16 @@ def test_correction_stays_finite_with_large_logits(zeroth):
     assert np.all(np.isfinite(np.asarray(corrected)))
 
 
-def test_every_scorer_name_runs_end_to_end(tiny_llama, tiny_head_scores):
+def test_every_scorer_name_runs_end_to_end(tiny_llama, tiny_head_scores, request):
+    """Names through kvjax.generate under the block-wise protocol: every base, modifier and alias once by default,
+    every name with --runslow (the prefill protocol: every name in tests/test_prefilled.py, through kvjax.prefill
+    and kvjax.decode; every combination against the NumPy reference in tests/test_engine_vs_reference.py)."""
     prompt = np.random.default_rng(0).integers(4, 97, 60).astype(np.int32)
-    for name in SCORERS:
-        for protocol in ("prefill",) if own_pass(name) else ("blockwise", "prefill"):
-            out = kvjax.generate(tiny_llama, prompt, max_new_tokens=4, budget=24, scorer=name, protocol=protocol,
-                                 block_size=16, obs_window=8, stop_ids=(),
-                                 **scorer_requirements(name, tiny_head_scores))
-            assert len(out) == 4, (name, protocol)
+    for name in SCORERS if request.config.getoption("--runslow") else covering(SCORERS):
+        protocol = "prefill" if own_pass(name) else "blockwise"
+        out = kvjax.generate(tiny_llama, prompt, max_new_tokens=4, budget=24, scorer=name, protocol=protocol,
+                             block_size=16, obs_window=8, stop_ids=(), **scorer_requirements(name, tiny_head_scores))
+        assert len(out) == 4, (name, protocol)
 
 
 def test_unknown_or_invalid_combinations_list_the_valid_names(tiny_llama):

@@ -101,3 +101,15 @@ def test_momentkv_still_corrects_attention_without_eviction(tiny_llama, prefille
     a = kvjax.decode(tiny_llama, plain, question, max_new_tokens=12, evict=False, stop_ids=())
     b = kvjax.decode(tiny_llama, corrected, question, max_new_tokens=12, evict=False, stop_ids=())
     assert any(not np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("name", ["adakv", "global+snapkv", "adakv+snapkv+momentkv", "kvzip"])
+def test_compress_when_one_head_may_keep_more_than_the_prompt(tiny_llama, name, tiny_head_scores):
+    """A shared allocation whose one-head cap (here 2 × 40 under adakv) exceeds the prefilled cache (a
+    50-token prompt in 64 slots): a head may lose every slot, which the compression must allow."""
+    prompt = [int(t) for t in np.random.default_rng(3).integers(4, 97, 50)]
+    settings = dict(budget=40, scorer=name, obs_window=4, n_sink=1, window=3) | scorer_requirements(name, tiny_head_scores)
+    shared = kvjax.prefill_full(tiny_llama, prompt, room=0).compress(**settings)
+    direct = kvjax.prefill(tiny_llama, prompt, protocol="prefill", block_size=8, **settings)
+    np.testing.assert_array_equal(kept(shared), kept(direct))
+    assert int(np.asarray(direct.cache.moments.count).sum()) > 0  # something was evicted

@@ -18,6 +18,30 @@ SHARED = tuple(name for name in NAMES if name not in SWEPT)  # the eviction keyw
 # The tasks and haystacks on which SmolLM2-135M answers with the full cache (word values and the
 # multi-value task defeat the full cache itself; see docs/results.md).
 RELIABLE = dict(tasks=["single-number", "single-uuid", "multikey"], haystacks=["filler", "pydoc"])
+# Seconds of the sweep on this project's 2 shared CPU cores at 1-2K tokens, rounded up from docs/results/*/rows.jsonl:
+# per sample (its shared full prefill and full-cache answer); per answer under the prefill protocol, with
+# moment-informed eviction, and blockwise (not in those runs: 6.2 s against 1.6 s under the prefill protocol,
+# timed on 3 warm answers at 1K); per KVzip scoring pass (one per sample and setting; at 2K; 96 s at 4K).
+COST = dict(sample=8.0, answer=3.0, mi=5.0, blockwise=10.0, kvzip_pass=35.0)
+
+
+def _versus(paper: str, bases: dict, modifiers: tuple, protocol: str = "prefill") -> dict:
+    """A preset's methods and claims: every base plain and with every modifier (the base's options for all, so
+    a pair differs in the modifier alone), each modified method claimed better than its plain base."""
+    tag = "" if protocol == "prefill" else f" ({protocol})"
+    methods, claims = [], []
+    for base, options in bases.items():
+        names = [base] + [f"{base}+{m}" for m in modifiers]
+        methods += [dict(name=name + tag, scorer=name, protocol=protocol, **options) for name in names]
+        claims += [(f"{paper}: {name}{tag} vs {base}{tag}", base + tag, name + tag) for name in names[1:]]
+    return dict(methods=methods, claims=claims)
+
+
+# The seed papers' own claims, each method against its base on the same 24 samples per cell (3 tasks × 2
+# haystacks × 4 depths) at two budgets; <out>/paired.md holds the paired tables. Four presets: together about
+# 170 minutes by COST, each under 90 (the count and estimate of each: --dry-run).
+SEEDS = dict(budgets=[256, 512], lengths=[1024], samples=4, settings=["query-aware"], **RELIABLE)
+H2O_16 = {"h2o-window": dict(obs_window=16)}  # OBCache's and CAOTE's H2O (docs/eviction.md)
 PRESETS = {
     # The standard sweep behind docs/results.md (MomentKV with its batched eviction: see README).
     "standard": dict(scorers=["streamingllm", "h2o", "tova", "snapkv", "snapkv+obcache-value", "snapkv+obcache-key",
@@ -49,18 +73,61 @@ PRESETS = {
                             dict(name="snapkv kernel=31", scorer="snapkv", kernel=31)],
                    budgets=[128, 256], lengths=[1024, 2048], samples=12, settings=["query-aware"],
                    tasks=["single-number"], haystacks=["filler", "pydoc"]),
+    # OBCache: its three saliencies over H2O (prefill variant), TOVA and SnapKV. 600 answers, ~32 min.
+    "seeds-obcache": _versus("OBCache", H2O_16 | {"tova": {}, "snapkv": {}},
+                             ("obcache-value", "obcache-key", "obcache-joint")) | SEEDS,
+    # CAOTE: its meta-score over the same bases, under its block-wise protocol. 456 answers, ~75 min.
+    "seeds-caote": _versus("CAOTE", H2O_16 | {"tova": {}, "snapkv": {}}, ("caote", "fastcaote"), "blockwise")
+                   | SEEDS | dict(block_size=128),
+    # MomentKV: each part of it over SnapKV (kvjax's defaults) and over AdaKV in the paper's setting (n_sink=1,
+    # chunk=4), moment-informed eviction batched by 128 tokens; at 2K (AdaKV's compress fails at 1K for a budget
+    # of 512: one head may take 3 × 512 slots, more than the 1K prompt's cache). 504 answers, ~37 min.
+    "seeds-momentkv": _versus("MomentKV", {"snapkv": {}, "adakv+snapkv": dict(n_sink=1, chunk=4)},
+                              ("momentkv-mi", "momentkv-nc", "momentkv", "momentkv-zeroth")) | SEEDS
+                      | dict(lengths=[2048], mi_batch=128),
+    # KVzip: the question after compression, at 2K, against SnapKV, TOVA and kvpress's TOVA. 216 answers, ~27 min.
+    "seeds-kvzip": SEEDS | dict(
+        methods=[dict(name="snapkv", scorer="snapkv"), dict(name="tova", scorer="tova"),
+                 dict(name="tova (layer)", scorer="tova", aggregate="layer"), dict(name="kvzip", scorer="kvzip")],
+        claims=[(f"KVzip: kvzip vs {base}", base, "kvzip") for base in ("snapkv", "tova", "tova (layer)")],
+        lengths=[2048], settings=["query-agnostic"]),
 }
 
 
 def preset_methods(preset: dict, budgets) -> list:
-    """The methods of a preset that names its own (a name, a scorer and options each), at every budget."""
+    """The methods of a preset that names its own (a name, a scorer, optionally a protocol, default "prefill",
+    and eviction options each), at every budget."""
     from kvjax.eval.sweep import FULL, Method
 
     found = [Method(FULL, None, "-")]
     for spec in preset["methods"]:
-        options = tuple(sorted((k, v) for k, v in spec.items() if k not in ("name", "scorer")))
-        found += [Method(spec["scorer"], budget, "prefill", options, spec["name"]) for budget in budgets]
+        options = tuple(sorted((k, v) for k, v in spec.items() if k not in ("name", "scorer", "protocol")))
+        found += [Method(spec["scorer"], budget, spec.get("protocol", "prefill"), options, spec["name"])
+                  for budget in budgets]
     return found
+
+
+def estimate(methods: list, lengths, settings, per_length: int) -> tuple[int, float]:
+    """(answers, seconds by ``COST``) of a sweep of ``methods`` over ``per_length`` samples at each length in
+    every setting (the full cache once per sample; budgets that hold the prompt skipped, as ``sweep.run``)."""
+    from kvjax.eval.sweep import FULL
+    from kvjax.scorers import BASES, MODIFIERS, split_name
+
+    def cost(m) -> float:
+        modifier = split_name(m.scorer)[2]
+        if m.protocol == "blockwise":
+            return COST["blockwise"]
+        return COST["mi"] if modifier and MODIFIERS[modifier].mi else COST["answer"]
+
+    answers, seconds = 0, 0.0
+    full = sum(m.scorer == FULL for m in methods)
+    for length in lengths:
+        here = [m for m in methods if m.scorer != FULL and m.budget < length]
+        passes = any(BASES[split_name(m.scorer)[1]].scoring_pass == "kvzip" for m in here)
+        answers += per_length * (full + len(settings) * len(here))
+        seconds += per_length * (COST["sample"] + len(settings) * (passes * COST["kvzip_pass"]
+                                                                   + sum(map(cost, here))))
+    return answers, seconds
 
 
 def _shared_options(args, preset: dict | None = None) -> dict:
@@ -84,25 +151,38 @@ def _niah(args) -> int:
     options = _shared_options(args, preset)
     block_size = options.pop("block_size", DEFAULTS["block_size"])  # the blockwise runs' block
     for m in methods[1:]:  # bad names and settings fail before the model loads
-        eviction_from(**with_tokenizer(None, budget=min(budgets), scorer=m.scorer,
+        eviction_from(**with_tokenizer(None, budget=min(budgets), scorer=m.scorer, protocol=m.protocol,
                                        **sweep.scorer_options(m.scorer, options | dict(m.options))))
+    tasks, haystacks = pick("tasks", list(TASKS)), pick("haystacks", list(HAYSTACKS))
+    lengths, n, settings = pick("lengths", [1024, 2048, 4096]), pick("samples", 2), pick("settings", list(SETTINGS))
+    claims = preset.get("claims", []) if "methods" in preset and not args.scorers else []
+    if args.dry_run:
+        per_length = len(tasks) * len(haystacks) * n
+        answers, seconds = estimate(methods, lengths, settings, per_length)
+        print(f"{answers} answers ({per_length} per method, budget, setting and length), about "
+              f"{seconds / 60:.0f} minutes by kvjax.eval.cli.COST (measured at 1-2K tokens); nothing run")
+        return 0
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
-    samples = make_samples(tokenizer, pick("tasks", list(TASKS)), pick("haystacks", list(HAYSTACKS)),
-                           pick("lengths", [1024, 2048, 4096]), pick("samples", 2), args.seed)
+    samples = make_samples(tokenizer, tasks, haystacks, lengths, n, args.seed)
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
-    rows = sweep.run(params, tokenizer, samples, methods, pick("settings", list(SETTINGS)),
-                     out=os.path.join(args.out, "rows.jsonl"), options=options, block_size=block_size)
+    rows = sweep.run(params, tokenizer, samples, methods, settings, out=os.path.join(args.out, "rows.jsonl"),
+                     options=options, block_size=block_size)
     wall = time.perf_counter() - start
     title = f"NIAH on {args.model}"
     table = report.markdown(rows, title) + "\n### Seconds per answer\n\n" + report.timing(rows) + "\n"
+    written = ["rows.jsonl", "table.md", "accuracy.png"]
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(table)
     report.plot(rows, os.path.join(args.out, "accuracy.png"), title)
+    if claims:
+        with open(os.path.join(args.out, "paired.md"), "w") as f:
+            f.write(report.paired_markdown(rows, claims, f"{title}: paired comparisons ({args.preset})") + "\n")
+        written.append("paired.md")
     print(table)
-    print(f"[{len(rows)} answers; this run took {wall:.0f}s; results in {args.out}/"
-          "(rows.jsonl, table.md, accuracy.png)]", file=sys.stderr)
+    print(f"[{len(rows)} answers; this run took {wall:.0f}s; results in {args.out}/ ({', '.join(written)})]",
+          file=sys.stderr)
     return 0
 
 
@@ -164,6 +244,8 @@ def add_eval_parser(sub) -> None:
     n.add_argument("--haystacks", nargs="+", choices=HAYSTACKS, help="default: both")
     n.add_argument("--samples", type=int, help="samples per task, haystack and length (needle depths spread)")
     n.add_argument("--seed", type=int, default=0, help="fixes every sample (default: %(default)s)")
+    n.add_argument("--dry-run", action="store_true", help="check the options, print the number of answers and "
+                                                          "an estimate of the time, and stop")
     n.set_defaults(run=_niah)
 
     p = kinds.add_parser("ppl", help="perplexity of a long real text under decoding-time eviction")

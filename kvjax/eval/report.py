@@ -1,10 +1,12 @@
-"""Accuracy-versus-budget tables (Markdown) and plots (PNG) from sweep rows."""
+"""Accuracy-versus-budget tables (Markdown, with 95% Wilson intervals), paired comparisons of methods on the
+same samples, and plots (PNG), from sweep rows."""
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
 
+from kvjax.eval.stats import paired, wilson
 from kvjax.eval.sweep import FULL, Row
 
 
@@ -20,8 +22,15 @@ def accuracy(rows: Sequence[Row]) -> dict[tuple, tuple[float, int]]:
     return {key: (100.0 * sum(v) / len(v), len(v)) for key, v in scores.items()}
 
 
+def cell(percent: float, n: int) -> str:
+    """An accuracy in percent over n answers with its 95% Wilson interval: "58.3 [38.8, 75.5]"."""
+    low, high = wilson(round(percent / 100 * n, 9), n)  # rounded: the percent's float error may pass n
+    return f"{percent:.1f} [{100 * low:.1f}, {100 * high:.1f}]"
+
+
 def markdown(rows: Sequence[Row], title: str = "") -> str:
-    """One table per (setting, length): methods down, budgets across, accuracy in percent."""
+    """One table per (setting, length): methods down, budgets across, accuracy in percent with its 95% Wilson
+    interval (a mean of partial scores counts as that proportion of the answers)."""
     acc = accuracy(rows)
     lines = [f"## {title}", ""] if title else []
     for setting in sorted({k[0] for k in acc}):
@@ -29,12 +38,12 @@ def markdown(rows: Sequence[Row], title: str = "") -> str:
             here = {k: v for k, v in acc.items() if k[:2] == (setting, length)}
             budgets = sorted({k[3] for k in here if k[3] is not None})
             full = here.get((setting, length, FULL, None))
-            full_text = f"; full cache {full[0]:.1f} ({full[1]} answers)" if full else ""
+            full_text = f"; full cache {cell(*full)} ({full[1]} answers)" if full else ""
             lines += [f"**{setting}, {length} tokens**{full_text}", "",
                       "| method | " + " | ".join(str(b) for b in budgets) + " |",
                       "| --- |" + " ---: |" * len(budgets)]
             for label in sorted({k[2] for k in here if k[2] != FULL}):
-                cells = [f"{here[(setting, length, label, b)][0]:.1f}" if (setting, length, label, b) in here
+                cells = [cell(*here[(setting, length, label, b)]) if (setting, length, label, b) in here
                          else "" for b in budgets]
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
             lines.append("")
@@ -51,6 +60,45 @@ def timing(rows: Sequence[Row]) -> str:
     lines += [f"| {k} | {len(v)} | {sum(v) / len(v):.2f} |" for k, v in sorted(per.items())]
     if shared:
         lines.append(f"| shared full prefills | {len(shared)} | {sum(shared.values()) / len(shared):.2f} |")
+    return "\n".join(lines)
+
+
+def _scores(rows: Sequence[Row], label: str) -> dict[tuple, float]:
+    """(setting, length, budget, sample) -> score of the rows of one method label."""
+    found = {}
+    for r in rows:
+        if r.method_label == label:
+            key = (r.setting, r.length, r.budget, r.sample)
+            if key in found:
+                raise ValueError(f"claims: label {label!r} has two rows for {key}")
+            found[key] = r.score
+    if not found:
+        raise ValueError(f"claims: no rows labelled {label!r}")
+    return found
+
+
+def paired_markdown(rows: Sequence[Row], claims: Sequence[tuple[str, str, str]], title: str = "") -> str:
+    """One table per claim (claim name, baseline label, method label): the two methods' rows joined on (sample,
+    budget, length, setting), and per (setting, length, budget) the pairs, each method's accuracy (answers
+    fully right, score 1, in percent with the 95% Wilson interval), wins, losses, ties and the sign test's p."""
+    lines = [f"## {title}", ""] if title else []
+    lines += ["Wins: the method right and the baseline wrong; losses: the reverse; ties: both right or both "
+              "wrong. p: two-sided exact sign test over the untied pairs.", ""]
+    for claim, baseline, method in claims:
+        base_scores, method_scores = _scores(rows, baseline), _scores(rows, method)
+        groups = collections.defaultdict(lambda: ({}, {}))
+        for key in base_scores.keys() & method_scores.keys():
+            base, mine = groups[key[:3]]
+            base[key[3]], mine[key[3]] = base_scores[key], method_scores[key]
+        lines += [f"### {claim}", "", f"baseline `{baseline}`, method `{method}`", "",
+                  "| setting | tokens | budget | pairs | baseline | method | wins | losses | ties | p |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for (setting, length, budget), (base, mine) in sorted(groups.items()):
+            n, result = len(base), paired(base, mine)
+            right = [cell(100 * sum(s == 1 for s in x.values()) / n, n) for x in (base, mine)]
+            lines.append(f"| {setting} | {length} | {budget} | {n} | {right[0]} | {right[1]} | {result.wins} | "
+                         f"{result.losses} | {result.ties} | {result.p:.3g} |")
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -1,0 +1,99 @@
+"""Where a batched decode step's time goes: ms per step at batch 1 and 8, against what reading the weights and
+the cache once per step costs at this machine's measured bandwidth (SmolLM2, float32).
+
+    .venv/bin/python benchmarks/batch_decode.py                          # about 10 minutes on 2 cores
+    .venv/bin/python benchmarks/batch_decode.py --contexts 1024 --caches full   # a quick look
+
+For each (cache, context, batch): the best of ``--repeats`` timed runs of ``--steps`` greedy decode steps after
+a compiled warm-up run; XLA's cost analysis of the compiled decode loop (its body counted once: one step)
+gives the bytes a step touches and its flops. "floor ms" is the weights' and the cache's bytes (keys and
+values of every row) divided by the bandwidth a batch-1 full-cache step at the shortest context reaches on the
+weights alone, i.e. the time a step would take if it did nothing but stream them once. Markdown to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvjax
+from kvjax.cache import cache_bytes
+from kvjax.decoding import Generation, decode_steps
+from kvjax.options import eviction_from
+from kvjax.sampling import Sampling
+from kvjax.sharding import to_host
+
+MODEL = "smollm2-135m-instruct"
+
+
+def run(params, context: int, batch: int, budget: int | None, steps: int, repeats: int) -> dict:
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(10, 40000, context).astype(np.int32) for _ in range(batch)]
+    ev = None if budget is None else eviction_from(context=context, budget=budget, scorer="snapkv")
+    total = steps * (repeats + 1)
+    gen = Generation.from_prompts(params, rows, total, Sampling(), 0, (), ev)
+    gen.run(steps)  # compiles; the cache is now in its decoding shape
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        gen.run(steps)
+        jax.block_until_ready(gen.state.logits)
+        best = min(best, (time.perf_counter() - start) / steps)
+    stop = int(to_host(gen.state.step)) + 1
+    compiled = decode_steps.lower(params, gen.state, jnp.int32(total), jnp.int32(stop), Sampling(), (),
+                                  gen.ev).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return dict(ms=1e3 * best, kv_bytes=cache_bytes(gen.state.cache, kv_only=True),
+                touched=float(cost.get("bytes accessed", float("nan"))), flops=float(cost.get("flops", float("nan"))))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--caches", nargs="+", default=["full", "256", "1024"],
+                        help="full, or a budget in tokens per layer and KV head")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    params = kvjax.load(MODEL)
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    results = {}
+    for cache in args.caches:
+        budget = None if cache == "full" else int(cache)
+        for context in args.contexts:
+            if budget is not None and budget >= context:
+                continue
+            for batch in args.batches:
+                results[cache, context, batch] = run(params, context, batch, budget, args.steps, args.repeats)
+                print(f"[{cache} {context} x{batch}: {results[cache, context, batch]['ms']:.1f} ms/step]",
+                      flush=True, file=sys.stderr)
+    base = results.get(("full", min(args.contexts), 1))
+    bandwidth = weights / (base["ms"] / 1e3) if base else float("nan")  # bytes/s streaming the weights alone
+    print(f"SmolLM2-135M-Instruct, float32, CPU ({jax.device_count()} device, {os.cpu_count()} "
+          f"cores); weights {weights / 1e6:.0f} MB; bandwidth taken as weights / batch-1 full-cache step at "
+          f"{min(args.contexts)} tokens = {bandwidth / 1e9:.1f} GB/s; best of {args.repeats} runs of {args.steps} "
+          "steps\n")
+    print("| cache | context | batch | ms/step | KV MB | floor ms | step / floor | XLA bytes touched MB | GFLOP | "
+          "tokens/s | batch-8 / batch-1 throughput |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (cache, context, batch), r in results.items():
+        floor = 1e3 * (weights + r["kv_bytes"]) / bandwidth
+        rate = batch / (r["ms"] / 1e3)
+        one = results.get((cache, context, 1))
+        ratio = f"{rate / (1e3 / one['ms']):.2f}x" if one and batch != 1 else ""
+        print(f"| {cache} | {context} | {batch} | {r['ms']:.1f} | {r['kv_bytes'] / 1e6:.0f} | {floor:.1f} | "
+              f"{r['ms'] / floor:.2f} | {r['touched'] / 1e6:.0f} | {r['flops'] / 1e9:.2f} | {rate:.1f} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
