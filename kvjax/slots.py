@@ -36,8 +36,8 @@ def max_slots(x: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
 
 
 def set_layer_slots(x: jax.Array, layer: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
-    """x [L, B, Hk, S, ...] with ``x[layer, b, h, index[b, h, i]] = values[b, h, i]``: in place in the stacked
-    array, the row and KV-head axes batch dimensions of the scatter."""
-    update = jax.vmap(jax.vmap(lambda xi, ii, vi: xi.at[layer, ii].set(vi), in_axes=(1, 0, 0), out_axes=1),
-                      in_axes=(1, 0, 0), out_axes=1)
-    return update(x, index, values)
+    """x [L, B, Hk, S, ...] with ``x[layer, b, h, index[b, h, i]] = values[b, h, i]``: the layer's slice updated
+    (its row and KV-head axes leading, the batch dimensions of the scatter) and written back in place. A
+    scatter batched over the middle axes of the stacked array instead makes XLA transpose and copy all of
+    it for every layer."""
+    return jax.lax.dynamic_update_index_in_dim(x, set_slots(x[layer], index, values), layer, 0)
