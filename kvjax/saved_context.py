@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 
 import jax
 import numpy as np
@@ -21,6 +19,7 @@ from flax.serialization import from_state_dict
 
 from kvjax.budget_cache import BudgetCache
 from kvjax.checkpoint.errors import CheckpointError
+from kvjax.checkpoint.store import atomic_directory
 from kvjax.config import ModelConfig
 from kvjax.decoding import Context
 from kvjax.engine import Eviction
@@ -57,20 +56,12 @@ def save_context(path: str, context: Context, params: Params) -> None:
             "cache": kind, "eviction": _eviction_to_json(context.ev), "lengths": [int(n) for n in context.lengths],
             "batched": context.batched}
     arrays = {"cache": jax.tree.map(to_host, context.cache), "logits": to_host(context.logits)}
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.", suffix=".tmp", dir=parent)
-    try:
+    with atomic_directory(path) as tmp:
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(os.path.join(tmp, "cache"), arrays)
             ckpt.wait_until_finished()
         with open(os.path.join(tmp, META_FILE), "w") as f:  # written last: marks a complete context
             json.dump(meta, f, indent=1)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.rename(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_meta(path: str) -> dict:

@@ -129,3 +129,14 @@ def _release_compiled_programs():
     the process's memory mappings (a segfault inside XLA's compiler was seen without this)."""
     yield
     jax.clear_caches()
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2_vocab(smollm2_tokenizer):
+    """A random two-layer Llama over SmolLM2's vocabulary: real prompts, fast runs."""
+    import kvjax
+
+    cfg = kvjax.ModelConfig(arch="llama", vocab_size=len(smollm2_tokenizer), d_model=32, n_layers=2, n_heads=4,
+                            n_kv_heads=2, head_dim=8, d_ff=48, max_seq_len=2048, norm_eps=1e-5,
+                            tie_embeddings=True, eos_token_ids=(2,), pad_token_id=0)
+    return kvjax.init_params(cfg, jax.random.key(1), scale=0.3)

@@ -3,11 +3,9 @@ and plot, perplexity and fidelity against their no-eviction limits, and the full
 
 import json
 
-import jax
 import numpy as np
 import pytest
 
-import kvjax
 from kvjax.eval import report, sweep
 from kvjax.eval.fidelity import run_fidelity
 from kvjax.eval.haystack import pydoc_prose, sentences
@@ -19,15 +17,6 @@ from kvjax.options import eviction_from
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_tokenizer):
     return smollm2_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny_smollm2_vocab(tokenizer):
-    """A random two-layer Llama over SmolLM2's vocabulary: real prompts, fast runs."""
-    cfg = kvjax.ModelConfig(arch="llama", vocab_size=len(tokenizer), d_model=32, n_layers=2, n_heads=4,
-                            n_kv_heads=2, head_dim=8, d_ff=48, max_seq_len=2048, norm_eps=1e-5,
-                            tie_embeddings=True, eos_token_ids=(2,), pad_token_id=0)
-    return kvjax.init_params(cfg, jax.random.key(1), scale=0.3)
 
 
 def test_real_text_haystack_is_prose_from_an_installed_package():

@@ -6,7 +6,6 @@ import itertools
 import json
 import math
 
-import jax
 import pytest
 
 import kvjax
@@ -136,15 +135,6 @@ def test_all_seed_presets_together_exceed_90_minutes():
         total += cli.estimate(cli.preset_methods(preset, preset["budgets"]), preset["lengths"], preset["settings"],
                               per_length)[1]
     assert total > 90 * 60
-
-
-@pytest.fixture(scope="module")
-def tiny_smollm2_vocab(smollm2_tokenizer):
-    """A random two-layer Llama over SmolLM2's vocabulary: real prompts, fast runs."""
-    cfg = kvjax.ModelConfig(arch="llama", vocab_size=len(smollm2_tokenizer), d_model=32, n_layers=2, n_heads=4,
-                            n_kv_heads=2, head_dim=8, d_ff=48, max_seq_len=2048, norm_eps=1e-5,
-                            tie_embeddings=True, eos_token_ids=(2,), pad_token_id=0)
-    return kvjax.init_params(cfg, jax.random.key(1), scale=0.3)
 
 
 def test_seed_preset_writes_paired_tables(tiny_smollm2_vocab, smollm2_tokenizer, monkeypatch, tmp_path, capsys):

@@ -6,6 +6,7 @@ Layout of ``<dir>/``: ``kvjax_config.json`` (``ModelConfig``), ``params/`` (Orba
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -56,15 +57,28 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def write_checkpoint(path: str, cfg: ModelConfig, flat: dict[str, np.ndarray], tokenizer=None,
-                     source: dict | None = None) -> None:
-    """Write atomically: everything goes to a temporary sibling directory that is renamed into place."""
-    import orbax.checkpoint as ocp
-
+@contextlib.contextmanager
+def atomic_directory(path: str):
+    """Yields a temporary sibling directory to fill; when the block ends without an error it is renamed to
+    ``path`` (replacing a directory there), otherwise removed: ``path`` is never left half-written."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.", suffix=".tmp", dir=parent)
     try:
+        yield tmp
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_checkpoint(path: str, cfg: ModelConfig, flat: dict[str, np.ndarray], tokenizer=None,
+                     source: dict | None = None) -> None:
+    """Write atomically (``atomic_directory``); a stale conversion there (its source changed) is replaced."""
+    import orbax.checkpoint as ocp
+
+    with atomic_directory(path) as tmp:
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(os.path.join(tmp, "params"), _nest({k: np.asarray(v, np.float32) for k, v in flat.items()}))
             ckpt.wait_until_finished()
@@ -74,11 +88,6 @@ def write_checkpoint(path: str, cfg: ModelConfig, flat: dict[str, np.ndarray], t
             json.dump(source or {}, f, indent=1)
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:  # written last: marks a complete checkpoint
             f.write(cfg.to_json())
-        if os.path.isdir(path):  # a stale conversion (its source changed): replace it
-            shutil.rmtree(path)
-        os.rename(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_config(path: str) -> ModelConfig:
