@@ -8,14 +8,24 @@ For each (cache, context, batch): the best of ``--repeats`` timed runs of ``--st
 a compiled warm-up run; XLA's cost analysis of the compiled decode loop (its body counted once: one step)
 gives the bytes a step touches and its flops. "floor ms" is the weights' and the cache's bytes (keys and
 values of every row) divided by the bandwidth a batch-1 full-cache step at the shortest context reaches on the
-weights alone, i.e. the time a step would take if it did nothing but stream them once. Markdown to stdout.
+weights alone, i.e. the time a step would take if it did nothing but stream them once. The last three columns
+come from JAX's profiler over one more run: the time XLA's CPU thunks spent per step in matrix products, in
+dynamic-slice copies (a layer's weights and cache taken out of the stacked arrays by the layer scan) and in
+everything else, summed over the thread pool's threads (so they may add up to more than the step). Markdown to
+stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
+import json
 import os
+import re
 import sys
+import tempfile
 import time
 
 import jax
@@ -36,7 +46,7 @@ def run(params, context: int, batch: int, budget: int | None, steps: int, repeat
     rng = np.random.default_rng(0)
     rows = [rng.integers(10, 40000, context).astype(np.int32) for _ in range(batch)]
     ev = None if budget is None else eviction_from(context=context, budget=budget, scorer="snapkv")
-    total = steps * (repeats + 1)
+    total = steps * (repeats + 2)  # warm-up, timed runs, profiled run
     gen = Generation.from_prompts(params, rows, total, Sampling(), 0, (), ev)
     gen.run(steps)  # compiles; the cache is now in its decoding shape
     best = float("inf")
@@ -45,13 +55,36 @@ def run(params, context: int, batch: int, budget: int | None, steps: int, repeat
         gen.run(steps)
         jax.block_until_ready(gen.state.logits)
         best = min(best, (time.perf_counter() - start) / steps)
+    ops = profile(gen, steps)
     stop = int(to_host(gen.state.step)) + 1
     compiled = decode_steps.lower(params, gen.state, jnp.int32(total), jnp.int32(stop), Sampling(), (),
                                   gen.ev).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return dict(ms=1e3 * best, kv_bytes=cache_bytes(gen.state.cache, kv_only=True),
-                touched=float(cost.get("bytes accessed", float("nan"))), flops=float(cost.get("flops", float("nan"))))
+                touched=float(cost.get("bytes accessed", float("nan"))), flops=float(cost.get("flops", float("nan"))),
+                **ops)
+
+
+OP = re.compile(r"[a-z][\w-]*(\.\d+)?")  # an XLA thunk's event (not the executor's, the loops' or Python's)
+
+
+def profile(gen: Generation, steps: int) -> dict:
+    """ms per step the thunks spent in matmuls, dynamic-slice copies and the rest (one traced run)."""
+    found = collections.Counter()
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            gen.run(steps)
+            jax.block_until_ready(gen.state.logits)
+        events = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]))
+    for e in events["traceEvents"] if isinstance(events, dict) else events:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or not OP.fullmatch(name) or name.startswith(("while", "call", "conditional")):
+            continue
+        kind = ("matmul_ms" if name.startswith(("dot", "ynn")) else
+                "slice_ms" if name.startswith("dynamic-slice") else "other_ms")
+        found[kind] += e.get("dur", 0) / 1e3 / steps
+    return {kind: found[kind] for kind in ("matmul_ms", "slice_ms", "other_ms")}
 
 
 def main() -> int:
@@ -83,15 +116,16 @@ def main() -> int:
           f"{min(args.contexts)} tokens = {bandwidth / 1e9:.1f} GB/s; best of {args.repeats} runs of {args.steps} "
           "steps\n")
     print("| cache | context | batch | ms/step | KV MB | floor ms | step / floor | XLA bytes touched MB | GFLOP | "
-          "tokens/s | batch-8 / batch-1 throughput |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "tokens/s | batch-8 / batch-1 throughput | matmuls ms | slice copies ms | other ops ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (cache, context, batch), r in results.items():
         floor = 1e3 * (weights + r["kv_bytes"]) / bandwidth
         rate = batch / (r["ms"] / 1e3)
         one = results.get((cache, context, 1))
         ratio = f"{rate / (1e3 / one['ms']):.2f}x" if one and batch != 1 else ""
         print(f"| {cache} | {context} | {batch} | {r['ms']:.1f} | {r['kv_bytes'] / 1e6:.0f} | {floor:.1f} | "
-              f"{r['ms'] / floor:.2f} | {r['touched'] / 1e6:.0f} | {r['flops'] / 1e9:.2f} | {rate:.1f} | {ratio} |")
+              f"{r['ms'] / floor:.2f} | {r['touched'] / 1e6:.0f} | {r['flops'] / 1e9:.2f} | {rate:.1f} | {ratio} | "
+              f"{r['matmul_ms']:.1f} | {r['slice_ms']:.1f} | {r['other_ms']:.1f} |")
     return 0
 
 

@@ -44,16 +44,17 @@ def attention_with_scores(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     lse_out = lse.transpose(0, 3, 1, 2).reshape(B, T, H)
     if query_weights is None:
         return out, lse_out, None
-    w = query_weights.astype(jnp.float32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    wt = query_weights.astype(jnp.float32)
+    w = wt[:, None, None, :, None]  # [B, 1, 1, T, 1]
     if score == "attn":
-        return out, lse_out, jnp.sum(w * weights, axis=3)
+        return out, lse_out, query_sum(wt, weights)
     vf = v.astype(jnp.float32)
     v_sq = jnp.sum(vf * vf, -1)[:, :, None, :]  # [B, Hk, 1, S]
     z = jnp.where(visible, z, 0.0)  # masked logits must not meet the zero weights as -1e30
     a2 = w * weights * weights  # [B, Hk, G, T, S]
     col = jnp.zeros(weights.shape[:3] + weights.shape[-1:], jnp.float32)
     if score in ("obcache-value", "obcache-joint"):
-        col += jnp.sum(a2, axis=3) * v_sq
+        col += query_sum(wt, weights * weights) * v_sq
     if score in ("obcache-key", "obcache-joint"):
         col += residual_sums(a2 * z * z, vf, out_f32, lambda dist2, v_res: dist2)  # (A z)² ‖v − o‖²
     if score == "obcache-joint":
@@ -61,6 +62,13 @@ def attention_with_scores(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     if score not in SCORE_KINDS:
         raise ValueError(f"score={score!r} must be one of {SCORE_KINDS}")
     return out, lse_out, col
+
+
+def query_sum(w: jax.Array, x: jax.Array) -> jax.Array:
+    """Σ_t w[b, t] · x[b, h, g, t, s] -> [B, Hk, G, S], as a matrix–vector product: XLA:CPU runs the same sum
+    written as a weighted reduce over the middle axis about 40 times slower (40 ms a layer for a 128-query
+    block over 2,560 slots)."""
+    return jnp.einsum("bt,bhgts->bhgs", w, x)
 
 
 RESIDUAL_CHUNK = 8  # queries per step of ``residual_sums``
