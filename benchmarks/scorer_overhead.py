@@ -34,9 +34,13 @@ DEFAULT = ["snapkv", "h2o", "tova", "streamingllm", "snapkv+obcache-value", "sna
 TARGETS = {"snapkv+obcache-value": 1.05, "h2o+obcache-value": 1.05, "momentkv": 1.25}
 
 
+def eviction(scorer: str, args):
+    return eviction_from(budget=args.budget, scorer=scorer, block_size=args.block_size)
+
+
 def measure(params, prompt, scorer: str, args) -> tuple[float, float]:
     """(prefill seconds, decode ms/token) of one compiled run."""
-    ev = eviction_from(budget=args.budget, scorer=scorer, block_size=args.block_size)
+    ev = eviction(scorer, args)
     start = time.perf_counter()
     gen = Generation.from_prompts(params, [prompt], args.new_tokens + 1, Sampling(), 0, (), ev)
     jax.block_until_ready(gen.state)
@@ -49,7 +53,7 @@ def measure(params, prompt, scorer: str, args) -> tuple[float, float]:
 
 def batched_decode(params, prompt, scorer: str, args) -> float:
     """ms per decode step of ``args.batch`` rows (best of ``args.repeats`` runs after a compiling one)."""
-    ev = eviction_from(budget=args.budget, scorer=scorer, block_size=args.block_size)
+    ev = eviction(scorer, args)
     gen = Generation.from_prompts(params, [prompt] * args.batch, args.new_tokens * (args.repeats + 1) + 1,
                                   Sampling(), 0, (), ev)
     gen.run(1)

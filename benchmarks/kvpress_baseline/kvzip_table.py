@@ -14,7 +14,7 @@ import argparse
 import json
 
 from kvjax.eval.niah import score
-from kvjax.eval.stats import wilson
+from kvjax.eval.report import cell
 
 PAIRS = {"kvpress:kvzip": "kvzip", "kvpress:adakv_snapkv": "adakv"}  # kvpress press -> kvjax method label
 
@@ -26,7 +26,8 @@ def main() -> None:
     samples = {s["id"]: s for s in map(json.loads, open(f"{args.dir}/kvzip_kvpress/samples.jsonl"))}
     theirs = {(r["sample"], r["scorer"], r["budget"]): score(r["prediction"], samples[r["sample"]]["answers"])
               for r in map(json.loads, open(f"{args.dir}/kvzip_kvpress/kvpress_rows.jsonl"))}
-    ours = {(r["sample"], r["label"], r["budget"]): r["score"] for r in map(json.loads, open(f"{args.dir}/kvzip/rows.jsonl"))
+    ours = {(r["sample"], r["label"], r["budget"]): r["score"]
+            for r in map(json.loads, open(f"{args.dir}/kvzip/rows.jsonl"))
             if r["sample"] in samples and r["setting"] == "query-agnostic"}
     budgets = sorted({b for _, _, b in theirs})
     print("| method | " + " | ".join(f"budget {b}" for b in budgets) + " |")
@@ -36,9 +37,7 @@ def main() -> None:
         cells = []
         for b in budgets:
             got = [table[s, label, budget_of(b)] for s in samples if (s, label, budget_of(b)) in table]
-            lo, hi = wilson(round(sum(got)), len(got)) if got else (float("nan"),) * 2
-            cells.append(f"{sum(got):g}/{len(got)} ({100 * sum(got) / max(len(got), 1):.1f} [{100 * lo:.1f}, "
-                         f"{100 * hi:.1f}])")
+            cells.append(f"{sum(got):g}/{len(got)} ({cell(100 * sum(got) / len(got), len(got))})" if got else "-")
         print(f"| {name} | " + " | ".join(cells) + " |")
 
     row("full cache (kvjax)", ours, "full", lambda b: None)

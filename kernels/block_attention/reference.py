@@ -44,17 +44,17 @@ def attention_with_scores(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     lse_out = lse.transpose(0, 3, 1, 2).reshape(B, T, H)
     if query_weights is None:
         return out, lse_out, None
-    wt = query_weights.astype(jnp.float32)
-    w = wt[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    w = query_weights.astype(jnp.float32)  # [B, T]
     if score == "attn":
-        return out, lse_out, query_sum(wt, weights)
+        return out, lse_out, query_sum(w, weights)
     vf = v.astype(jnp.float32)
     v_sq = jnp.sum(vf * vf, -1)[:, :, None, :]  # [B, Hk, 1, S]
     z = jnp.where(visible, z, 0.0)  # masked logits must not meet the zero weights as -1e30
-    a2 = w * weights * weights  # [B, Hk, G, T, S]
+    sq = weights * weights
+    a2 = w[:, None, None, :, None] * sq  # [B, Hk, G, T, S]
     col = jnp.zeros(weights.shape[:3] + weights.shape[-1:], jnp.float32)
     if score in ("obcache-value", "obcache-joint"):
-        col += query_sum(wt, weights * weights) * v_sq
+        col += query_sum(w, sq) * v_sq
     if score in ("obcache-key", "obcache-joint"):
         col += residual_sums(a2 * z * z, vf, out_f32, lambda dist2, v_res: dist2)  # (A z)² ‖v − o‖²
     if score == "obcache-joint":
