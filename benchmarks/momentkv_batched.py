@@ -28,13 +28,14 @@ from kvjax.eval.haystack import pydoc_prose
 CONTINUATION = 64
 
 
-def compress(pre, budget, mi_batch):
-    context = pre.compress(budget=budget, scorer="momentkv", mi_batch=mi_batch)
+def compress(pre, budget, mi_batch=1, scorer="momentkv", repeats=2):
+    """The context of ``pre`` compressed by ``scorer`` and its best time of ``repeats`` after a compiling run."""
+    context = pre.compress(budget=budget, scorer=scorer, mi_batch=mi_batch)
     jax.block_until_ready(context.cache)
     best = float("inf")
-    for _ in range(2):
+    for _ in range(repeats):
         start = time.perf_counter()
-        context = pre.compress(budget=budget, scorer="momentkv", mi_batch=mi_batch)
+        context = pre.compress(budget=budget, scorer=scorer, mi_batch=mi_batch)
         jax.block_until_ready(context.cache)
         best = min(best, time.perf_counter() - start)
     return context, best

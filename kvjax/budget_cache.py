@@ -16,7 +16,7 @@ from flax import struct
 from kvjax.cache import Segment
 from kvjax.config import ModelConfig
 from kvjax.kernels import block_attention_with_scores, corrected_attention, decode_attention_with_scores
-from kvjax.moments import Moments, moment_informed_eviction
+from kvjax.moments import Moments, moment_informed_eviction, over_layers
 from kvjax.priorities import eviction_keys, update_state
 from kvjax.scorers import Policy
 from kvjax.sharding import per_shard
@@ -119,11 +119,13 @@ class BudgetCache:
         return out, small.replace(k=k_all, v=v_all)
 
     def evict(self, p: Policy, seen: jax.Array) -> BudgetCache:
-        """Keep ``p.budget`` slots per (layer, row, KV head), every layer at once; seen: [B] one past the newest
-        position. Only the small per-slot arrays and the moments change."""
+        """Keep ``p.budget`` slots per (layer, row, KV head), every layer at once (a few at a time when MomentKV's
+        eviction loop is long: ``over_layers``); seen: [B] one past the newest position. Only the small per-slot
+        arrays and the moments change."""
         k, v = self.k, self.v
-        small = jax.vmap(lambda c, k_l, v_l: c.replace(k=k_l, v=v_l)._evict_layer(p, seen).replace(k=None, v=None))(
-            self.replace(k=None, v=None), k, v)
+        mi_steps = self.slots - p.budget if p.moment_eviction else 0
+        small = over_layers(lambda a: a[0].replace(k=a[1], v=a[2])._evict_layer(p, seen).replace(k=None, v=None),
+                            (self.replace(k=None, v=None), k, v), mi_steps)
         return small.replace(k=k, v=v)
 
     def _evict_layer(self, p: Policy, seen: jax.Array) -> BudgetCache:

@@ -47,22 +47,101 @@ class Moments:
                        vk_sum=self.vk_sum + jnp.einsum("bhe,bhei,bhej->bhij", weight, v, k))
 
 
+LAYER_CHUNK = 5  # layers whose moment-informed eviction loops run together in a long loop
+LONG_LOOP = 64  # more evictions than this per (layer, row, KV head): a prefill's, not a decoding step's
+
+
+def over_layers(fn, xs, max_evict: int):
+    """``fn`` over the leading (layer) axis of the pytree ``xs``: every layer at once (vmap), or, when more than
+    ``LONG_LOOP`` evictions run, ``LAYER_CHUNK`` layers at a time, so that a chunk's keys and values stay in the
+    CPU's cache through the loop's steps (2K prompt to 128: 14.8 s all at once, 9.7 s by 5)."""
+    return jax.lax.map(fn, xs, batch_size=LAYER_CHUNK) if max_evict > LONG_LOOP else jax.vmap(fn)(xs)
+
+
 def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict: jax.Array, k: jax.Array,
                              v: jax.Array, pos: jax.Array, moments, zeroth: bool, max_evict: int,
                              batch: int = 1) -> jax.Array:
     """Algorithm 1's eviction loop: evict the candidate of lowest ``priority · ‖r_j‖`` with
     r_j = v_j − v̄ − S̃ k_j/(n√d) (r_j = v_j − v̄ if zeroth; r_j = v_j while nothing is evicted), add it to the
-    statistics, then choose the next. Ties evict the earlier position.
+    statistics, then choose the next. Ties evict the earlier position. MI uses S̃ without the App. C.2 clamp,
+    which guards S̃ q in the correction.
 
     priority, candidates, pos: [B, Hk, S]; n_evict: [B, Hk] tokens to evict; k, v: [B, Hk, S, K]; moments: one
-    layer's Moments; max_evict: static bound on n_evict. S k_j and s_k·k_j are kept up to date with low-rank
-    updates, so a step costs O(S·K·batch); MI uses S̃ without the App. C.2 clamp, which guards S̃ q in the
-    correction. Returns the evicted mask [B, Hk, S].
+    layer's Moments; max_evict: static bound on n_evict. Returns the evicted mask [B, Hk, S].
 
-    batch = 1 is Algorithm 1 exactly. batch > 1, a faster approximation when a prefill evicts thousands of
-    tokens, evicts the ``batch`` candidates of lowest score under the current statistics per step, then adds
-    them all.
+    ‖r_j‖² is kept as per-candidate scalars: with A = S̃/(n√d) = (S − v̄ s_kᵀ)/(n√d) and m_j = s_k·k_j,
+    ‖r_j‖² = ‖v_j‖² − 2 v̄·v_j + ‖v̄‖² + ‖A k_j‖² − 2 v_j·A k_j + 2 v̄·A k_j, whose terms need only m_j,
+    v_jᵀS k_j, ‖S k_j‖², s_v·v_j and v̄·S k_j; an eviction updates them with one pass over the keys (by k_e,
+    Sᵀv_e and the next Sᵀv̄) and one over the values (by v_e), so a step reads K and V once and writes nothing
+    of size S·K. The loop stops when every (row, KV head) has evicted its ``n_evict``.
+
+    batch > 1 (``mi_batch``), a faster approximation when a prefill evicts thousands of tokens:
+    ``_batched_eviction``.
     """
+    if batch > 1:
+        return _batched_eviction(priority, candidates, n_evict, k, v, pos, moments, zeroth, max_evict, batch)
+    f32 = jnp.float32
+    kf, vf = k.astype(f32), v.astype(f32)
+    root_d = jnp.sqrt(f32(k.shape[-1]))
+
+    def mean(count, v_sum):
+        return v_sum / jnp.maximum(count, 1.0)[..., None]
+
+    sk = jnp.einsum("bhij,bhsj->bhsi", moments.vk_sum, kf)  # S k_j, once
+    vv = jnp.einsum("bhsk,bhsk->bhs", vf, vf)  # ‖v_j‖²
+    init = dict(evicted=jnp.zeros(priority.shape, bool), done=jnp.zeros_like(n_evict), count=moments.count,
+                v_sum=moments.v_sum, S=moments.vk_sum, step=jnp.int32(0),
+                m=jnp.einsum("bhk,bhsk->bhs", moments.k_sum, kf),  # s_k·k_j
+                vSk=jnp.einsum("bhsk,bhsk->bhs", vf, sk),  # v_jᵀ S k_j
+                Sk2=jnp.einsum("bhsk,bhsk->bhs", sk, sk),  # ‖S k_j‖²
+                sv=jnp.einsum("bhk,bhsk->bhs", moments.v_sum, vf),  # s_v·v_j
+                g=jnp.einsum("bhi,bhsi->bhs", mean(moments.count, moments.v_sum), sk))  # v̄·S k_j
+
+    def residual_norm(c):
+        n = jnp.maximum(c["count"], 1.0)[..., None]
+        v_bar = mean(c["count"], c["v_sum"])
+        vb2 = jnp.einsum("bhk,bhk->bh", v_bar, v_bar)[..., None]
+        vbv = c["sv"] / n  # v̄·v_j
+        r2 = vv - 2.0 * vbv + vb2
+        if not zeroth:
+            a = 1.0 / (n * root_d)
+            m, g = c["m"], c["g"]
+            r2 = r2 + a * a * (c["Sk2"] - 2.0 * m * g + m * m * vb2) - 2.0 * a * (c["vSk"] - m * vbv) \
+                + 2.0 * a * (g - m * vb2)
+        r2 = jnp.where((c["count"] > 0)[..., None], r2, vv)
+        return jnp.sqrt(jnp.maximum(r2, 0.0))
+
+    def step(c):
+        score = jnp.where(candidates & ~c["evicted"], priority * residual_norm(c), jnp.inf)
+        lowest = score == score.min(-1, keepdims=True)  # argmin, the earliest position among equal scores
+        chosen = jnp.argmin(jnp.where(lowest, pos, jnp.iinfo(jnp.int32).max), axis=-1)[..., None]
+        take = c["done"] < n_evict  # [B, Hk]: rows and heads done evict nothing more
+        w = take.astype(f32)[..., None]
+        k_e = jnp.take_along_axis(kf, chosen[..., None], axis=2)[:, :, 0] * w
+        v_e = jnp.take_along_axis(vf, chosen[..., None], axis=2)[:, :, 0] * w
+        S = c["S"] + v_e[..., :, None] * k_e[..., None, :]
+        count, v_sum = c["count"] + w[..., 0], c["v_sum"] + v_e
+        # one pass over the keys: k_e·k_j, (Sᵀ v_e)·k_j = v_e·S k_j (S before), (Sᵀ v̄)·k_j = v̄·S k_j (after)
+        by = jnp.stack([k_e, jnp.einsum("bhij,bhi->bhj", c["S"], v_e),
+                        jnp.einsum("bhij,bhi->bhj", S, mean(count, v_sum))], 2)
+        kk, vSk_e, g = jnp.moveaxis(jnp.einsum("bhsk,bhxk->bhsx", kf, by), -1, 0)
+        vd = jnp.einsum("bhsk,bhk->bhs", vf, v_e)  # v_e·v_j, the one pass over the values
+        ve2 = jnp.einsum("bhk,bhk->bh", v_e, v_e)[..., None]
+        return dict(evicted=max_slots(c["evicted"], chosen, take[..., None]), done=c["done"] + take, count=count,
+                    v_sum=v_sum, S=S, step=c["step"] + 1, m=c["m"] + kk, vSk=c["vSk"] + vd * kk,
+                    Sk2=c["Sk2"] + 2.0 * kk * vSk_e + kk * kk * ve2, sv=c["sv"] + vd, g=g)
+
+    def pending(c):
+        return (c["step"] < max_evict) & jnp.any(c["done"] < n_evict)
+
+    return jax.lax.while_loop(pending, step, init)["evicted"]
+
+
+def _batched_eviction(priority: jax.Array, candidates: jax.Array, n_evict: jax.Array, k: jax.Array, v: jax.Array,
+                      pos: jax.Array, moments, zeroth: bool, max_evict: int, batch: int) -> jax.Array:
+    """``mi_batch`` > 1: per step, the ``batch`` candidates of lowest score under the current statistics are
+    evicted, then all added. S k_j and s_k·k_j are kept up to date by rank-``batch`` updates (a step costs
+    O(S·K·batch), fewer flops than the exact loop's scalar updates would need at this width)."""
     kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
     scale = jnp.sqrt(jnp.float32(k.shape[-1]))
     sk = jnp.einsum("bhij,bhsj->bhsi", moments.vk_sum, kf)  # S k_j
@@ -76,12 +155,8 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
             resid = resid - (sk - v_sum[:, :, None, :] * kk_sum[..., None] / n) / (n * scale)
         resid = jnp.where((count > 0)[..., None, None], resid, vf)
         score = jnp.where(candidates & ~evicted, priority * jnp.linalg.norm(resid, axis=-1), jnp.inf)
-        if batch == 1:  # argmin, the earliest position among equal scores
-            lowest = score == score.min(-1, keepdims=True)
-            chosen = jnp.argmin(jnp.where(lowest, pos, jnp.iinfo(jnp.int32).max), axis=-1)[..., None]
-        else:
-            index = jnp.broadcast_to(jnp.arange(k.shape[2]), pos.shape)
-            chosen = jax.lax.sort((score, pos, index), dimension=-1, num_keys=2)[2][..., :batch]
+        index = jnp.broadcast_to(jnp.arange(k.shape[2]), pos.shape)
+        chosen = jax.lax.sort((score, pos, index), dimension=-1, num_keys=2)[2][..., :batch]
         # [B, Hk, batch] chosen slots, of which the first ``take`` are evicted (the rest weigh 0)
         take = jnp.clip(n_evict - evicted.sum(-1), 0, batch)
         w = (jnp.arange(chosen.shape[-1]) < take[..., None]).astype(jnp.float32)

@@ -27,7 +27,7 @@ from kvjax.config import ModelConfig
 from kvjax.kernels import corrected_attention
 from kvjax.kernels.paged_attention import paged_block_attention_with_scores, paged_decode_attention_with_scores
 from kvjax.kernels.paged_attention.reference import gather_pages
-from kvjax.moments import Moments, moment_informed_eviction
+from kvjax.moments import Moments, moment_informed_eviction, over_layers
 from kvjax.priorities import eviction_keys, update_state
 from kvjax.scorers import Policy
 from kvjax.sharding import per_shard
@@ -209,8 +209,9 @@ class PagedCache:
         count = valid.sum(-1)
         kept = targets(p.allocation, key, self.pos, p.layer_budgets(L), p.floor_count(), cap, p.head_budgets)
         if p.moment_eviction:
-            evicted = jax.vmap(lambda *a: moment_informed_eviction(*a, p.zeroth_order, max_evict, p.mi_batch))(
-                prio, unprotected, count - kept, kv[0], kv[1], self.pos, self.moments)
+            evicted = over_layers(lambda a: moment_informed_eviction(*a, p.zeroth_order, max_evict, p.mi_batch),
+                                  (prio, unprotected, count - kept, kv[0], kv[1], self.pos, self.moments),
+                                  max_evict)
             keep = valid & ~evicted
         else:
             keep = valid & (ranks(-key, -self.pos) < kept[..., None])
