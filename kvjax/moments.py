@@ -48,6 +48,9 @@ class Moments:
 
 
 LAYER_CHUNK = 5  # layers whose moment-informed eviction loops run together in a long loop
+TIE = 1e-6  # relative: exact scores this close are a tie (a few float32 ulps)
+SCREEN = 4  # candidates of lowest screening score that are scored exactly
+FLOOR = 2.0**-16  # bounds the screening sums' rounding relative to their terms (measured: under 2**-19)
 LONG_LOOP = 64  # more evictions than this per (layer, row, KV head): a prefill's, not a decoding step's
 
 
@@ -56,6 +59,26 @@ def over_layers(fn, xs, max_evict: int):
     ``LONG_LOOP`` evictions run, ``LAYER_CHUNK`` layers at a time, so that a chunk's keys and values stay in the
     CPU's cache through the loop's steps (2K prompt to 128: 14.8 s all at once, 9.7 s by 5)."""
     return jax.lax.map(fn, xs, batch_size=LAYER_CHUNK) if max_evict > LONG_LOOP else jax.vmap(fn)(xs)
+
+
+def lowest_slots(score: jax.Array, pos: jax.Array, n: int) -> jax.Array:
+    """The ``n`` slots [..., n] of lowest finite ``score`` [..., S] in ``pos`` order (of those tied at the n-th
+    lowest value, the earliest; the first repeated when fewer are finite). Min-reductions only: XLA's CPU argmin
+    is ~14× slower than a min, and ``lax.top_k`` makes a mesh gather the scores."""
+    slot, last, size = jnp.arange(score.shape[-1]), jnp.iinfo(jnp.int32).max, score.shape[-1]
+    bound = score.min(-1, keepdims=True)
+    for _ in range(n - 1):  # the n-th lowest value
+        above = jnp.where(score > bound, score, jnp.inf).min(-1, keepdims=True)
+        bound = jnp.where(jnp.isfinite(above), above, bound)
+    below = score <= bound
+    chosen = []
+    for _ in range(n):
+        first = jnp.where(below, pos, last).min(-1, keepdims=True)
+        found = below & (pos == first)
+        chosen.append(jnp.where(found, slot, size).min(-1))
+        below = below & ~found
+    chosen = jnp.stack(chosen, -1)
+    return jnp.where(chosen == size, chosen[..., :1], chosen)
 
 
 def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict: jax.Array, k: jax.Array,
@@ -73,7 +96,11 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
     ‖r_j‖² = ‖v_j‖² − 2 v̄·v_j + ‖v̄‖² + ‖A k_j‖² − 2 v_j·A k_j + 2 v̄·A k_j, whose terms need only m_j,
     v_jᵀS k_j, ‖S k_j‖², s_v·v_j and v̄·S k_j; an eviction updates them with one pass over the keys (by k_e,
     Sᵀv_e and the next Sᵀv̄) and one over the values (by v_e), so a step reads K and V once and writes nothing
-    of size S·K. The loop stops when every (row, KV head) has evicted its ``n_evict``.
+    of size S·K. Those terms cancel, so the scalars only screen: the ``SCREEN`` candidates of lowest lower
+    bound (the sum less its rounding, ``FLOOR``) are scored from their vectors, and exact scores within ``TIE``
+    are a tie, so that equal tokens evict alike on any mesh. The rule is exact unless more than ``SCREEN``
+    candidates are within rounding of the lowest (then the earliest of those are scored). The loop stops when
+    every (row, KV head) has evicted its ``n_evict``.
 
     batch > 1 (``mi_batch``), a faster approximation when a prefill evicts thousands of tokens:
     ``_batched_eviction``.
@@ -90,31 +117,54 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
     sk = jnp.einsum("bhij,bhsj->bhsi", moments.vk_sum, kf)  # S k_j, once
     vv = jnp.einsum("bhsk,bhsk->bhs", vf, vf)  # ‖v_j‖²
     init = dict(evicted=jnp.zeros(priority.shape, bool), done=jnp.zeros_like(n_evict), count=moments.count,
-                v_sum=moments.v_sum, S=moments.vk_sum, step=jnp.int32(0),
+                k_sum=moments.k_sum, v_sum=moments.v_sum, S=moments.vk_sum, step=jnp.int32(0),
                 m=jnp.einsum("bhk,bhsk->bhs", moments.k_sum, kf),  # s_k·k_j
                 vSk=jnp.einsum("bhsk,bhsk->bhs", vf, sk),  # v_jᵀ S k_j
                 Sk2=jnp.einsum("bhsk,bhsk->bhs", sk, sk),  # ‖S k_j‖²
                 sv=jnp.einsum("bhk,bhsk->bhs", moments.v_sum, vf),  # s_v·v_j
                 g=jnp.einsum("bhi,bhsi->bhs", mean(moments.count, moments.v_sum), sk))  # v̄·S k_j
 
-    def residual_norm(c):
+    def screening_score(c):
+        """A lower bound of priority · ‖r_j‖ from the scalars: ‖r_j‖² less ``FLOOR`` × the sum of its terms'
+        magnitudes, which bounds the rounding of their cancelling sum."""
         n = jnp.maximum(c["count"], 1.0)[..., None]
         v_bar = mean(c["count"], c["v_sum"])
         vb2 = jnp.einsum("bhk,bhk->bh", v_bar, v_bar)[..., None]
         vbv = c["sv"] / n  # v̄·v_j
-        r2 = vv - 2.0 * vbv + vb2
+        r2, size = vv - 2.0 * vbv + vb2, vv + 2.0 * jnp.abs(vbv) + vb2
         if not zeroth:
             a = 1.0 / (n * root_d)
             m, g = c["m"], c["g"]
             r2 = r2 + a * a * (c["Sk2"] - 2.0 * m * g + m * m * vb2) - 2.0 * a * (c["vSk"] - m * vbv) \
                 + 2.0 * a * (g - m * vb2)
-        r2 = jnp.where((c["count"] > 0)[..., None], r2, vv)
-        return jnp.sqrt(jnp.maximum(r2, 0.0))
+            size = size + a * a * (c["Sk2"] + 2.0 * jnp.abs(m * g) + m * m * vb2) \
+                + 2.0 * a * (jnp.abs(c["vSk"]) + jnp.abs(m * vbv) + jnp.abs(g) + jnp.abs(m) * vb2)
+        r2 = jnp.where((c["count"] > 0)[..., None], r2 - FLOOR * size, vv)
+        return priority * jnp.sqrt(jnp.maximum(r2, 0.0))
+
+    def exact_score(c, screened):
+        """priority · ‖r_j‖ of the screened slots [B, Hk, M] from the vectors themselves (no cancellation)."""
+        k_s, v_s = (jnp.take_along_axis(x, screened[..., None], axis=2) for x in (kf, vf))
+        v_bar = mean(c["count"], c["v_sum"])[:, :, None]
+        r = v_s - v_bar
+        if not zeroth:
+            m = jnp.einsum("bhk,bhsk->bhs", c["k_sum"], k_s)[..., None]
+            a = 1.0 / (jnp.maximum(c["count"], 1.0) * root_d)[..., None, None]
+            r = r - a * (jnp.einsum("bhij,bhsj->bhsi", c["S"], k_s) - m * v_bar)
+        r = jnp.where((c["count"] > 0)[..., None, None], r, v_s)
+        return jnp.take_along_axis(priority, screened, -1) * jnp.linalg.norm(r, axis=-1)
 
     def step(c):
-        score = jnp.where(candidates & ~c["evicted"], priority * residual_norm(c), jnp.inf)
-        lowest = score == score.min(-1, keepdims=True)  # argmin, the earliest position among equal scores
-        chosen = jnp.argmin(jnp.where(lowest, pos, jnp.iinfo(jnp.int32).max), axis=-1)[..., None]
+        score = jnp.where(candidates & ~c["evicted"], screening_score(c), jnp.inf)
+        # the scalars screen (their terms cancel: a bound, not a score); the lowest few are scored exactly
+        screened = lowest_slots(score, pos, SCREEN)
+        finite = jnp.isfinite(jnp.take_along_axis(score, screened, -1))
+        exact = jnp.where(finite, exact_score(c, screened), jnp.inf)
+        # argmin, the earliest position among equal scores: equal within TIE, as equal tokens under equal
+        # priorities tie exactly but round apart when read at other slots; screened is in position order
+        lowest = exact.min(-1, keepdims=True)
+        chosen = jnp.argmax(exact <= lowest + TIE * jnp.abs(lowest), -1)[..., None]
+        chosen = jnp.take_along_axis(screened, chosen, -1)
         take = c["done"] < n_evict  # [B, Hk]: rows and heads done evict nothing more
         w = take.astype(f32)[..., None]
         k_e = jnp.take_along_axis(kf, chosen[..., None], axis=2)[:, :, 0] * w
@@ -128,8 +178,8 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
         vd = jnp.einsum("bhsk,bhk->bhs", vf, v_e)  # v_e·v_j, the one pass over the values
         ve2 = jnp.einsum("bhk,bhk->bh", v_e, v_e)[..., None]
         return dict(evicted=max_slots(c["evicted"], chosen, take[..., None]), done=c["done"] + take, count=count,
-                    v_sum=v_sum, S=S, step=c["step"] + 1, m=c["m"] + kk, vSk=c["vSk"] + vd * kk,
-                    Sk2=c["Sk2"] + 2.0 * kk * vSk_e + kk * kk * ve2, sv=c["sv"] + vd, g=g)
+                    k_sum=c["k_sum"] + k_e, v_sum=v_sum, S=S, step=c["step"] + 1, m=c["m"] + kk,
+                    vSk=c["vSk"] + vd * kk, Sk2=c["Sk2"] + 2.0 * kk * vSk_e + kk * kk * ve2, sv=c["sv"] + vd, g=g)
 
     def pending(c):
         return (c["step"] < max_evict) & jnp.any(c["done"] < n_evict)

@@ -183,6 +183,52 @@ def batched_eviction_reference(priority, candidates, n_evict, k, v, pos, count, 
     return evicted
 
 
+def test_moment_eviction_scores_a_rounding_apart_tie():
+    """Two equal tokens under equal priorities tie; read at other slots their scores can round apart (here the
+    later one is made lower by 2e-7 relative, and float32 keeps it lower). The exact loop calls that a tie and
+    evicts the earlier position, as the float64 reference does on the equal tokens."""
+    from kvjax.moments import Moments, moment_informed_eviction
+
+    r = np.random.default_rng(7)
+    N = 6
+    k, v = r.normal(size=(1, 1, N, K)), r.normal(size=(1, 1, N, K)) * 3.0
+    v[0, 0, 4] = v[0, 0, 1] * (1.0 - 2e-7)  # slot 4 holds the later position (9)
+    pos = np.array([[[0, 2, 3, 5, 9, 7]]], np.int32)
+    priority = np.full((1, 1, N), 0.5)
+    priority[0, 0, [0, 2, 3, 5]] = 4.0
+    v32 = jnp.asarray(v, jnp.float32)
+    norms = np.asarray(jnp.linalg.norm(v32[0, 0], axis=-1))
+    assert norms[4] < norms[1]  # without the tie rule the later position would go
+    args = (jnp.asarray(priority, jnp.float32), jnp.ones((1, 1, N), bool), jnp.array([[1]]),
+            jnp.asarray(k, jnp.float32), v32, jnp.asarray(pos))
+    got = np.asarray(moment_informed_eviction(*args, Moments.zeros((1, 1), K), False, 1))[0, 0]
+    np.testing.assert_array_equal(np.flatnonzero(got), [1])
+
+
+def test_moment_eviction_finds_a_copy_of_the_evicted_token():
+    """With one token evicted, a copy of its value is predicted exactly (v̄ = v_e, S̃ = 0: r = 0) and goes next.
+    The scalars' cancelling sum leaves rounding noise on its score above the other candidates' scores (priority
+    1e-5): screened by that sum rather than its lower bound (``FLOOR`` = 0), the copy is missed."""
+    from kvjax.moments import moment_informed_eviction
+
+    r = np.random.default_rng(11)
+    N = 10
+    k, v = r.normal(size=(1, 1, N, K)) * 3.0, r.normal(size=(1, 1, N, K)) * 10.0
+    v[0, 0, 6] = v[0, 0, 0]
+    k[0, 0, 6] = r.normal(size=K) * 3.0  # another position: another key
+    priority = np.full((1, 1, N), 1e-5)
+    priority[0, 0, 6] = 1.0
+    moments = moments_of(jnp.asarray(k[:, :, :1], jnp.float32), jnp.asarray(v[:, :, :1], jnp.float32))
+    candidates = np.arange(N) > 0
+    args = (jnp.asarray(priority, jnp.float32), jnp.asarray(candidates)[None, None], jnp.array([[1]]),
+            jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), jnp.arange(N, dtype=jnp.int32)[None, None])
+    got = np.asarray(moment_informed_eviction(*args, moments, False, 1))[0, 0]
+    want = batched_eviction_reference(priority[0, 0], candidates, 1, k[0, 0], v[0, 0], np.arange(N), 1.0,
+                                      k[0, 0, 0], v[0, 0, 0], np.outer(v[0, 0, 0], k[0, 0, 0]), 1)
+    assert np.flatnonzero(want).tolist() == [6]
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("batch", [1, 3, 50])
 def test_batched_moment_eviction_matches_its_numpy_reference(batch):
     from kvjax.moments import moment_informed_eviction
