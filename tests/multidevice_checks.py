@@ -4,8 +4,8 @@ fake CPU devices; ``pytest tests/multidevice_checks.py`` needs ``XLA_FLAGS=--xla
 On meshes (data=2, model=4) and (model=8) (and (data=8) for the full and the paged cache) of a small model
 whose heads divide, and SmolLM2 on (data=2) and (model=2, its 3 KV and 9 query heads then replicated): the
 same generated tokens, logits within 1e-5, the same kept positions per (layer, row, KV head); the params and
-caches placed as their logical axes say; the compiled decode step gathers no keys, values or scorer state. "Logits within 1e-5" is relative to the
-largest logit: a reduction split over devices adds in another order.
+caches placed as their logical axes say; the compiled decode step gathers no keys, values or scorer state.
+"Logits within 1e-5" is relative to the largest logit: a reduction split over devices adds in another order.
 """
 
 import re
