@@ -1,7 +1,7 @@
 """MomentKV's compression time under the prefill protocol: the exact rule (Algorithm 1, one token per statistics
 update) against ``mi_batch`` and against SnapKV, whose scores MomentKV's priorities are.
 
-    .venv/bin/python benchmarks/momentkv_compress.py                    # about 15 minutes on 2 cores, idle
+    .venv/bin/python benchmarks/momentkv_compress.py                    # 5 minutes per budget on 2 idle cores
     .venv/bin/python benchmarks/momentkv_compress.py --lengths 1024 --budgets 128
 
 SmolLM2 prefills a stretch of the real-text haystack once (``kvjax.prefill_full``); each row is

@@ -48,10 +48,10 @@ class Moments:
 
 
 LAYER_CHUNK = 5  # layers whose moment-informed eviction loops run together in a long loop
-TIE = 1e-6  # relative: exact scores this close are a tie (a few float32 ulps)
+LONG_LOOP = 64  # more evictions than this per (layer, row, KV head): a prefill's, not a decoding step's
 SCREEN = 4  # candidates of lowest screening score that are scored exactly
 FLOOR = 2.0**-16  # bounds the screening sums' rounding relative to their terms (measured: under 2**-19)
-LONG_LOOP = 64  # more evictions than this per (layer, row, KV head): a prefill's, not a decoding step's
+TIE = 1e-6  # relative: exact scores this close are a tie (a few float32 ulps)
 
 
 def over_layers(fn, xs, max_evict: int):
