@@ -79,6 +79,22 @@ def test_smoke_sweep_writes_jsonl_table_and_plot_and_resumes(tokenizer, tiny_smo
     assert (tmp_path / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_batched_sweep_answers_as_one_sample_at_a_time(tokenizer, tiny_smollm2_vocab, tmp_path):
+    """Samples of one length and task run as a batch (padded, uneven groups): the same predictions as batch 1,
+    under both protocols and settings."""
+    samples = make_samples(tokenizer, ["single-number"], ["filler", "pydoc"], [256], n=2)
+    assert len({len(s.prompt) for s in samples}) > 1  # the batches are padded
+    methods = [sweep.Method(sweep.FULL, None, "-"), sweep.Method("snapkv", 64), sweep.Method("tova", 64, "blockwise")]
+    runs = {batch: sweep.run(tiny_smollm2_vocab, tokenizer, samples, methods, out=str(tmp_path / f"{batch}.jsonl"),
+                             options={"obs_window": 8}, block_size=64, batch=batch, progress=False)
+            for batch in (1, 3)}
+    assert [len(group) for group in sweep._batches(samples, 3)] == [3, 1]
+    predictions = {batch: {r.key(): r.prediction for r in rows} for batch, rows in runs.items()}
+    assert len(predictions[1]) == 4 * (1 + 2 * 2) and predictions[3] == predictions[1]
+    with pytest.raises(ValueError, match="batch=0 must be an integer >= 1"):
+        sweep.run(tiny_smollm2_vocab, tokenizer, samples, methods, out=str(tmp_path / "0.jsonl"), batch=0)
+
+
 def test_sweep_with_room_for_everything_answers_like_the_full_cache(tokenizer, tiny_smollm2_vocab, tmp_path):
     samples = make_samples(tokenizer, ["single-word"], ["pydoc"], [256], n=1)
     rows = sweep.run(tiny_smollm2_vocab, tokenizer, samples, sweep.methods(["h2o", "tova+caote"], [300], ["prefill"]),

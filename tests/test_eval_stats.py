@@ -10,7 +10,7 @@ import pytest
 
 import kvjax
 from kvjax.cli import main
-from kvjax.eval import cli, report, sweep
+from kvjax.eval import cli, report, seeds, sweep
 from kvjax.eval.stats import paired, sign_test, wilson
 from kvjax.options import eviction_from, with_tokenizer
 
@@ -126,15 +126,59 @@ def test_seed_presets_give_24_answers_per_cell_within_90_minutes(name):
     assert {m.protocol for m in methods[1:]} == ({"blockwise"} if name == "seeds-caote" else {"prefill"})
 
 
-def test_all_seed_presets_together_exceed_90_minutes():
-    """Why there are four presets rather than one."""
-    total = 0.0
-    for name in SEEDS:
-        preset = cli.PRESETS[name]
-        per_length = len(preset["tasks"]) * len(preset["haystacks"]) * preset["samples"]
-        total += cli.estimate(cli.preset_methods(preset, preset["budgets"]), preset["lengths"], preset["settings"],
-                              per_length)[1]
-    assert total > 90 * 60
+def test_seeds_runs_every_seed_preset_within_90_minutes_by_estimate():
+    parts = [cli.parse_eval(seeds.part_argv(name, "out", "smollm2-135m-instruct", "float32")) for name in seeds.PARTS]
+    assert {p.preset for p in parts if p.evaluation == "niah"} == set(SEEDS)
+    assert {p.evaluation for p in parts} == {"niah", "ppl", "fidelity"}
+    assert sum(map(cli.estimate_seconds, parts)) < 90 * 60
+
+
+def test_seeds_estimate_counts_the_measured_costs():
+    """The estimate of one small niah run, recomputed by hand from ``COST``."""
+    args = cli.parse_eval(["niah", "--scorers", "snapkv", "snapkv+momentkv", "--budgets", "128", "--lengths", "2048",
+                           "--samples", "1", "--tasks", "single-number", "--haystacks", "filler",
+                           "--protocols", "prefill", "--settings", "query-aware"])
+    c = cli.COST
+    by_hand = 3 * c["compile"] + c["sample"] * 2 + c["answer"] + c["mi"]
+    assert cli.estimate_seconds(args) == pytest.approx(by_hand)
+    ppl = cli.parse_eval(["ppl", "--scorers", "h2o", "tova", "--budgets", "256", "--length", "1000"])
+    assert cli.estimate_seconds(ppl) == pytest.approx(c["ppl_token"] * 1000 * 2 + 3 * c["compile"])
+
+
+def test_seeds_runs_its_parts_in_order_and_resumes(tiny_smollm2_vocab, smollm2_tokenizer, monkeypatch, tmp_path,
+                                                    capsys):
+    """Shrunk parts (a NIAH pair, a perplexity and a fidelity run) through ``python -m kvjax eval seeds``."""
+    small = dict(cli._versus("OBCache", {"snapkv": {}}, ("obcache-value",)), budgets=[32], lengths=[256], samples=1,
+                 settings=["query-aware"], tasks=["single-number"], haystacks=["filler"], obs_window=8)
+    monkeypatch.setitem(cli.PRESETS, "seeds-obcache", small)
+    monkeypatch.setattr(seeds, "PARTS", {
+        "obcache": ["niah", "--preset", "seeds-obcache"],
+        "caote-ppl": ["ppl", "--scorers", "tova+caote", "--budgets", "64", "--length", "160", "--edges", "160"],
+        "momentkv-fidelity": ["fidelity", "--scorers", "snapkv+momentkv", "--budgets", "64", "--length", "128",
+                              "--continuation", "8", "--prompts", "1"]})
+    monkeypatch.setattr(kvjax, "load", lambda source, dtype=None: tiny_smollm2_vocab)
+    monkeypatch.setattr(kvjax, "load_tokenizer", lambda source: smollm2_tokenizer)
+    argv = ["eval", "seeds", "--out", str(tmp_path)]
+
+    assert main(argv + ["--dry-run"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == [*seeds.PARTS, "all"]
+    assert not any(tmp_path.iterdir())
+    assert main(argv + ["--parts", "obcache", "nope"]) == 2
+    assert "--parts: unknown ['nope']" in capsys.readouterr().err
+
+    assert main(argv) == 0
+    assert len(sweep.read_rows(str(tmp_path / "obcache" / "rows.jsonl"))) == 3  # full, snapkv, snapkv+value
+    assert (tmp_path / "obcache" / "paired.md").exists()
+    ppl = json.loads((tmp_path / "caote-ppl" / "ppl.json").read_text())
+    assert [r["scorer"] for r in ppl["runs"]] == ["tova+caote"]
+    fidelity = json.loads((tmp_path / "momentkv-fidelity" / "fidelity.json").read_text())
+    assert [r["scorer"] for r in fidelity["runs"]] == ["snapkv+momentkv"]
+    capsys.readouterr()
+
+    assert main(argv) == 0  # a rerun answers nothing again and skips the finished parts
+    err = capsys.readouterr().err
+    assert "caote-ppl/ppl.json exists, skipped" in err and "fidelity.json exists, skipped" in err
+    assert len(sweep.read_rows(str(tmp_path / "obcache" / "rows.jsonl"))) == 3
 
 
 def test_seed_preset_writes_paired_tables(tiny_smollm2_vocab, smollm2_tokenizer, monkeypatch, tmp_path, capsys):

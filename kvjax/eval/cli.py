@@ -18,11 +18,15 @@ SHARED = tuple(name for name in NAMES if name not in SWEPT)  # the eviction keyw
 # The tasks and haystacks on which SmolLM2-135M answers with the full cache (word values and the
 # multi-value task defeat the full cache itself; see docs/results.md).
 RELIABLE = dict(tasks=["single-number", "single-uuid", "multikey"], haystacks=["filler", "pydoc"])
-# Seconds of the sweep on this project's 2 shared CPU cores at 1-2K tokens, rounded up from docs/results/*/rows.jsonl:
-# per sample (its shared full prefill and full-cache answer); per answer under the prefill protocol, with
-# moment-informed eviction, and blockwise (not in those runs: 6.2 s against 1.6 s under the prefill protocol,
-# timed on 3 warm answers at 1K); per KVzip scoring pass (one per sample and setting; at 2K; 96 s at 4K).
-COST = dict(sample=8.0, answer=3.0, mi=5.0, blockwise=10.0, kvzip_pass=35.0)
+# Seconds on this project's 2 idle CPU cores (Intel Xeon), from the rows of ``eval seeds`` (2026-11-25, NIAH in
+# batches of 8, each answer's share of its batch): per sample and 1K tokens, its shared full prefill and full-cache
+# answer (2.4 s at 1K, 6.1 at 2K); per answer under the prefill protocol (0.55 s at 1K, 1.0 at 2K), with
+# moment-informed eviction batched by 128 (2.4 s at 2K), and block-wise per 1K tokens (2.3 s at 1K); per sample's
+# KVzip scoring pass (40 s at 1K; scaled by length^1.5); the first answer of each method compiles (1-4 s); per
+# token of decoding-time eviction (``eval ppl``: 959 s for 9 runs of 2,047 tokens); per fidelity run (scorer,
+# budget and prompt, with its share of the compilation: 72-84 s for 10 runs × 2 prompts).
+COST = dict(sample=2.6, answer=0.75, mi=2.4, blockwise=2.3, kvzip_pass=40.0, compile=2.5, ppl_token=0.052,
+            fidelity=4.0)
 
 
 def _versus(paper: str, bases: dict, modifiers: tuple, protocol: str = "prefill") -> dict:
@@ -38,8 +42,8 @@ def _versus(paper: str, bases: dict, modifiers: tuple, protocol: str = "prefill"
 
 
 # The seed papers' own claims, each method against its base on the same 24 samples per cell (3 tasks × 2
-# haystacks × 4 depths) at two budgets; <out>/paired.md holds the paired tables. Four presets: together about
-# 170 minutes by COST, each under 90 (the count and estimate of each: --dry-run).
+# haystacks × 4 depths) at two budgets; <out>/paired.md holds the paired tables. ``eval seeds`` runs all four
+# with the perplexity and fidelity parts (``kvjax.eval.seeds``); ``--dry-run`` prints the count and estimate.
 SEEDS = dict(budgets=[256, 512], lengths=[1024], samples=4, settings=["query-aware"], **RELIABLE)
 H2O_16 = {"h2o-window": dict(obs_window=16)}  # OBCache's and CAOTE's H2O (docs/eviction.md)
 PRESETS = {
@@ -73,24 +77,25 @@ PRESETS = {
                             dict(name="snapkv kernel=31", scorer="snapkv", kernel=31)],
                    budgets=[128, 256], lengths=[1024, 2048], samples=12, settings=["query-aware"],
                    tasks=["single-number"], haystacks=["filler", "pydoc"]),
-    # OBCache: its three saliencies over H2O (prefill variant), TOVA and SnapKV. 600 answers, ~32 min.
+    # OBCache: its three saliencies over H2O (prefill variant), TOVA and SnapKV. 600 answers, 6.4 min.
     "seeds-obcache": _versus("OBCache", H2O_16 | {"tova": {}, "snapkv": {}},
                              ("obcache-value", "obcache-key", "obcache-joint")) | SEEDS,
-    # CAOTE: its meta-score over the same bases, under its block-wise protocol. 456 answers, ~75 min.
+    # CAOTE: its meta-score over the same bases, under its block-wise protocol. 456 answers, 17.2 min.
     "seeds-caote": _versus("CAOTE", H2O_16 | {"tova": {}, "snapkv": {}}, ("caote", "fastcaote"), "blockwise")
                    | SEEDS | dict(block_size=128),
     # MomentKV: each part of it over SnapKV (kvjax's defaults) and over AdaKV in the paper's setting (n_sink=1,
     # chunk=4), moment-informed eviction batched by 128 tokens; at 2K (AdaKV's compress fails at 1K for a budget
-    # of 512: one head may take 3 × 512 slots, more than the 1K prompt's cache). 504 answers, ~37 min.
+    # of 512: one head may take 3 × 512 slots, more than the 1K prompt's cache). 504 answers, 17.3 min.
     "seeds-momentkv": _versus("MomentKV", {"snapkv": {}, "adakv+snapkv": dict(n_sink=1, chunk=4)},
                               ("momentkv-mi", "momentkv-nc", "momentkv", "momentkv-zeroth")) | SEEDS
                       | dict(lengths=[2048], mi_batch=128),
-    # KVzip: the question after compression, at 2K, against SnapKV, TOVA and kvpress's TOVA. 216 answers, ~27 min.
+    # KVzip: the question after compression, against SnapKV, TOVA and kvpress's TOVA, at 1K with budgets of 1/8
+    # and 1/4 of the prompt (KVzip reports by ratio; the kvzip preset runs 2K and 4K). 216 answers, 19.0 min.
     "seeds-kvzip": SEEDS | dict(
         methods=[dict(name="snapkv", scorer="snapkv"), dict(name="tova", scorer="tova"),
                  dict(name="tova (layer)", scorer="tova", aggregate="layer"), dict(name="kvzip", scorer="kvzip")],
         claims=[(f"KVzip: kvzip vs {base}", base, "kvzip") for base in ("snapkv", "tova", "tova (layer)")],
-        lengths=[2048], settings=["query-agnostic"]),
+        budgets=[128, 256], settings=["query-agnostic"]),
 }
 
 
@@ -113,21 +118,42 @@ def estimate(methods: list, lengths, settings, per_length: int) -> tuple[int, fl
     from kvjax.eval.sweep import FULL
     from kvjax.scorers import BASES, MODIFIERS, split_name
 
-    def cost(m) -> float:
+    def cost(m, length: int) -> float:
         modifier = split_name(m.scorer)[2]
         if m.protocol == "blockwise":
-            return COST["blockwise"]
+            return COST["blockwise"] * length / 1024
         return COST["mi"] if modifier and MODIFIERS[modifier].mi else COST["answer"]
 
-    answers, seconds = 0, 0.0
+    answers, seconds = 0, COST["compile"] * len(methods)
     full = sum(m.scorer == FULL for m in methods)
     for length in lengths:
         here = [m for m in methods if m.scorer != FULL and m.budget < length]
         passes = any(BASES[split_name(m.scorer)[1]].scoring_pass == "kvzip" for m in here)
         answers += per_length * (full + len(settings) * len(here))
-        seconds += per_length * (COST["sample"] + len(settings) * (passes * COST["kvzip_pass"]
-                                                                   + sum(map(cost, here))))
+        seconds += per_length * (COST["sample"] * length / 1024 + len(settings) * (
+            passes * COST["kvzip_pass"] * (length / 1024) ** 1.5 + sum(cost(m, length) for m in here)))
     return answers, seconds
+
+
+def estimate_seconds(args) -> float:
+    """Seconds by ``COST`` of the parsed ``eval`` command ``args`` (niah, ppl or fidelity)."""
+    runs = len(args.scorers or []) * len(args.budgets or [])
+    if args.evaluation == "ppl":
+        return COST["ppl_token"] * args.length * runs + COST["compile"] * (runs + 1)
+    if args.evaluation == "fidelity":
+        return COST["fidelity"] * args.prompts * runs
+    plan = _niah_plan(args)
+    per_length = len(plan["tasks"]) * len(plan["haystacks"]) * plan["n"]
+    return estimate(plan["methods"], plan["lengths"], plan["settings"], per_length)[1]
+
+
+def parse_eval(argv: list[str]):
+    """The parsed arguments of ``python -m kvjax eval <argv>``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kvjax")
+    add_eval_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["eval", *argv])
 
 
 def _shared_options(args, preset: dict | None = None) -> dict:
@@ -135,10 +161,9 @@ def _shared_options(args, preset: dict | None = None) -> dict:
     return {name: value for name, value in (preset or {}).items() if name in SHARED} | from_arguments(args, SHARED)
 
 
-def _niah(args) -> int:
-    import kvjax
-    from kvjax.eval import report, sweep
-    from kvjax.eval.niah import make_samples
+def _niah_plan(args) -> dict:
+    """What ``eval niah`` will run: the preset's settings overridden by the command line's, checked."""
+    from kvjax.eval import sweep
     from kvjax.options import eviction_from, with_tokenizer
 
     preset = PRESETS[args.preset] if args.preset else {}
@@ -153,22 +178,32 @@ def _niah(args) -> int:
     for m in methods[1:]:  # bad names and settings fail before the model loads
         eviction_from(**with_tokenizer(None, budget=min(budgets), scorer=m.scorer, protocol=m.protocol,
                                        **sweep.scorer_options(m.scorer, options | dict(m.options))))
-    tasks, haystacks = pick("tasks", list(TASKS)), pick("haystacks", list(HAYSTACKS))
-    lengths, n, settings = pick("lengths", [1024, 2048, 4096]), pick("samples", 2), pick("settings", list(SETTINGS))
-    claims = preset.get("claims", []) if "methods" in preset and not args.scorers else []
+    return dict(methods=methods, options=options, block_size=block_size, tasks=pick("tasks", list(TASKS)),
+                haystacks=pick("haystacks", list(HAYSTACKS)), lengths=pick("lengths", [1024, 2048, 4096]),
+                n=pick("samples", 2), settings=pick("settings", list(SETTINGS)),
+                claims=preset.get("claims", []) if "methods" in preset and not args.scorers else [])
+
+
+def _niah(args) -> int:
+    import kvjax
+    from kvjax.eval import report, sweep
+    from kvjax.eval.niah import make_samples
+
+    plan = _niah_plan(args)
+    methods, settings, claims = plan["methods"], plan["settings"], plan["claims"]
     if args.dry_run:
-        per_length = len(tasks) * len(haystacks) * n
-        answers, seconds = estimate(methods, lengths, settings, per_length)
+        per_length = len(plan["tasks"]) * len(plan["haystacks"]) * plan["n"]
+        answers, seconds = estimate(methods, plan["lengths"], settings, per_length)
         print(f"{answers} answers ({per_length} per method, budget, setting and length), about "
-              f"{seconds / 60:.0f} minutes by kvjax.eval.cli.COST (measured at 1-2K tokens); nothing run")
+              f"{seconds / 60:.0f} minutes by kvjax.eval.cli.COST (measured on 2 idle cores); nothing run")
         return 0
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
-    samples = make_samples(tokenizer, tasks, haystacks, lengths, n, args.seed)
+    samples = make_samples(tokenizer, plan["tasks"], plan["haystacks"], plan["lengths"], plan["n"], args.seed)
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     rows = sweep.run(params, tokenizer, samples, methods, settings, out=os.path.join(args.out, "rows.jsonl"),
-                     options=options, block_size=block_size)
+                     options=plan["options"], block_size=plan["block_size"], batch=args.batch)
     wall = time.perf_counter() - start
     title = f"NIAH on {args.model}"
     table = report.markdown(rows, title) + "\n### Seconds per answer\n\n" + report.timing(rows) + "\n"
@@ -244,6 +279,8 @@ def add_eval_parser(sub) -> None:
     n.add_argument("--haystacks", nargs="+", choices=HAYSTACKS, help="default: both")
     n.add_argument("--samples", type=int, help="samples per task, haystack and length (needle depths spread)")
     n.add_argument("--seed", type=int, default=0, help="fixes every sample (default: %(default)s)")
+    n.add_argument("--batch", type=int, default=8, help="samples of one length and task answered together "
+                                                        "(default: %(default)s)")
     n.add_argument("--dry-run", action="store_true", help="check the options, print the number of answers and "
                                                           "an estimate of the time, and stop")
     n.set_defaults(run=_niah)
@@ -261,3 +298,15 @@ def add_eval_parser(sub) -> None:
     f.add_argument("--continuation", type=int, default=64, help="tokens compared after the context")
     f.add_argument("--prompts", type=int, default=2, help="real-text prompts averaged over")
     f.set_defaults(run=_fidelity)
+
+    from kvjax.eval import seeds
+
+    d = kinds.add_parser("seeds", help="every seed paper's comparison in its own setting: NIAH, perplexity and "
+                                       "fidelity parts, run in order (resumable)")
+    d.add_argument("--model", default="smollm2-135m-instruct", help="model source (default: %(default)s)")
+    d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    d.add_argument("--out", default="docs/results/seeds", help="each part writes to OUT/PART (default: %(default)s)")
+    d.add_argument("--parts", nargs="+", metavar="PART", help=f"run only these (default: all, in order: "
+                                                             f"{' '.join(seeds.PARTS)})")
+    d.add_argument("--dry-run", action="store_true", help="print each part's time estimate and stop")
+    d.set_defaults(run=seeds.run)

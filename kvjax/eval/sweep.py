@@ -1,7 +1,8 @@
 """Needle-retrieval sweeps: scorers × budgets × protocols × settings over a set of samples, resumable.
 
-Every answer is one JSON line (``Row``); a rerun skips the lines already written. Under the ``prefill``
-protocol every (scorer, budget) of a sample is compressed from one shared full prefill
+Every answer is one JSON line (``Row``); a rerun skips the lines already written. Samples of one length and
+task run together as one batch (up to ``batch`` rows, padded as ``kvjax.prefill`` pads any batch): under
+the ``prefill`` protocol every (scorer, budget) of the batch is compressed from one shared full prefill
 (``kvjax.prefill_full``), so a sweep over many scorers costs little more than one; ``blockwise`` runs
 the block-wise engine per (scorer, budget). Answers are decoded greedily without eviction: NIAH measures
 what the compression of the prompt keeps (decoding-time eviction is ``kvjax.eval.perplexity``'s subject).
@@ -64,7 +65,8 @@ def methods(scorers: Iterable[str], budgets: Iterable[int], protocols: Iterable[
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One answer. ``seconds``: this method's own compression and decoding; the shared full prefill of the
-    sample is ``prefill_seconds`` (the same for every prefill-protocol row of the sample and setting)."""
+    sample is ``prefill_seconds`` (the same for every prefill-protocol row of the sample and setting). Both
+    are the batch's time divided by its rows."""
 
     sample: str
     task: str
@@ -105,58 +107,75 @@ def read_rows(path: str) -> list[Row]:
 
 
 def run(params: Params, tokenizer, samples: list[Sample], methods_: list[Method], settings=SETTINGS, *,
-        out: str, options: dict | None = None, block_size: int = 128, progress: bool = True) -> list[Row]:
+        out: str, options: dict | None = None, block_size: int = 128, batch: int = 8,
+        progress: bool = True) -> list[Row]:
     """Answer every sample with every method in every setting, appending to the JSONL file ``out``. Budgets
     that hold a sample's whole prompt are skipped for it (they equal the full cache, which is tested).
 
     options: eviction keywords (``kvjax.EvictionOptions``) shared by every method (a method's own override
     them); ``mi_batch`` goes to the scorers with moment-informed eviction only; kvzip's repeat prompt is made
-    from ``tokenizer``. Returns every row of ``out`` for these samples, methods and options.
+    from ``tokenizer``. batch: samples (of one length and task) answered together. Returns every row of
+    ``out`` for these samples, methods and options.
     """
     from tqdm import tqdm
 
+    if not (isinstance(batch, int) and batch >= 1):
+        raise ValueError(f"batch={batch!r} must be an integer >= 1")
     shared_options = dict(options or {})
     mine = lambda m: shared_options | dict(m.options)  # noqa: E731
     tag = lambda m: json.dumps(mine(m), sort_keys=True)  # noqa: E731
+    key = lambda s, setting, m: (s.id, setting, m.scorer, m.budget, m.protocol, tag(m))  # noqa: E731
     for setting in settings:
         if setting not in SETTINGS:
             raise ValueError(f"setting={setting!r} must be one of {SETTINGS}")
     done = {row.key() for row in read_rows(out)}
     jobs = [(s, setting, m) for s in samples for setting in settings for m in methods_
             if (m.scorer != FULL or setting == settings[0]) and (m.budget or 0) < s.length]
-    todo = [job for job in jobs
-            if (job[0].id, job[1], job[2].scorer, job[2].budget, job[2].protocol, tag(job[2])) not in done]
+    todo = {key(*job) for job in jobs} - done
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     bar = tqdm(total=len(todo), desc="niah", unit="answer", disable=not progress)
     with open(out, "a") as f:
-        for sample in samples:
-            here = [(setting, m) for s, setting, m in todo if s is sample]
+        for group in _batches(samples, batch):
+            here = [(setting, m) for setting in settings for m in methods_
+                    if any(key(s, setting, m) in todo for s in group)]
             if not here:
                 continue
             shared, shared_s = None, 0.0
             if any(m.protocol in ("prefill", "-") for _, m in here):
                 start = time.perf_counter()
-                shared = kvjax.prefill_full(params, list(sample.prompt))
+                shared = kvjax.prefill_full(params, [list(s.prompt) for s in group])
                 jax.block_until_ready(shared.cache)
-                shared_s = time.perf_counter() - start
+                shared_s = (time.perf_counter() - start) / len(group)
             for setting, m in here:
                 start = time.perf_counter()
                 eviction = {} if m.scorer == FULL else with_tokenizer(
                     tokenizer, scorer=m.scorer, budget=m.budget, **scorer_options(m.scorer, mine(m)))
-                answer = _answer(params, sample, setting, m, shared, eviction, block_size)
-                prediction = tokenizer.decode(answer, skip_special_tokens=True)
-                row = Row(sample=sample.id, task=sample.task, haystack=sample.haystack, length=sample.length,
-                          depth=sample.depth, setting=setting, scorer=m.scorer, budget=m.budget,
-                          protocol=m.protocol, options=tag(m), prediction=prediction,
-                          score=score(prediction, sample.answers), seconds=time.perf_counter() - start,
-                          prefill_seconds=shared_s if shared is not None and m.protocol != "blockwise" else 0.0,
-                          label=m.label)
-                f.write(json.dumps(dataclasses.asdict(row)) + "\n")
-                f.flush()
-                bar.update()
+                answers = _answers(params, group, setting, m, shared, eviction, block_size)
+                seconds = (time.perf_counter() - start) / len(group)
+                for sample, answer in zip(group, answers, strict=True):
+                    if key(sample, setting, m) not in todo:
+                        continue
+                    prediction = tokenizer.decode(answer, skip_special_tokens=True)
+                    row = Row(sample=sample.id, task=sample.task, haystack=sample.haystack, length=sample.length,
+                              depth=sample.depth, setting=setting, scorer=m.scorer, budget=m.budget,
+                              protocol=m.protocol, options=tag(m), prediction=prediction,
+                              score=score(prediction, sample.answers), seconds=seconds,
+                              prefill_seconds=shared_s if shared is not None and m.protocol != "blockwise" else 0.0,
+                              label=m.label)
+                    f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+                    f.flush()
+                    bar.update()
     bar.close()
-    wanted = {(s.id, setting, m.scorer, m.budget, m.protocol, tag(m)) for s, setting, m in jobs}
+    wanted = {key(*job) for job in jobs}
     return [row for row in read_rows(out) if row.key() in wanted]
+
+
+def _batches(samples: list[Sample], batch: int) -> list[list[Sample]]:
+    """The samples in groups of one length and task (one answer length), at most ``batch`` each, in order."""
+    by_kind: dict[tuple, list[Sample]] = {}
+    for s in samples:
+        by_kind.setdefault((s.length, s.task), []).append(s)
+    return [group[i: i + batch] for group in by_kind.values() for i in range(0, len(group), batch)]
 
 
 def scorer_options(scorer: str, options: dict) -> dict:
@@ -167,15 +186,20 @@ def scorer_options(scorer: str, options: dict) -> dict:
     return {k: v for k, v in options.items() if k != "mi_batch"}
 
 
-def _answer(params: Params, sample: Sample, setting: str, m: Method, shared, eviction: dict, block_size: int):
-    """The generated token ids of one (sample, setting, method); ``eviction``: its eviction keywords."""
+def _answers(params: Params, group: list[Sample], setting: str, m: Method, shared, eviction: dict,
+             block_size: int) -> list:
+    """The generated token ids of each sample of ``group`` (one task: one answer length) under (setting,
+    method), as one batch; ``eviction``: the method's eviction keywords."""
+    max_new = group[0].max_new_tokens
     if m.scorer == FULL:
-        return shared.generate(sample.max_new_tokens)
-    aware = setting == "query-aware"
-    question = None if aware else list(sample.question)
-    if m.protocol == "prefill":
-        context = shared.compress(upto=None if aware else len(sample.context), **eviction)
+        out = shared.generate(max_new)
     else:
-        tokens = list(sample.prompt if aware else sample.context)
-        context = kvjax.prefill(params, tokens, protocol=m.protocol, **({"block_size": block_size} | eviction))
-    return kvjax.decode(params, context, question, sample.max_new_tokens, evict=False)
+        aware = setting == "query-aware"
+        questions = None if aware else [list(s.question) for s in group]
+        if m.protocol == "prefill":
+            context = shared.compress(upto=None if aware else [len(s.context) for s in group], **eviction)
+        else:
+            rows = [list(s.prompt if aware else s.context) for s in group]
+            context = kvjax.prefill(params, rows, protocol=m.protocol, **({"block_size": block_size} | eviction))
+        out = kvjax.decode(params, context, questions, max_new, evict=False)
+    return out
