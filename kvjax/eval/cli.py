@@ -143,17 +143,14 @@ def estimate_seconds(args) -> float:
     if args.evaluation == "fidelity":
         return COST["fidelity"] * args.prompts * runs
     plan = _niah_plan(args)
-    per_length = len(plan["tasks"]) * len(plan["haystacks"]) * plan["n"]
-    return estimate(plan["methods"], plan["lengths"], plan["settings"], per_length)[1]
+    return estimate(plan["methods"], plan["lengths"], plan["settings"], plan["per_length"])[1]
 
 
 def parse_eval(argv: list[str]):
     """The parsed arguments of ``python -m kvjax eval <argv>``."""
-    import argparse
+    from kvjax.cli import build_parser
 
-    parser = argparse.ArgumentParser(prog="python -m kvjax")
-    add_eval_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["eval", *argv])
+    return build_parser().parse_args(["eval", *argv])
 
 
 def _shared_options(args, preset: dict | None = None) -> dict:
@@ -178,9 +175,10 @@ def _niah_plan(args) -> dict:
     for m in methods[1:]:  # bad names and settings fail before the model loads
         eviction_from(**with_tokenizer(None, budget=min(budgets), scorer=m.scorer, protocol=m.protocol,
                                        **sweep.scorer_options(m.scorer, options | dict(m.options))))
-    return dict(methods=methods, options=options, block_size=block_size, tasks=pick("tasks", list(TASKS)),
-                haystacks=pick("haystacks", list(HAYSTACKS)), lengths=pick("lengths", [1024, 2048, 4096]),
-                n=pick("samples", 2), settings=pick("settings", list(SETTINGS)),
+    tasks, haystacks, n = pick("tasks", list(TASKS)), pick("haystacks", list(HAYSTACKS)), pick("samples", 2)
+    return dict(methods=methods, options=options, block_size=block_size, tasks=tasks, haystacks=haystacks, n=n,
+                per_length=len(tasks) * len(haystacks) * n, lengths=pick("lengths", [1024, 2048, 4096]),
+                settings=pick("settings", list(SETTINGS)),
                 claims=preset.get("claims", []) if "methods" in preset and not args.scorers else [])
 
 
@@ -192,9 +190,8 @@ def _niah(args) -> int:
     plan = _niah_plan(args)
     methods, settings, claims = plan["methods"], plan["settings"], plan["claims"]
     if args.dry_run:
-        per_length = len(plan["tasks"]) * len(plan["haystacks"]) * plan["n"]
-        answers, seconds = estimate(methods, plan["lengths"], settings, per_length)
-        print(f"{answers} answers ({per_length} per method, budget, setting and length), about "
+        answers, seconds = estimate(methods, plan["lengths"], settings, plan["per_length"])
+        print(f"{answers} answers ({plan['per_length']} per method, budget, setting and length), about "
               f"{seconds / 60:.0f} minutes by kvjax.eval.cli.COST (measured on 2 idle cores); nothing run")
         return 0
     params = kvjax.load(args.model, dtype=args.dtype)
