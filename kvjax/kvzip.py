@@ -31,6 +31,7 @@ from kvjax.params import Params
 CHUNK = 2048  # m: context tokens per repeat input (the paper's 2K)
 TRAIL = 8  # tokens of the previous chunk that start a later repeat prompt
 QUERY_BLOCK = 512  # repeat queries scored at once
+WIDTH_STEP = 256  # a context shorter than a chunk is fed as one chunk of its length rounded up to this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +112,12 @@ def kvzip_scores(params: Params, full: FullCache, rows: list[np.ndarray], prompt
                  chunk: int = CHUNK) -> jax.Array:
     """KVzip's score [L, B, Hk, C] of every context token (0 past each row's context) from the prefilled full
     cache of the contexts ``rows`` (C slots), with chunks of ``chunk`` tokens. ``full`` is not changed: the
-    repeat inputs go to a copy."""
+    repeat inputs go to a copy. Contexts that fit in one chunk are fed as one chunk of their longest length
+    (rounded up to ``WIDTH_STEP``, to bound recompilation), not padded to ``chunk``."""
     B = len(rows)
-    width = chunk + max(len(prompt.first), len(prompt.later) + TRAIL + len(prompt.colon))
     longest = max(len(r) for r in rows)
+    chunk = min(chunk, -(-longest // WIDTH_STEP) * WIDTH_STEP)  # the same chunks: one if it covers every row
+    width = chunk + max(len(prompt.first), len(prompt.later) + TRAIL + len(prompt.colon))
     L, _, Hk, C, _ = full.k.shape
     grow = [(0, 0)] * 3 + [(0, max(0, longest + width - C)), (0, 0)]  # a copy with room for a repeat input
     scoring = RepeatScoring(full=FullCache(k=jnp.pad(full.k, grow), v=jnp.pad(full.v, grow)),

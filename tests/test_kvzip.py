@@ -85,6 +85,29 @@ def test_scores_equal_algorithm_1(model):
                                           numpy_kvzip(model, contexts[1], CHUNK).max(-1)), rtol=1e-4)
 
 
+def test_contexts_shorter_than_a_chunk_are_fed_at_their_length(model, monkeypatch):
+    """Contexts of 300 and 40 tokens under the paper's 2K chunk: one repeat input of 512 slots (300 rounded up to
+    WIDTH_STEP), not 2,048, with Algorithm 1's scores; the same as when padded to the whole chunk."""
+    import kvjax.kvzip as kvzip
+
+    rng = np.random.default_rng(1)
+    contexts = [rng.integers(10, 97, 300).astype(np.int32), rng.integers(10, 97, 40).astype(np.int32)]
+    shared = prefill_full(model, contexts)
+    widths = []
+    score_chunk = kvzip._score_chunk
+    monkeypatch.setattr(kvzip, "_score_chunk", lambda p, s, tokens, *a: widths.append(tokens.shape[1])
+                        or score_chunk(p, s, tokens, *a))
+    got = np.asarray(kvzip_scores(model, shared.cache.full, contexts, PROMPT))
+    assert widths == [512 + len(PROMPT.later) + 8 + len(PROMPT.colon)]
+    for row, context in enumerate(contexts):
+        np.testing.assert_allclose(got[:, row, :, : len(context)], numpy_kvzip(model, context, 2048),
+                                   rtol=1e-4, atol=1e-6)
+    monkeypatch.setattr(kvzip, "WIDTH_STEP", 2048)
+    padded = np.asarray(kvzip_scores(model, shared.cache.full, contexts, PROMPT))
+    assert widths[-1] == 2048 + len(PROMPT.later) + 8 + len(PROMPT.colon)
+    np.testing.assert_allclose(got, padded, rtol=1e-4, atol=1e-6)  # float32 sums of other lengths
+
+
 def test_compression_keeps_the_top_scores_over_each_layers_heads(model):
     """kvzip's default: each layer keeps n_kv_heads × budget tokens, the top scores over its heads (no floor),
     the first n_sink protected; then the question and the answer are appended, nothing evicted."""
