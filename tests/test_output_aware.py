@@ -123,8 +123,8 @@ def test_correction_stays_finite_with_large_logits(zeroth):
 
 def test_every_scorer_name_runs_end_to_end(tiny_llama, tiny_head_scores, request):
     """Names through kvjax.generate under the block-wise protocol: every base, modifier and alias once by default,
-    every name with --runslow (the prefill protocol: every name in tests/test_prefilled.py, through kvjax.prefill
-    and kvjax.decode; every combination against the NumPy reference in tests/test_engine_vs_reference.py)."""
+    every name with --runslow (the prefill protocol: tests/test_prefilled.py, through kvjax.prefill and
+    kvjax.decode; every combination against the NumPy reference in tests/test_engine_vs_reference.py)."""
     prompt = np.random.default_rng(0).integers(4, 97, 60).astype(np.int32)
     for name in SCORERS if request.config.getoption("--runslow") else covering(SCORERS):
         protocol = "prefill" if own_pass(name) else "blockwise"

@@ -1,12 +1,13 @@
 """One full prefill, many compressions: ``kvjax.prefill_full(...).compress(...)`` equals
-``kvjax.prefill(..., protocol="prefill")`` for every scorer name; appending without eviction
-(``kvjax.decode(..., evict=False)``) keeps the whole question and answer."""
+``kvjax.prefill(..., protocol="prefill")`` for every base, modifier and alias by default and every scorer name
+with --runslow; appending without eviction (``kvjax.decode(..., evict=False)``) keeps the whole question and
+answer."""
 
 import numpy as np
 import pytest
 
 import kvjax
-from helpers import distinct_prompts, scorer_requirements
+from helpers import covering, distinct_prompts, scorer_requirements
 from kvjax.scorers import SCORERS
 
 BUDGET = 14
@@ -21,7 +22,11 @@ def prefilled(tiny_llama):
     return kvjax.prefill_full(tiny_llama, distinct_prompts())
 
 
-@pytest.mark.parametrize("name", SCORERS)
+def pytest_generate_tests(metafunc):
+    if metafunc.function.__name__ == "test_compress_equals_the_prefill_protocol":
+        metafunc.parametrize("name", list(SCORERS) if metafunc.config.getoption("--runslow") else covering(SCORERS))
+
+
 def test_compress_equals_the_prefill_protocol(tiny_llama, prefilled, name, tiny_head_scores):
     settings = dict(budget=BUDGET, scorer=name, obs_window=4, n_sink=1)
     if not name.startswith(("streamingllm", "tova")):
@@ -108,7 +113,8 @@ def test_compress_when_one_head_may_keep_more_than_the_prompt(tiny_llama, name, 
     """A shared allocation whose one-head cap (here 2 × 40 under adakv) exceeds the prefilled cache (a
     50-token prompt in 64 slots): a head may lose every slot, which the compression must allow."""
     prompt = [int(t) for t in np.random.default_rng(3).integers(4, 97, 50)]
-    settings = dict(budget=40, scorer=name, obs_window=4, n_sink=1, window=3) | scorer_requirements(name, tiny_head_scores)
+    settings = dict(budget=40, scorer=name, obs_window=4, n_sink=1, window=3)
+    settings |= scorer_requirements(name, tiny_head_scores)
     shared = kvjax.prefill_full(tiny_llama, prompt, room=0).compress(**settings)
     direct = kvjax.prefill(tiny_llama, prompt, protocol="prefill", block_size=8, **settings)
     np.testing.assert_array_equal(kept(shared), kept(direct))
