@@ -100,7 +100,8 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
     bound (the sum less its rounding, ``FLOOR``) are scored from their vectors, and exact scores within ``TIE``
     are a tie, so that equal tokens evict alike on any mesh. The rule is exact unless more than ``SCREEN``
     candidates are within rounding of the lowest (then the earliest of those are scored). The loop stops when
-    every (row, KV head) has evicted its ``n_evict``.
+    every (row, KV head) has evicted its ``n_evict``. With ``max_evict`` = 1 (a decoding step) every candidate is
+    scored from its vectors at once: no screening and no loop.
 
     batch > 1 (``mi_batch``), a faster approximation when a prefill evicts thousands of tokens:
     ``_batched_eviction``.
@@ -108,6 +109,13 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
     if batch > 1:
         return _batched_eviction(priority, candidates, n_evict, k, v, pos, moments, zeroth, max_evict, batch)
     f32 = jnp.float32
+    if max_evict == 1:  # a decoding step: every candidate scored from its vectors, nothing to screen or update
+        score = jnp.where(candidates, _exact_scores(priority, k.astype(f32), v.astype(f32), moments.count,
+                                                    moments.k_sum, moments.v_sum, moments.vk_sum, zeroth), jnp.inf)
+        lowest = score.min(-1, keepdims=True)
+        tied = score <= lowest + TIE * jnp.abs(lowest)  # the earliest position among equal scores, as below
+        first = jnp.where(tied, pos, jnp.iinfo(jnp.int32).max).min(-1, keepdims=True)
+        return tied & (pos == first) & (n_evict > 0)[..., None] & jnp.isfinite(lowest)
     kf, vf = k.astype(f32), v.astype(f32)
     root_d = jnp.sqrt(f32(k.shape[-1]))
 
@@ -145,14 +153,8 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
     def exact_score(c, screened):
         """priority · ‖r_j‖ of the screened slots [B, Hk, M] from the vectors themselves (no cancellation)."""
         k_s, v_s = (jnp.take_along_axis(x, screened[..., None], axis=2) for x in (kf, vf))
-        v_bar = mean(c["count"], c["v_sum"])[:, :, None]
-        r = v_s - v_bar
-        if not zeroth:
-            m = jnp.einsum("bhk,bhsk->bhs", c["k_sum"], k_s)[..., None]
-            a = 1.0 / (jnp.maximum(c["count"], 1.0) * root_d)[..., None, None]
-            r = r - a * (jnp.einsum("bhij,bhsj->bhsi", c["S"], k_s) - m * v_bar)
-        r = jnp.where((c["count"] > 0)[..., None, None], r, v_s)
-        return jnp.take_along_axis(priority, screened, -1) * jnp.linalg.norm(r, axis=-1)
+        return _exact_scores(jnp.take_along_axis(priority, screened, -1), k_s, v_s, c["count"], c["k_sum"],
+                             c["v_sum"], c["S"], zeroth)
 
     def step(c):
         score = jnp.where(candidates & ~c["evicted"], screening_score(c), jnp.inf)
@@ -185,6 +187,19 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
         return (c["step"] < max_evict) & jnp.any(c["done"] < n_evict)
 
     return jax.lax.while_loop(pending, step, init)["evicted"]
+
+
+def _exact_scores(priority, k, v, count, k_sum, v_sum, S, zeroth: bool) -> jax.Array:
+    """priority · ‖r_j‖ [B, Hk, M] of the slots whose keys and values are k, v [B, Hk, M, K] (float32) under the
+    statistics count [B, Hk], k_sum, v_sum [B, Hk, K], S [B, Hk, K, K], from the vectors (no cancellation)."""
+    v_bar = (v_sum / jnp.maximum(count, 1.0)[..., None])[:, :, None]
+    r = v - v_bar
+    if not zeroth:
+        m = jnp.einsum("bhk,bhsk->bhs", k_sum, k)[..., None]
+        a = 1.0 / (jnp.maximum(count, 1.0) * jnp.sqrt(jnp.float32(k.shape[-1])))[..., None, None]
+        r = r - a * (jnp.einsum("bhij,bhsj->bhsi", S, k) - m * v_bar)
+    r = jnp.where((count > 0)[..., None, None], r, v)
+    return priority * jnp.linalg.norm(r, axis=-1)
 
 
 def _batched_eviction(priority: jax.Array, candidates: jax.Array, n_evict: jax.Array, k: jax.Array, v: jax.Array,

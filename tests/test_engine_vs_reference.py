@@ -83,6 +83,14 @@ def test_output_aware_engine_matches_reference(model, case, protocol):
     check_against_reference(model, case, protocol, 2, distinct_prompts())
 
 
+@pytest.mark.parametrize("case", [c for c in MODIFIER_CASES if c["scorer"] in ("momentkv", "h2o+momentkv-zeroth")],
+                         ids=lambda c: c["scorer"])
+def test_moment_informed_eviction_of_one_token_per_decode_step_matches_reference(model, case):
+    """evict_every=1: a decoding step evicts one token per (row, KV head), which moment_informed_eviction scores
+    from every candidate's vectors at once (no screening loop); first- and zeroth-order residuals."""
+    check_against_reference(model, case, "prefill", 1, distinct_prompts())
+
+
 @pytest.mark.parametrize("protocol", ["blockwise", "prefill"])
 @pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: c["scorer"])
 def test_layer_aggregate_matches_reference(model, case, protocol):

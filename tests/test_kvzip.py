@@ -93,10 +93,13 @@ def test_contexts_shorter_than_a_chunk_are_fed_at_their_length(model, monkeypatc
     rng = np.random.default_rng(1)
     contexts = [rng.integers(10, 97, 300).astype(np.int32), rng.integers(10, 97, 40).astype(np.int32)]
     shared = prefill_full(model, contexts)
-    widths = []
-    score_chunk = kvzip._score_chunk
-    monkeypatch.setattr(kvzip, "_score_chunk", lambda p, s, tokens, *a: widths.append(tokens.shape[1])
-                        or score_chunk(p, s, tokens, *a))
+    widths, score_chunk = [], kvzip._score_chunk
+
+    def spy(params, scoring, tokens, *rest):  # records the width of each repeat input fed
+        widths.append(tokens.shape[1])
+        return score_chunk(params, scoring, tokens, *rest)
+
+    monkeypatch.setattr(kvzip, "_score_chunk", spy)
     got = np.asarray(kvzip_scores(model, shared.cache.full, contexts, PROMPT))
     assert widths == [512 + len(PROMPT.later) + 8 + len(PROMPT.colon)]
     for row, context in enumerate(contexts):
