@@ -112,10 +112,9 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
     if max_evict == 1:  # a decoding step: every candidate scored from its vectors, nothing to screen or update
         score = jnp.where(candidates, _exact_scores(priority, k.astype(f32), v.astype(f32), moments.count,
                                                     moments.k_sum, moments.v_sum, moments.vk_sum, zeroth), jnp.inf)
-        lowest = score.min(-1, keepdims=True)
-        tied = score <= lowest + TIE * jnp.abs(lowest)  # the earliest position among equal scores, as below
+        tied = _tied_with_lowest(score)  # the earliest position among them, as the loop chooses
         first = jnp.where(tied, pos, jnp.iinfo(jnp.int32).max).min(-1, keepdims=True)
-        return tied & (pos == first) & (n_evict > 0)[..., None] & jnp.isfinite(lowest)
+        return tied & (pos == first) & (n_evict > 0)[..., None] & jnp.isfinite(score.min(-1, keepdims=True))
     kf, vf = k.astype(f32), v.astype(f32)
     root_d = jnp.sqrt(f32(k.shape[-1]))
 
@@ -162,10 +161,8 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
         screened = lowest_slots(score, pos, SCREEN)
         finite = jnp.isfinite(jnp.take_along_axis(score, screened, -1))
         exact = jnp.where(finite, exact_score(c, screened), jnp.inf)
-        # argmin, the earliest position among equal scores: equal within TIE, as equal tokens under equal
-        # priorities tie exactly but round apart when read at other slots; screened is in position order
-        lowest = exact.min(-1, keepdims=True)
-        chosen = jnp.argmax(exact <= lowest + TIE * jnp.abs(lowest), -1)[..., None]
+        # argmin, the earliest position among equal scores (screened is in position order)
+        chosen = jnp.argmax(_tied_with_lowest(exact), -1)[..., None]
         chosen = jnp.take_along_axis(screened, chosen, -1)
         take = c["done"] < n_evict  # [B, Hk]: rows and heads done evict nothing more
         w = take.astype(f32)[..., None]
@@ -187,6 +184,13 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
         return (c["step"] < max_evict) & jnp.any(c["done"] < n_evict)
 
     return jax.lax.while_loop(pending, step, init)["evicted"]
+
+
+def _tied_with_lowest(score: jax.Array) -> jax.Array:
+    """Where ``score`` [..., M] is within ``TIE`` of its lowest: equal tokens under equal priorities tie exactly
+    but round apart when read at other slots."""
+    lowest = score.min(-1, keepdims=True)
+    return score <= lowest + TIE * jnp.abs(lowest)
 
 
 def _exact_scores(priority, k, v, count, k_sum, v_sum, S, zeroth: bool) -> jax.Array:

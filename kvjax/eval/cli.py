@@ -91,7 +91,7 @@ PRESETS = {
                               ("momentkv-mi", "momentkv-nc", "momentkv", "momentkv-zeroth")) | SEEDS
                       | dict(lengths=[2048], mi_batch=128),
     # KVzip: the question after compression, against SnapKV, TOVA and kvpress's TOVA, at 1K with budgets of 1/8
-    # and 1/4 of the prompt (KVzip reports by ratio; the kvzip preset runs 2K and 4K). 216 answers, 19.0 min.
+    # and 1/4 of the prompt (KVzip reports by ratio; the kvzip preset runs 2K and 4K). 216 answers, 7.1 min.
     "seeds-kvzip": SEEDS | dict(
         methods=[dict(name="snapkv", scorer="snapkv"), dict(name="tova", scorer="tova"),
                  dict(name="tova (layer)", scorer="tova", aggregate="layer"), dict(name="kvzip", scorer="kvzip")],

@@ -192,14 +192,12 @@ def _answers(params: Params, group: list[Sample], setting: str, m: Method, share
     method), as one batch; ``eviction``: the method's eviction keywords."""
     max_new = group[0].max_new_tokens
     if m.scorer == FULL:
-        out = shared.generate(max_new)
+        return shared.generate(max_new)
+    aware = setting == "query-aware"
+    questions = None if aware else [list(s.question) for s in group]
+    if m.protocol == "prefill":
+        context = shared.compress(upto=None if aware else [len(s.context) for s in group], **eviction)
     else:
-        aware = setting == "query-aware"
-        questions = None if aware else [list(s.question) for s in group]
-        if m.protocol == "prefill":
-            context = shared.compress(upto=None if aware else [len(s.context) for s in group], **eviction)
-        else:
-            rows = [list(s.prompt if aware else s.context) for s in group]
-            context = kvjax.prefill(params, rows, protocol=m.protocol, **({"block_size": block_size} | eviction))
-        out = kvjax.decode(params, context, questions, max_new, evict=False)
-    return out
+        rows = [list(s.prompt if aware else s.context) for s in group]
+        context = kvjax.prefill(params, rows, protocol=m.protocol, **({"block_size": block_size} | eviction))
+    return kvjax.decode(params, context, questions, max_new, evict=False)
