@@ -1,0 +1,169 @@
+"""What every part of the GPU run shares: the deadline, the results file, timing, compiling in parallel and the
+two ceilings (copy bandwidth and bf16 matrix rate) measured on the machine of the run."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def error_text(e: BaseException, limit: int = 600) -> str:
+    """The exception's type and the end of its message (XLA errors put the cause last)."""
+    text = f"{type(e).__name__}: {e}".strip()
+    return text if len(text) <= limit else text[:200] + " … " + text[-(limit - 200):]
+
+
+class Deadline:
+    """Seconds left of the run; each part gets ``until(share)`` of what remains when it starts."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def passed(self) -> bool:
+        return self.left() <= 0
+
+
+class Results:
+    """Rows per table, saved to the JSON file ``path`` after every row so a run cut short keeps what it measured."""
+
+    def __init__(self, path: Path, meta: dict[str, Any]):
+        self.path, self.meta, self.parts = path, meta, {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.save()
+
+    def add(self, part: str, row: dict[str, Any]) -> None:
+        self.parts.setdefault(part, []).append(row)
+        self.save()
+
+    def rows(self, part: str) -> list[dict[str, Any]]:
+        return self.parts.get(part, [])
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"meta": self.meta, "parts": self.parts}, indent=1, default=str))
+        tmp.replace(self.path)
+
+
+def median_seconds(run: Callable[[], Any], repeats: int, min_batch_s: float = 0.02) -> float:
+    """Median seconds of one ``run()`` (which returns arrays): calls are issued back to back in batches of n (n
+    grown until a batch takes ``min_batch_s``, so launch gaps overlap the device's work), after a warm-up; the
+    median over ``repeats`` batches. Only the last output of a batch is kept and waited for: one device runs its
+    work in order, and earlier outputs are freed as they are replaced."""
+
+    def batch(n: int) -> float:
+        start = time.perf_counter()
+        out = None
+        for _ in range(n):
+            out = run()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / n
+
+    jax.block_until_ready(run())
+    n = 1
+    while (seconds := batch(n)) * n < min_batch_s and n < 256:
+        n *= 4
+    return statistics.median([seconds] + [batch(n) for _ in range(repeats - 1)])
+
+
+class Compiler:
+    """Lowers and compiles jitted functions in worker threads (XLA compiles without the GIL), in the order
+    submitted, while the main thread runs what is ready."""
+
+    def __init__(self, workers: int):
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(1, workers))
+        self.pending: list[concurrent.futures.Future] = []
+
+    def submit(self, fn, *args, precision: str | None = None, options: dict | None = None,
+               **kwargs) -> concurrent.futures.Future:
+        """A future of (compiled, seconds) for ``fn.lower(*args, **kwargs).compile(compiler_options=options)``,
+        traced under ``jax.default_matmul_precision(precision)`` when given."""
+
+        def work():
+            start = time.perf_counter()
+            with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+                compiled = fn.lower(*args, **kwargs).compile(compiler_options=options)
+            return compiled, time.perf_counter() - start
+
+        future = self.pool.submit(work)
+        self.pending.append(future)
+        return future
+
+    def cancel_pending(self) -> None:
+        """Drop every submitted compilation that has not started (a phase whose deadline passed)."""
+        for future in self.pending:
+            future.cancel()
+        self.pending = [f for f in self.pending if not f.cancelled()]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def memory_stats() -> dict[str, int]:
+    """The default device's allocator figures (bytes_limit, bytes_in_use, peak_bytes_in_use), {} where the
+    platform gives none (CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return {k: int(stats[k]) for k in ("bytes_limit", "bytes_in_use", "peak_bytes_in_use") if k in stats}
+
+
+@dataclasses.dataclass
+class Ceilings:
+    copy_gb_s: float  # device-to-device copy, bytes read plus bytes written per second
+    copy_bytes: int
+    matmul_tflops: float  # bf16 square matrix product
+    matmul_n: int
+
+
+def measure_ceilings(smoke: bool) -> Ceilings:
+    """The two ceilings of METHOD.md on this device: a copy of a large array (read + written bytes over the median
+    time; fresh random data, never zeros) and a bf16 n×n×n matrix product."""
+    n_copy = (1 << 22) if smoke else (1 << 31)  # bf16 elements: 8 MiB on CPU, 4 GiB on a GPU
+    x = jax.random.normal(jax.random.key(1), (n_copy,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a * jnp.bfloat16(-1))  # one read, one write; not elided like a plain copy
+    seconds = median_seconds(functools.partial(copy, x), 7)
+    copy_bytes = 2 * n_copy * 2
+    del x
+    n = 512 if smoke else 8192
+    a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in (2, 3))
+    mm = jax.jit(lambda a, b: a @ b)
+    mm_s = median_seconds(lambda: mm(a, b), 7)
+    return Ceilings(copy_gb_s=copy_bytes / seconds / 1e9, copy_bytes=copy_bytes,
+                    matmul_tflops=2 * n**3 / mm_s / 1e12, matmul_n=n)
+
+
+def device_text() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '?')} x{jax.device_count()}"
+
+
+def guarded(results: Results, part: str, label: dict[str, Any], fn: Callable[[], dict[str, Any]]) -> dict | None:
+    """Run one measurement; its row (or its error, named) goes to ``results``. Never raises but KeyboardInterrupt."""
+    try:
+        row = fn()
+    except Exception as e:  # noqa: BLE001 - a failure on first contact is a result to report, not a crash
+        log(f"{part} {label}: FAILED {error_text(e, 300)}")
+        if os.environ.get("KVJAX_GPU_TRACEBACKS"):
+            traceback.print_exc()
+        results.add(part, {**label, "error": error_text(e)})
+        return None
+    results.add(part, {**label, **row})
+    return row

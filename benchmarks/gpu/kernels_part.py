@@ -1,0 +1,333 @@
+"""Part "kernels": every Pallas GPU kernel of ``kvjax.kernels`` checked against a float32 reference on fresh
+random inputs, and timed against the XLA reference and (attention output alone) ``jax.nn.dot_product_attention``.
+
+Checks: block attention, decode attention (plain, with MomentKV's first- and zeroth-order correction), paged
+block and paged decode attention (plain and corrected), every score kind, at SmolLM2's heads (3 KV heads of 3
+query heads, head dim 64) and Llama-3.1-8B's (8 of 4, head dim 128), float32 and bfloat16, cache lengths of
+1061 slots (a ragged last tile) and 32768 (then 4096 if time is left). Inputs: two batch rows, positions
+shuffled per head, 3% of the slots empty plus the last five, scoring weights on the last 32 queries of a
+128-query block, a head with nothing evicted in the moments; paged: pages of 16 in a shuffled pool, each head
+using between half and all of its table. The reference is kvjax's XLA computation on the same inputs cast to
+float32 at ``highest`` matmul precision; the error is ‖x − ref‖ / ‖ref‖ per output (out, lse, col), and a NaN
+fails. The XLA reference in the inputs' own dtype (default precision) is measured the same way beside it.
+
+Timings (Llama-3.1-8B heads, bfloat16, 4 rows, 1K / 4K / 32K slots, every slot visible): the median of
+batches of back-to-back calls, inputs rotated among 3 sets when they would fit in L2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.kernels import SCORE_KINDS, block_attention_with_scores, decode_attention_with_scores
+from kvjax.kernels.paged_attention import paged_block_attention_with_scores, paged_decode_attention_with_scores
+from kvjax.moments import Moments
+
+from common import Compiler, Deadline, Results, guarded, log, median_seconds
+
+SHAPES = {"smollm2": (3, 3, 64), "llama8b": (8, 4, 128)}  # (KV heads, query heads per KV head, head dim)
+# METHOD.md: TF32-level float32 dots land near 3e-4, bfloat16 operands between 1e-3 and 1e-2
+TOL = {"float32": 1e-3, "bfloat16": 1e-2}
+BLOCK_T, WINDOW, PAGE = 128, 32, 16
+L2_BYTES = 60 << 20
+# op -> (paged, decode, moments: None / "first" / "zeroth")
+OPS = {"block": (False, False, None), "decode": (False, True, None), "decode+momentkv": (False, True, "first"),
+       "decode+momentkv-zeroth": (False, True, "zeroth"), "paged_block": (True, False, None),
+       "paged_decode": (True, True, None), "paged_decode+momentkv": (True, True, "first")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: str
+    score: str  # a SCORE_KINDS entry, or "none": no scoring queries (the attention output alone)
+    shape: str
+    dtype: str
+    slots: int
+    batch: int
+
+    @property
+    def label(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def make_inputs(case: Case, seed: int, visible_all: bool = False) -> tuple:
+    """Random inputs of one case (on the default device). visible_all: every slot valid and visible (timing)."""
+    paged, decode, moments = OPS[case.op]
+    Hk, G, K = SHAPES[case.shape]
+    B, S, T = case.batch, case.slots, 1 if decode else BLOCK_T
+    dtype = jnp.dtype(case.dtype)
+    keys = iter(jax.random.split(jax.random.key(seed), 16))
+    normal = lambda shape: jax.random.normal(next(keys), shape, jnp.float32).astype(dtype)  # noqa: E731
+    q = normal((B, T, Hk * G, K))
+    if visible_all:
+        slot_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, Hk, S))
+        query_pos = jnp.full((B, T), S + T, jnp.int32)
+    else:
+        order = jnp.argsort(jax.random.uniform(next(keys), (B, Hk, S)), axis=-1).astype(jnp.int32)
+        empty = (jax.random.uniform(next(keys), (B, Hk, S)) < 0.03) | (jnp.arange(S) >= S - 5)
+        slot_pos = jnp.where(empty, -1, order)
+        # row 0 sees every slot by its last query; row 1's queries sit 10% lower, so some slots are in its future
+        last = jnp.array([S, int(0.9 * S)], jnp.int32)[:B] if B <= 2 else jnp.full((B,), S, jnp.int32)
+        query_pos = last[:, None] - (T - 1) + jnp.arange(T, dtype=jnp.int32)[None]
+    weights = None
+    if case.score != "none":
+        w = jnp.zeros((B, T), jnp.float32).at[:, -min(WINDOW, T):].set(1.0)
+        weights = w * jax.random.uniform(next(keys), (B, T), minval=0.5, maxval=1.5)
+    mom = None
+    if moments:
+        count = jnp.round(jax.random.uniform(next(keys), (B, Hk), minval=1, maxval=200)).at[0, 0].set(0.0)
+        n = count[..., None]
+        k_sum = jax.random.normal(next(keys), (B, Hk, K)) * jnp.sqrt(n)
+        v_sum = jax.random.normal(next(keys), (B, Hk, K)) * jnp.sqrt(n)
+        # Σ v kᵀ: the sums' outer product over n plus noise, so that the centred S̃ is the noise
+        noise = jax.random.normal(next(keys), (B, Hk, K, K)) * n[..., None] / 4
+        vk_sum = noise + v_sum[..., :, None] * k_sum[..., None, :] / jnp.maximum(n[..., None], 1)
+        kept = (count > 0)[..., None]  # the head with nothing evicted has empty sums
+        mom = Moments(count=count, k_sum=jnp.where(kept, k_sum, 0), v_sum=jnp.where(kept, v_sum, 0),
+                      vk_sum=jnp.where(kept[..., None], vk_sum, 0))
+    if not paged:
+        k, v = normal((B, Hk, S, K)), normal((B, Hk, S, K))
+        return (q, k, v, slot_pos, query_pos, weights, mom)
+    M = S // PAGE
+    n_pool = Hk * M + 3  # a few spare pages
+    table = jnp.argsort(jax.random.uniform(next(keys), (B, n_pool)), axis=-1)[:, : Hk * M].reshape(B, Hk, M)
+    if visible_all:
+        n_pages = jnp.full((B, Hk), M, jnp.int32)
+    else:
+        n_pages = jnp.round(jax.random.uniform(next(keys), (B, Hk), minval=M / 2, maxval=M)).astype(jnp.int32)
+        n_pages = n_pages.at[0, 0].set(M)
+        used = jnp.arange(S) < (n_pages * PAGE)[..., None]
+        slot_pos = jnp.where(used, slot_pos, -1)
+    k_pages, v_pages = normal((B, n_pool, PAGE, K)), normal((B, n_pool, PAGE, K))
+    return (q, k_pages, v_pages, table.astype(jnp.int32), n_pages, slot_pos, query_pos, weights, mom)
+
+
+def kernel_fn(case: Case, impl: str | None, interpret: bool):
+    """A jitted function of the case's inputs -> (out, lse, col or None)."""
+    paged, decode, moments = OPS[case.op]
+    score = "attn" if case.score == "none" else case.score
+    opts = dict(impl=impl) if impl in (None, "xla") else dict(impl=impl, interpret=interpret)
+    if not paged:
+        if decode:
+            def fn(q, k, v, sp, qp, w, mom):
+                return decode_attention_with_scores(q, k, v, sp, qp, w, score, mom, moments == "zeroth", **opts)
+        else:
+            def fn(q, k, v, sp, qp, w, mom):
+                return block_attention_with_scores(q, k, v, sp, qp, w, score, **opts)
+    elif decode:
+        def fn(q, kp, vp, table, n, sp, qp, w, mom):
+            return paged_decode_attention_with_scores(q, kp, vp, table, n, sp, qp, w, score, mom, moments == "zeroth",
+                                                      **opts)
+    else:
+        def fn(q, kp, vp, table, n, sp, qp, w, mom):
+            return paged_block_attention_with_scores(q, kp, vp, table, n, sp, qp, w, score, **opts)
+    return jax.jit(fn)
+
+
+def to_f32(args):
+    """The inputs (arrays or ShapeDtypeStructs) with every floating leaf in float32."""
+
+    def cast(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, jnp.float32)
+        return x.astype(jnp.float32)
+
+    return jax.tree.map(cast, args)
+
+
+def rel_error(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(x)):
+        return float("nan")
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def check_cases(smoke: bool, slots: int) -> list[Case]:
+    """Every kernel, score kind, head geometry and dtype at ``slots`` (smoke: SmolLM2's heads, two score kinds,
+    bfloat16)."""
+    cases = []
+    for op, (paged, _, moments) in OPS.items():
+        scores = ("attn",) if moments else ("attn", "obcache-joint") if smoke else SCORE_KINDS
+        for score in scores:
+            for shape in (("smollm2",) if smoke else SHAPES):
+                for dtype in (("bfloat16",) if smoke else ("float32", "bfloat16")):
+                    cases.append(Case(op, score, shape, dtype, slots if not paged else -(-slots // PAGE) * PAGE, 2))
+    return cases
+
+
+def timing_cases(smoke: bool) -> list[Case]:
+    lengths = (128,) if smoke else (1024, 4096, 32768)
+    scores = ("none", "attn") if smoke else ("none", "attn", "obcache-joint")
+    ops = ("block", "decode", "paged_block", "paged_decode")
+    return [Case(op, score, "llama8b", "bfloat16", slots, 2 if smoke else 4)
+            for slots in lengths for op in ops for score in scores]
+
+
+def submit_checks(compiler: Compiler, smoke: bool, slots: int, f32_precision: str | None = None) -> dict:
+    """Compilations of the checks at ``slots``: per case the kernel (and, for bfloat16, the XLA reference in
+    bfloat16), and the float32 reference, one per (op, score, shape): shared by both dtypes. No autotuning:
+    these programs run once, for their values. f32_precision: the matmul precision the float32 kernels are
+    traced under (None: JAX's default, which Pallas' Triton lowering runs as TF32 dots)."""
+    futures, opts = {}, {"xla_gpu_autotune_level": 0}
+    for c in check_cases(smoke, slots):
+        ref_case = dataclasses.replace(c, dtype="float32")
+        args = jax.eval_shape(lambda c=c: make_inputs(c, 0))
+        if ref_case not in futures:
+            futures[ref_case] = compiler.submit(kernel_fn(ref_case, "xla", False), *to_f32(args), precision="highest",
+                                                options=opts)
+        precision = f32_precision if c.dtype == "float32" else None
+        futures[c, "kernel"] = compiler.submit(kernel_fn(c, "pallas_gpu", smoke), *args, options=opts,
+                                               precision=precision)
+        if c.dtype == "bfloat16":
+            futures[c, "xla"] = compiler.submit(kernel_fn(c, "xla", False), *args, options=opts)
+    return futures
+
+
+def run_checks(results: Results, deadline: Deadline, futures: dict, smoke: bool, slots: int) -> None:
+    for i, c in enumerate(check_cases(smoke, slots)):
+        if deadline.passed():
+            results.add("kernel_checks", {**c.label, "error": "not run: the part's deadline passed"})
+            continue
+
+        def check(c=c, i=i):
+            args = make_inputs(c, 1000 + i)  # fresh inputs per case
+            wait = max(1.0, deadline.left())
+            ref_fn, _ = futures[dataclasses.replace(c, dtype="float32")].result(timeout=wait)
+            ref = jax.device_get(ref_fn(*to_f32(args)))
+            row = {}
+            for which in ("kernel", "xla") if c.dtype == "bfloat16" else ("kernel",):
+                fn, compile_s = futures[c, which].result(timeout=wait)
+                got = jax.device_get(fn(*args))
+                for name, x, r in zip(("out", "lse", "col"), got, ref):
+                    if x is not None and r is not None:
+                        row[f"{which}_{name}_err"] = rel_error(x, r)
+                row[f"{which}_compile_s"] = compile_s
+            errs = [row[k] for k in row if k.startswith("kernel_") and k.endswith("_err")]
+            row["max_err"] = max(errs) if not any(math.isnan(e) for e in errs) else float("nan")
+            row["tol"] = TOL[c.dtype]
+            row["ok"] = bool(row["max_err"] <= TOL[c.dtype])
+            return row
+
+        row = guarded(results, "kernel_checks", c.label, check)
+        if row is not None and not row["ok"]:
+            log(f"kernel check FAILED {c}: {row}")
+    done = [r for r in results.rows("kernel_checks") if "ok" in r and r["slots"] in (slots, -(-slots // PAGE) * PAGE)]
+    log(f"kernel checks at {slots} slots: {sum(r['ok'] for r in done)} of {len(done)} within tolerance")
+
+
+def cudnn_fn(smoke: bool):
+    """jax.nn.dot_product_attention on the kernels' inputs pre-transposed to its [B, S, N, K] layout."""
+    impl = None if smoke else "cudnn"
+    return jax.jit(functools.partial(jax.nn.dot_product_attention, implementation=impl))
+
+
+def submit_timings(compiler: Compiler, smoke: bool) -> dict:
+    """Compilations of every timed program, keyed by (case, impl)."""
+    futures = {}
+    for c in timing_cases(smoke):
+        args = jax.eval_shape(lambda c=c: make_inputs(c, 0, visible_all=True))
+        futures[c, "pallas_gpu"] = compiler.submit(kernel_fn(c, "pallas_gpu", smoke), *args)
+        futures[c, "xla"] = compiler.submit(kernel_fn(c, "xla", False), *args)
+        if c.score == "none" and not OPS[c.op][0]:
+            q, k = args[0], args[1]
+            kt = jax.ShapeDtypeStruct((k.shape[0], k.shape[2], k.shape[1], k.shape[3]), k.dtype)
+            futures[c, "cudnn"] = compiler.submit(cudnn_fn(smoke), q, kt, kt)
+    return futures
+
+
+def run_timings(results: Results, deadline: Deadline, futures: dict, smoke: bool) -> None:
+    for c in timing_cases(smoke):
+        kv_bytes = 2 * c.batch * SHAPES[c.shape][0] * c.slots * SHAPES[c.shape][2] * jnp.dtype(c.dtype).itemsize
+        n_sets = 1 if kv_bytes > L2_BYTES else 3
+        sets = None
+        for impl in ("pallas_gpu", "xla", "cudnn"):
+            if (c, impl) not in futures:
+                continue
+            if deadline.passed():
+                results.add("kernel_times", {**c.label, "impl": impl, "error": "not run: the part's deadline passed"})
+                continue
+
+            def time_it(c=c, impl=impl):
+                nonlocal sets
+                if sets is None:
+                    sets = [make_inputs(c, 7 + j, visible_all=True) for j in range(n_sets)]
+                fn, compile_s = futures[c, impl].result(timeout=max(1.0, deadline.left()))
+                if impl == "cudnn":
+                    calls = [(s[0], jnp.swapaxes(s[1], 1, 2), jnp.swapaxes(s[2], 1, 2)) for s in sets]
+                else:
+                    calls = sets
+                counter = iter(range(1 << 30))
+                seconds = median_seconds(lambda: fn(*calls[next(counter) % len(calls)]), 5)
+                return {"ms": 1e3 * seconds, "kv_gb_s": kv_bytes / seconds / 1e9, "compile_s": compile_s}
+
+            guarded(results, "kernel_times", {**c.label, "impl": impl}, time_it)
+        del sets
+
+
+def run(results: Results, deadline: Deadline, compiler: Compiler, smoke: bool, timings: bool = True,
+        f32_precision: str | None = None) -> None:
+    """Checks at the first length, then the timings, then checks at the other lengths while time is left."""
+    lengths = (100,) if smoke else (1061, 32768, 4096)
+    results.meta["f32_precision"] = f32_precision or "default"
+    checks = submit_checks(compiler, smoke, lengths[0], f32_precision)
+    if timings:
+        futures = submit_timings(compiler, smoke)  # compiled while the first checks run
+        run_checks(results, Deadline(deadline.left() * 0.4), checks, smoke, lengths[0])
+        run_timings(results, Deadline(deadline.left() * 0.6), futures, smoke)
+        compiler.cancel_pending()
+    else:
+        run_checks(results, Deadline(deadline.left() * 0.6), checks, smoke, lengths[0])
+    for slots in lengths[1:]:
+        run_checks(results, deadline, submit_checks(compiler, smoke, slots, f32_precision), smoke, slots)
+        compiler.cancel_pending()
+
+
+def tables(results: Results) -> list[str]:
+    lines = []
+    checks = results.rows("kernel_checks")
+    if checks:
+        lines += ["### Kernels against the float32 reference (relative error, largest of out / lse / col)", "",
+                  "| op | score | heads | dtype | slots | kernel max err | tol | ok | XLA-in-dtype max err "
+                  "| compile s |",
+                  "| --- | --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+        for r in checks:
+            if "error" in r:
+                state = "not run" if r["error"].startswith("not run") else "FAILED"
+                lines.append(f"| {r['op']} | {r['score']} | {r['shape']} | {r['dtype']} | {r['slots']} | "
+                             f"{r['error'][:160]} | | {state} | | |")
+                continue
+            xla = max((v for k, v in r.items() if k.startswith("xla_") and k.endswith("_err")), default=None)
+            lines.append(f"| {r['op']} | {r['score']} | {r['shape']} | {r['dtype']} | {r['slots']} | "
+                         f"{r['max_err']:.2e} | {r['tol']:.0e} | {'yes' if r['ok'] else 'NO'} | "
+                         f"{'' if xla is None else f'{xla:.2e}'} | "
+                         f"{r['kernel_compile_s']:.1f} |")
+        lines.append("")
+    times = results.rows("kernel_times")
+    if times:
+        lines += ["### Kernel times (Llama-3.1-8B heads, bfloat16, every slot visible)", "",
+                  "| op | score | slots | batch | Pallas (Triton) ms | XLA ms | cuDNN ms | XLA / Pallas "
+                  "| K+V GB/s (Pallas) |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        by = {}
+        for r in times:
+            by.setdefault((r["op"], r["score"], r["slots"], r["batch"]), {})[r["impl"]] = r
+        for (op, score, slots, batch), impls in by.items():
+            cell = lambda i: (f"{impls[i]['ms']:.3f}" if i in impls and "ms" in impls[i]  # noqa: E731
+                              else ("error" if i in impls else ""))
+            p, x = impls.get("pallas_gpu", {}), impls.get("xla", {})
+            ratio = f"{x['ms'] / p['ms']:.2f}" if "ms" in p and "ms" in x else ""
+            lines.append(f"| {op} | {score} | {slots} | {batch} | {cell('pallas_gpu')} | {cell('xla')} | "
+                         f"{cell('cudnn')} | {ratio} | {p.get('kv_gb_s', float('nan')):.0f} |")
+        errors = [r for r in times if "error" in r]
+        for r in errors:
+            lines.append(f"\n- {r['op']} {r['score']} {r['slots']} {r['impl']}: {r['error'][:300]}")
+        lines.append("")
+    return lines

@@ -1,0 +1,157 @@
+"""kvjax on one GPU, in one call: every Pallas GPU kernel checked and timed, an 8B-shaped Llama's prefill and
+decode against its memory floor, transformers on the same card, and the serving engine.
+
+    python benchmarks/gpu/run.py --out $OUT                       # on the device (bash benchmarks/gpu/device.sh)
+    python benchmarks/gpu/run.py --smoke --out /tmp/gpu-smoke     # every part on CPU, tiny shapes, under 2 minutes
+    python benchmarks/gpu/run.py --parts kernels --seconds 200 --out $OUT
+
+Parts, each in a process of its own (so that each has the whole card, and a crash ends only its part):
+kernels (``kernels_part``), model (prefill and decode, ``model_part``; also measures the copy bandwidth and the
+bf16 matrix rate), serve (``serve_part``), peer (``peer_transformers``). ``--seconds`` is the whole run's budget:
+each part gets a share of what is left when it starts, stops starting new measurements at its deadline and is
+killed 60 s after it. Every measurement is a row in ``OUT/parts/<part>.json`` (written as it is made, so a run
+cut short keeps what it measured; a failure is a row naming its error); at the end ``OUT/results.json`` merges
+them and ``OUT/results.md`` holds the tables, printed last (``report.py`` combines several runs). A failed
+measurement's row holds its error's type and message; ``KVJAX_GPU_TRACEBACKS=1`` also prints the traceback.
+Notes on method and on what was seen: NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PARTS = ("kernels", "model", "serve", "peer")
+SHARES = {"kernels": 0.32, "model": 0.6, "serve": 0.5, "peer": 1.0}  # of the time left when the part starts
+GRACE_S = 60
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="directory for results.json, results.md, parts/")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
+    parser.add_argument("--seconds", type=float, default=420.0, help="budget of the whole run")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the Pallas interpreter)")
+    parser.add_argument("--workers", type=int, default=None, help="compile threads (default: CPU count - 2)")
+    parser.add_argument("--no-kernel-timings", action="store_true", help="kernels: the checks alone")
+    parser.add_argument("--f32-precision", choices=["highest"], help="kernels: trace the float32 kernels' checks "
+                        "under this matmul precision (default: JAX's, TF32 dots in Triton)")
+    parser.add_argument("--part", help=argparse.SUPPRESS)  # run one part in this process
+    args = parser.parse_args(argv)
+    args.parts = [p for p in args.parts.split(",") if p]
+    if unknown := set(args.parts) - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(unknown)}; choose from {PARTS}")
+    return args
+
+
+def run_part(args) -> int:
+    """One part, in this process."""
+    if args.smoke:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    from common import Compiler, Deadline, Results, device_text, log, measure_ceilings, memory_stats
+
+    deadline = Deadline(args.seconds)
+    meta = {"part": args.part, "device": device_text(), "jax": jax.__version__, "smoke": args.smoke,
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    results = Results(args.out / "parts" / f"{args.part}.json", meta)
+    compiler = Compiler(args.workers or max(2, (os.cpu_count() or 2) - 2))
+    log(f"part {args.part} on {meta['device']}, jax {jax.__version__}, {deadline.left():.0f} s")
+    try:
+        if args.part == "kernels":
+            import kernels_part
+            kernels_part.run(results, deadline, compiler, args.smoke, timings=not args.no_kernel_timings,
+                             f32_precision=args.f32_precision)
+        elif args.part == "model":
+            import model_part
+            ceilings = measure_ceilings(args.smoke)
+            meta["ceilings"] = ceilings.__dict__
+            log(f"copy {ceilings.copy_gb_s:.0f} GB/s (read + written), "
+                f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
+            model_part.run(results, deadline, compiler, ceilings, args.smoke)
+        elif args.part == "serve":
+            import model_part
+            import serve_part
+            model = model_part.ModelRun(results, deadline, compiler, None, args.smoke)
+            serve_part.run(results, deadline, model, args.smoke)
+        meta["memory_end"] = memory_stats()
+        meta["seconds"] = args.seconds - deadline.left()
+        results.save()
+    finally:
+        compiler.close()
+    return 0
+
+
+def run_peer(args, seconds: float) -> None:
+    cmd = [sys.executable, str(HERE / "peer_transformers.py")] + (["--smoke"] if args.smoke else [])
+    path = args.out / "parts" / "peer.json"
+    try:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, timeout=seconds, text=True)
+        data = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
+        if done.returncode:
+            data["error"] = f"exit status {done.returncode}"
+    except subprocess.TimeoutExpired:
+        data = {"error": f"timed out after {seconds:.0f} s"}
+    except (json.JSONDecodeError, OSError) as e:
+        data = {"error": f"{type(e).__name__}: {e}"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.part:
+        return run_part(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    end = time.monotonic() + args.seconds
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")  # the largest-batch runs size themselves to the card
+    for part in args.parts:
+        left = end - time.monotonic()
+        if left <= 5:
+            print(f"[run] {part}: skipped, no time left", file=sys.stderr, flush=True)
+            continue
+        share = left * SHARES[part] if part != args.parts[-1] else left
+        print(f"[run] {part}: {share:.0f} s of {left:.0f} s left", file=sys.stderr, flush=True)
+        if part == "peer":
+            run_peer(args, share + GRACE_S)
+            continue
+        cmd = [sys.executable, __file__, "--part", part, "--seconds", str(share), "--out", str(args.out)]
+        cmd += ["--smoke"] if args.smoke else []
+        cmd += ["--workers", str(args.workers)] if args.workers else []
+        cmd += ["--no-kernel-timings"] if args.no_kernel_timings else []
+        cmd += ["--f32-precision", args.f32_precision] if args.f32_precision else []
+        try:
+            status = subprocess.run(cmd, env=env, timeout=share + GRACE_S).returncode
+        except subprocess.TimeoutExpired:
+            status = "killed after its deadline"
+        if status:
+            print(f"[run] {part}: exit status {status}", file=sys.stderr, flush=True)
+            record_crash(args.out, part, status)
+    import report
+
+    text = report.write(args.out)
+    print(text)
+    return 0
+
+
+def record_crash(out: Path, part: str, status) -> None:
+    """A part whose process died keeps its rows; the exit status is added to its meta."""
+    path = out / "parts" / f"{part}.json"
+    data = json.loads(path.read_text()) if path.exists() else {"meta": {"part": part}, "parts": {}}
+    data["meta"]["exit"] = str(status)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    raise SystemExit(main())

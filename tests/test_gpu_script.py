@@ -1,0 +1,59 @@
+"""The GPU script (benchmarks/gpu/run.py) works before any device minute is spent on it: ``--smoke`` runs every part
+on CPU with tiny shapes (the Pallas GPU kernels under the interpreter), and its report combines runs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU = ROOT / "benchmarks" / "gpu"
+
+
+def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
+    done = subprocess.run([sys.executable, str(GPU / "run.py"), "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    merged = json.loads((tmp_path / "results.json").read_text())
+    parts = merged["parts"]
+    for table in ("kernel_checks", "kernel_times", "prefill", "decode", "serve"):
+        rows = parts[table]
+        assert rows, table
+        failed = [r for r in rows if "error" in r]
+        assert not failed, (table, failed[:3])
+    sys.path.insert(0, str(GPU))
+    try:
+        from kernels_part import OPS
+    finally:
+        sys.path.remove(str(GPU))
+    checks = parts["kernel_checks"]
+    assert {r["op"] for r in checks} == set(OPS)  # every kernel: dense, paged, MomentKV-corrected
+    assert all(r["ok"] and r["max_err"] < 1e-2 for r in checks)
+    assert {r["impl"] for r in parts["kernel_times"]} == {"pallas_gpu", "xla", "cudnn"}
+    decode = parts["decode"]
+    assert {r["cache"] for r in decode if r.get("largest_batch")} == {"full", "snapkv 64"}
+    assert {r["cache"] for r in decode} >= {"full", "snapkv 64", "momentkv 64", "adakv 64"}
+    assert all(r["ms_per_step"] > 0 and r["floor_ms"] > 0 for r in decode)
+    assert {r["slots"] for r in parts["serve"]} == {1, 4}
+    peer = parts["peer"]
+    assert "error" not in peer and peer["decode"] and not [r for r in peer["decode"] if "error" in r]
+    report = (tmp_path / "results.md").read_text()
+    assert "### Targets" in report and report.strip() == done.stdout.strip()  # the table is printed last
+
+
+def test_report_combines_runs_and_keeps_only_what_no_run_reached():
+    sys.path.insert(0, str(GPU))
+    try:
+        from report import combine
+    finally:
+        sys.path.remove(str(GPU))
+    label = {"cache": "full", "impl": "default", "context": 4096, "batch": 1}
+    first = {"meta": {"model": {}}, "parts": {
+        "decode": [{**label, "error": "not run: the part's deadline passed"},
+                   {**label, "batch": 8, "error": "not run: the part's deadline passed"}],
+        "peer": {"decode": []}}}
+    second = {"meta": {"model": {}}, "parts": {"decode": [{**label, "ms_per_step": 15.0}]}}
+    merged = combine([first, second], ["a", "b"])
+    rows = merged["parts"]["decode"]
+    assert [(r["batch"], r["run"], "error" in r) for r in rows] == [(8, "a", True), (1, "b", False)]
+    assert merged["parts"]["peer"]["run"] == "a" and set(merged["meta"]) == {"a", "b"}
