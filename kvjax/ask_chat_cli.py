@@ -13,17 +13,26 @@ from kvjax.options import add_arguments, eviction_from, from_arguments, with_tok
 LONG_CONTEXT = 1024  # tokens from which compressing a context shows its progress
 
 
+FROM_FILE = "@FILE: the file's text; -: standard input; either without one trailing newline"
+
+
 def read_text(value: str, flag: str) -> str:
-    """``value`` itself, the contents of FILE for ``@FILE``, or standard input for ``-``."""
+    """``value`` itself, or the contents of FILE for ``@FILE`` or standard input for ``-`` without one trailing
+    newline (``\n`` or ``\r\n``; shell command substitution drops them too), so that a question written by
+    ``echo`` is the prompt it would be typed inline."""
     if value == "-":
-        return sys.stdin.read()
+        return _chomp(sys.stdin.read())
     if value.startswith("@"):
         try:
             with open(value[1:], encoding="utf-8") as f:
-                return f.read()
+                return _chomp(f.read())
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"{flag} {value}: cannot read {value[1:]!r}: {e}") from None
     return value
+
+
+def _chomp(text: str) -> str:
+    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
 @contextlib.contextmanager
@@ -48,9 +57,10 @@ def elapsed(desc: str, enabled: bool):
 
 
 def _model_arguments(p) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="model source (default: %(default)s)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model source, as generate's --model "
+                   "(default: %(default)s)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
-    p.add_argument("--system", help="system prompt (@FILE and - accepted)")
+    p.add_argument("--system", help=f"system prompt ({FROM_FILE})")
     p.add_argument("--max-new-tokens", type=int, default=None, help="longest answer in tokens")
 
 
@@ -60,7 +70,7 @@ def _ask(args) -> int:
     import kvjax
     from kvjax.conversation import context_stats
     from kvjax.loading import chat_parts
-    from kvjax.saved_context import load_context, save_context
+    from kvjax.saved_context import context_path, load_context, save_context
 
     eviction = from_arguments(args)
     if (args.context is None) == (args.load is None):
@@ -79,7 +89,7 @@ def _ask(args) -> int:
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
     if args.load is not None:
-        context = load_context(args.load, params)
+        context = load_context(context_path(args.load), params)
         print(f"[loaded {args.load}: {context_stats(params, context)}]", file=sys.stderr)
     else:
         with open(args.context, encoding="utf-8") as f:
@@ -92,8 +102,8 @@ def _ask(args) -> int:
         print(f"[compressed in {time.perf_counter() - start:.1f}s, compilation included: "
               f"{context_stats(params, context)}]", file=sys.stderr)
         if args.save is not None:
-            save_context(args.save, context, params)
-            print(f"[saved to {args.save}]", file=sys.stderr)
+            save_context(context_path(args.save), context, params)
+            print(f"[saved to {context_path(args.save)}]", file=sys.stderr)
     max_new = args.max_new_tokens or 64
     for question in questions:
         _, ids = chat_parts(tokenizer, "", question)
@@ -152,11 +162,13 @@ def add_ask_chat_parsers(sub) -> None:
                        description="Prefill and compress a document once under a budget, then answer each question "
                                    "against the compressed context (the question arrives after compression: "
                                    "KVzip's query-agnostic setting). --save keeps the compressed context for a later "
-                                   "--load. Questions accept @FILE and - (standard input).")
+                                   "--load. Questions accept @FILE and - (standard input), each read without one "
+                                   "trailing newline.")
     a.add_argument("questions", nargs="*", metavar="QUESTION", help="questions about the document")
     a.add_argument("--context", metavar="FILE", help="the document (a UTF-8 text file)")
-    a.add_argument("--save", metavar="DIR", help="write the compressed context there (Orbax; atomic)")
-    a.add_argument("--load", metavar="DIR", help="answer from a context saved with --save instead of --context")
+    a.add_argument("--save", metavar="NAME|DIR", help="write the compressed context there (Orbax; atomic): a bare NAME "
+                   "goes to contexts/NAME in kvjax's directory (README 'Where files go'), a path where it says")
+    a.add_argument("--load", metavar="NAME|DIR", help="answer from a context saved with --save instead of --context")
     a.add_argument("--quiet", action="store_true", help="no progress line while compressing")
     _model_arguments(a)
     add_arguments(a.add_argument_group("eviction (kvjax.EvictionOptions; with --context, --budget is required; "

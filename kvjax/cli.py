@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from kvjax.ask_chat_cli import add_ask_chat_parsers, read_text
+from kvjax.ask_chat_cli import FROM_FILE, add_ask_chat_parsers, read_text
 from kvjax.compilation_cache import enable as enable_compilation_cache
 from kvjax.eval.cli import add_eval_parser
 from kvjax.options import add_arguments, eviction_from, from_arguments, with_tokenizer
@@ -64,6 +64,9 @@ def _serve(args) -> int:
     import os
     import signal
 
+    from kvjax.extras import require
+
+    require("serve", "kvjax serve")
     import uvicorn
 
     import kvjax
@@ -102,11 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt or a chat message, streaming the answer",
                        description="Generate text with a Llama/Qwen model, streaming tokens as they are decoded.")
     g.add_argument("--model", default="smollm2-135m-instruct",
-                   help="registry name, .gguf file, Hugging Face directory or kvjax checkpoint "
-                        "(default: %(default)s)")
+                   help="registry name, .gguf file, Hugging Face directory or model id (owner/name, from the "
+                        "local Hugging Face cache), or kvjax checkpoint (default: %(default)s)")
     text = g.add_mutually_exclusive_group(required=True)
-    text.add_argument("--chat", metavar="MESSAGE", help="a user message, wrapped in the model's chat template "
-                                                         "(@FILE: the file's text; -: standard input)")
+    text.add_argument("--chat", metavar="MESSAGE", help=f"a user message, wrapped in the model's chat template "
+                                                         f"({FROM_FILE})")
     text.add_argument("--prompt", metavar="TEXT", help="raw text to continue, no chat template (@FILE, - as --chat)")
     g.add_argument("--system", help="system message for --chat (default: the template's own)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default: %(default)s)")
@@ -163,6 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
     try:
         return args.run(args)
-    except (ValueError, TypeError) as e:  # CheckpointError included: clear messages, no traceback
+    except (ValueError, TypeError, ImportError) as e:  # CheckpointError and a missing extra: clear messages
         print(f"error: {e}", file=sys.stderr)
         return 2

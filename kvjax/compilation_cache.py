@@ -2,7 +2,8 @@
 compiles nothing it compiled before.
 
 The cache directory is ``$KVJAX_COMPILATION_CACHE`` if set (``off`` disables it), else ``jax-cache/`` in the
-checkpoint dir (``kvjax.loading.checkpoint_root``, git-ignored). Every compilation is stored, however short:
+checkpoint dir (``kvjax.loading.checkpoint_root``: the user's cache directory, or a checkout's git-ignored
+``checkpoints/``). Every compilation is stored, however short:
 the CLI's cold start is many small programs.
 """
 

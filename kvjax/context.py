@@ -24,7 +24,7 @@ from kvjax.paged_cache import PagedCache
 from kvjax.params import Params
 from kvjax.prefilled import Prefilled
 from kvjax.sampling import Sampling
-from kvjax.sharding import check_batch, constrain, on_mesh, shard, to_host
+from kvjax.sharding import auto_mesh, check_batch, constrain, on_mesh, shard, to_host
 
 
 def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> Context:
@@ -39,6 +39,7 @@ def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> 
         raise ValueError("budget=None: prefill builds a compressed context and needs a budget; use "
                          "kvjax.generate (or kvjax.prefill_full) for a full cache")
     check_context(params.config, longest, 0)
+    mesh = auto_mesh(mesh)
     check_batch(len(rows), mesh)
     if ev.policy.base_spec.scoring_pass is not None:  # KVzip: a scoring pass over the whole prefilled prompt
         return Prefilled(params, rows if batched else rows[0], mesh=mesh).compress(**eviction)

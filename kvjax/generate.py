@@ -17,7 +17,7 @@ from kvjax.model import decode_hidden, logits_from_hidden
 from kvjax.options import eviction_from
 from kvjax.params import Params
 from kvjax.sampling import Sampling
-from kvjax.sharding import data_size, shard
+from kvjax.sharding import auto_mesh, data_size, shard
 
 
 @jax.jit
@@ -75,6 +75,7 @@ def _generation(params: Params, rows: list[np.ndarray], max_new_tokens: int, sam
     the whole prompt first, as ``kvjax.prefill``) and return the decoding ``Generation``. On a mesh, rows of one
     pad token fill the batch up to a multiple of its ``data`` axis (their outputs come last)."""
     ev = eviction_from(context=max(len(r) for r in rows), **eviction)
+    mesh = auto_mesh(mesh)
     rows = rows + [np.full(1, params.config.pad_token_id, np.int32)] * (-len(rows) % data_size(mesh))
     if mesh is not None:
         params = shard(params, mesh)

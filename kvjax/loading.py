@@ -1,9 +1,9 @@
 """``kvjax.load`` and ``kvjax.load_tokenizer``: one entry point for every checkpoint source.
 
 A source is a registry name (``kvjax.checkpoint.registry.REGISTRY``), a ``.gguf`` file, a Hugging Face
-directory (``config.json`` + safetensors) or a converted kvjax checkpoint directory. GGUF and HF sources
-are converted once into ``<checkpoint dir>/<name>/`` (Orbax) and later loads reuse that conversion.
-The checkpoint dir is ``$KVJAX_CHECKPOINTS`` if set, else ``checkpoints/`` at the repository root.
+directory (``config.json`` + safetensors), a Hugging Face model id found through ``huggingface_hub`` or a
+converted kvjax checkpoint directory. GGUF and HF sources are converted once into ``<checkpoint dir>/<name>/``
+(Orbax) and later loads reuse that conversion. The checkpoint dir: ``checkpoint_root``.
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import sys
 import time
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.checkpoint import store
+from kvjax.checkpoint import hub, store
 from kvjax.checkpoint.errors import CheckpointError
 from kvjax.checkpoint.registry import REGISTRY
 from kvjax.params import Params
@@ -27,7 +28,18 @@ CONVERTER_VERSION = 1  # bump when conversion changes, so stale conversions are 
 
 
 def checkpoint_root() -> str:
-    return os.environ.get("KVJAX_CHECKPOINTS") or str(Path(__file__).resolve().parent.parent / "checkpoints")
+    """Where kvjax writes: converted models, the compilation cache (``jax-cache/``) and contexts saved by name
+    (``contexts/``). ``$KVJAX_CHECKPOINTS`` if set; else, when kvjax runs from a development checkout (its
+    folder beside the ``pyproject.toml`` of kvjax), the checkout's ``checkpoints/``; else the user's cache
+    directory, ``$XDG_CACHE_HOME/kvjax`` or ``~/.cache/kvjax`` — never the installed package's folder."""
+    if chosen := os.environ.get("KVJAX_CHECKPOINTS"):
+        return chosen
+    checkout = Path(__file__).resolve().parent.parent
+    project = checkout / "pyproject.toml"
+    if project.is_file() and 'name = "kvjax"' in project.read_text(encoding="utf-8"):
+        return str(checkout / "checkpoints")
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    return str((Path(cache) if os.path.isabs(cache) else Path.home() / ".cache") / "kvjax")
 
 
 def _fingerprint(path: str) -> dict:
@@ -55,15 +67,22 @@ def _resolve(source: str) -> tuple[str, str, str | None]:
     if os.path.exists(source):
         raise CheckpointError(f"source={source!r} exists but is neither a .gguf file, a Hugging Face directory "
                               f"(with config.json) nor a kvjax checkpoint (with {store.CONFIG_FILE})")
-    raise CheckpointError(f"source={source!r} is not a registry name (known: {sorted(REGISTRY)}) "
-                          "nor an existing file or directory")
+    if hub.REPO_ID.fullmatch(source):
+        path = hub.snapshot(source)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise CheckpointError(f"source={source!r}: its Hugging Face files ({path}) hold no config.json")
+        return "hf", path, os.path.join(checkpoint_root(), source.replace("/", "--"))
+    raise CheckpointError(f"source={source!r} is not a registry name (known: {sorted(REGISTRY)}), an existing "
+                          "file or directory, nor a Hugging Face model id (owner/name)")
 
 
 def _tokenizer_from_source(kind: str, path: str):
     from transformers import AutoTokenizer
 
     if kind == "gguf":
-        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        from kvjax.checkpoint.gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(path)  # not transformers' GGUF reader: it needs torch
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -94,7 +113,7 @@ def _ensure_converted(source: str) -> str:
         store.write_checkpoint(target, cfg, flat, tokenizer, fingerprint)
     finally:
         os.close(lock)  # releases the lock
-    print(f"kvjax: converted {source} -> {target} in {time.perf_counter() - start:.1f}s")
+    print(f"kvjax: converted {source} -> {target} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return target
 
 

@@ -34,7 +34,7 @@ from kvjax.params import Params
 from kvjax.priorities import query_weights, update_state
 from kvjax.sampling import Sampling
 from kvjax.scorers import Policy
-from kvjax.sharding import check_batch, constrain, on_mesh, shard
+from kvjax.sharding import auto_mesh, check_batch, constrain, on_mesh, shard
 
 
 @struct.dataclass
@@ -148,6 +148,7 @@ class Prefilled:
         rows, self.batched = check_tokens(tokens, params.config.vocab_size)
         longest = max(len(r) for r in rows)
         check_context(params.config, longest, 0)
+        mesh = auto_mesh(mesh)
         check_batch(len(rows), mesh)
         padded, self.lengths = pad_rows(rows, prompt_bucket(longest), params.config.pad_token_id)
         self.params = params if mesh is None else shard(params, mesh)

@@ -30,6 +30,7 @@ from kvjax.scorers import Policy
 from kvjax.sharding import to_host
 
 META_FILE = "kvjax_context.json"
+CONTEXTS = "contexts"  # the folder of contexts saved by name, in kvjax.loading.checkpoint_root()
 FORMAT = 1
 CACHE_KINDS = {"budget": BudgetCache, "paged": PagedCache}
 
@@ -45,6 +46,17 @@ def _eviction_from_json(raw: dict) -> Eviction:
     if policy.get("head_budgets") is not None:
         policy["head_budgets"] = tuple(policy["head_budgets"])
     return Eviction(**(raw | {"policy": Policy(**policy)}))
+
+
+def context_path(name_or_path: str) -> str:
+    """Where a context given on the command line lives: a bare NAME (no path separator, not starting with "."
+    or "~") in ``contexts/`` of the kvjax directory (``kvjax.loading.checkpoint_root``), anything else the path
+    it names."""
+    from kvjax.loading import checkpoint_root
+
+    if os.sep in name_or_path or (os.altsep and os.altsep in name_or_path) or name_or_path.startswith((".", "~")):
+        return os.path.expanduser(name_or_path)
+    return os.path.join(checkpoint_root(), CONTEXTS, name_or_path)
 
 
 def save_context(path: str, context: Context, params: Params) -> None:

@@ -9,7 +9,9 @@ row, KV head), so with KV heads split over ``model`` it needs no communication; 
 cost one collective each (``docs/sharding.md``).
 
 Under ``jax.set_mesh(mesh)``, the jitted functions place what they create with ``constrain``; with no mesh
-set it is a no-op, so single-device code is unchanged.
+set it is a no-op, so single-device code is unchanged. A mesh a user passes in may have axes of any type: the
+entry points (``kvjax.generate``, ``prefill``, ``prefill_full``, the serving ``Engine``, ``shard``) run on its
+devices with Auto axes (``auto_mesh``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,25 @@ def make_mesh(axes: str | dict[str, int], devices=None) -> Mesh:
                          devices=devices[: shape[0] * shape[1]])
 
 
+def auto_mesh(mesh: Mesh | None) -> Mesh | None:
+    """A user's mesh as kvjax runs on it: any ``jax.sharding.Mesh`` whose axes are named ``data`` and/or
+    ``model``, whatever its axis types. kvjax places every array itself (``constrain``), which needs axes of
+    type Auto, so a mesh with Explicit (``jax.make_mesh``'s default) or Manual axes is the same devices and
+    names with Auto axes. None stays None."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (kvjax.make_mesh('data=2,model=4') or "
+                        f"jax.make_mesh((2, 4), ('data', 'model'))), got {type(mesh).__name__}")
+    if unknown := set(mesh.axis_names) - {DATA, MODEL}:
+        raise ValueError(f"mesh axes {sorted(unknown)} are unknown: kvjax's mesh axes are {DATA!r} (splits the batch) "
+                         f"and {MODEL!r} (splits heads, MLP and vocabulary); name the axes so, e.g. "
+                         f"jax.make_mesh((2, 4), ('data', 'model'))")
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def partition(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh) -> P:
     """The PartitionSpec of an array with logical ``axes`` and ``shape`` on ``mesh`` (``RULES``; a dimension
     its mesh axis does not divide is replicated)."""
@@ -75,8 +96,9 @@ def specs(tree, mesh):
 
 
 def shard(params: Params, mesh: Mesh) -> Params:
-    """The parameters placed on ``mesh`` as their logical axes say (``kvjax.shard``); already placed so, they
-    are returned as they are."""
+    """The parameters placed on ``mesh`` (any axis types, ``auto_mesh``) as their logical axes say
+    (``kvjax.shard``); already placed so, they are returned as they are."""
+    mesh = auto_mesh(mesh)
     placement = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(params, mesh),
                              is_leaf=lambda x: isinstance(x, P))
     if all(getattr(x, "sharding", None) == s for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(placement),

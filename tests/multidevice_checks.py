@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 
 import kvjax
 from kvjax.decoding import Generation, decode_steps
 from kvjax.options import eviction_from
 from kvjax.sampling import Sampling
+from kvjax.serving import Engine
 from kvjax.sharding import make_mesh, shard
 
 MESHES = ("data=8", "data=2,model=4", "model=8")
@@ -144,6 +146,33 @@ def test_compressed_contexts_decode_on_their_mesh(model):
     np.testing.assert_array_equal(kept(shared.compress(budget=16, scorer="snapkv", obs_window=4).cache),
                                   kept(kvjax.prefill(model, rows, budget=16, scorer="snapkv", obs_window=4,
                                                      protocol="prefill").cache))
+
+
+def test_a_mesh_made_by_jax_with_explicit_axes_runs_as_one_device(model):
+    """jax.make_mesh's default axes are Explicit; kvjax runs on its devices with Auto axes (kvjax.sharding.auto_mesh):
+    the same tokens through generate, prefill + decode and the serving engine."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    assert set(mesh.axis_types) == {AxisType.Explicit}
+    rows = prompts(8, 128, seed=4)
+    for options in (SETTINGS["full"], SETTINGS["snapkv"], SETTINGS["adakv"]):
+        one = kvjax.generate(model, rows, 6, stop_ids=(), **options)
+        many = kvjax.generate(model, rows, 6, stop_ids=(), mesh=mesh, **options)
+        assert all((a == b).all() for a, b in zip(one, many, strict=True)), options
+    question = [np.arange(10, 14, dtype=np.int32)] * 8
+    context = kvjax.prefill(model, rows, mesh=mesh, **SETTINGS["snapkv"])
+    for a, b in zip(kvjax.decode(model, kvjax.prefill(model, rows, **SETTINGS["snapkv"]), question, 4, stop_ids=()),
+                    kvjax.decode(model, context, question, 4, stop_ids=()), strict=True):
+        np.testing.assert_array_equal(a, b)
+    engine = Engine(model, slots=8, max_prompt=64, max_new_tokens=6, mesh=mesh, **SETTINGS["snapkv"])
+    state = engine.init_state()
+    for i, row in enumerate(rows):
+        state = engine.insert(engine.prefill(engine.inputs(row, stop_ids=())), state, i)
+    steps = []
+    for _ in range(6):
+        state, tokens = engine.generate(state)
+        steps.append(np.asarray(tokens))
+    alone = kvjax.generate(model, rows, 6, stop_ids=(), **SETTINGS["snapkv"])
+    np.testing.assert_array_equal(np.concatenate(steps, axis=1), np.stack(alone))
 
 
 @pytest.mark.parametrize("name", ["snapkv", "momentkv", "adakv"])

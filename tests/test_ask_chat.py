@@ -19,13 +19,15 @@ ASK = dict(budget=96, scorer="snapkv", obs_window=8)
 QUESTIONS = ["What is the passcode of the blue door?", "Which colour is the door?"]
 
 
-def test_read_text_takes_files_and_standard_input(tmp_path, monkeypatch):
+def test_read_text_takes_files_and_standard_input_without_one_trailing_newline(tmp_path, monkeypatch):
     text = "Héllo,\nworld — twice.\n"
-    (tmp_path / "m.txt").write_text(text, encoding="utf-8")
-    assert read_text(f"@{tmp_path / 'm.txt'}", "--chat") == text
-    monkeypatch.setattr("sys.stdin", io.StringIO(text))
-    assert read_text("-", "--chat") == text
-    assert read_text(text, "--chat") == text
+    for written, read in ((text, text[:-1]), (text + "\n", text), ("a\r\n", "a"), ("a\n\r\n", "a\n"),
+                          ("no newline", "no newline")):
+        (tmp_path / "m.txt").write_bytes(written.encode("utf-8"))
+        assert read_text(f"@{tmp_path / 'm.txt'}", "--chat") == read
+        monkeypatch.setattr("sys.stdin", io.StringIO(written))
+        assert read_text("-", "--chat") == read
+    assert read_text(text, "--chat") == text  # typed inline: as given
     with pytest.raises(ValueError, match="--chat @.*nope.txt.*cannot read"):
         read_text(f"@{tmp_path / 'nope.txt'}", "--chat")
 
@@ -33,10 +35,10 @@ def test_read_text_takes_files_and_standard_input(tmp_path, monkeypatch):
 @pytest.mark.smollm2
 def test_generate_reads_the_message_from_a_file_and_from_standard_input(tmp_path, monkeypatch, capsys):
     message = "What is the capital of France?"
-    (tmp_path / "m.txt").write_text(message)
+    (tmp_path / "m.txt").write_text(message + "\n")  # as `echo` writes it
     outputs = []
     for arg in (message, f"@{tmp_path / 'm.txt'}", "-"):
-        monkeypatch.setattr("sys.stdin", io.StringIO(message))
+        monkeypatch.setattr("sys.stdin", io.StringIO(message + "\n"))
         assert main(["generate", "--chat", arg, "--max-new-tokens", "8", "--budget", "32", "--scorer", "tova"]) == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1] == outputs[2] and "Paris" in outputs[0]

@@ -37,6 +37,23 @@ def test_bad_meshes_are_clear_errors(spec, match):
         make_mesh(spec)
 
 
+def test_any_jax_mesh_with_data_and_model_axes_runs_with_auto_axes():
+    import jax
+    from jax.sharding import AxisType
+
+    from kvjax.sharding import auto_mesh
+
+    explicit = jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Explicit))
+    mesh = auto_mesh(explicit)
+    assert mesh.axis_types == (AxisType.Auto, AxisType.Auto) and mesh.devices.tolist() == explicit.devices.tolist()
+    assert auto_mesh(mesh) is mesh and auto_mesh(None) is None
+    with pytest.raises(ValueError, match="mesh axes \\['x'\\] are unknown.*name the axes so"):
+        auto_mesh(jax.make_mesh((1,), ("x",)))
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        kvjax.generate(kvjax.init_params(kvjax.ModelConfig("llama", 16, 8, 1, 2, 1, 8, 16, 64), jax.random.key(0)),
+                       [1, 2, 3], mesh="data=2")
+
+
 def _run(cmd, env_extra, timeout):
     env = os.environ | env_extra | {"PYTHONPATH": str(TESTS)}
     return subprocess.run(cmd, cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=timeout)

@@ -10,6 +10,7 @@ import time
 from kvjax.eval.haystack import HAYSTACKS
 from kvjax.eval.niah import TASKS
 from kvjax.eval.sweep import SETTINGS
+from kvjax.extras import require
 from kvjax.options import DEFAULTS, NAMES, add_arguments, from_arguments
 
 SWEPT = ("budget", "scorer", "protocol")  # the evaluations sweep these (--budgets, --scorers, --protocols)
@@ -195,6 +196,7 @@ def _niah(args) -> int:
         print(f"{answers} answers ({plan['per_length']} per method, budget, setting and length), about "
               f"{seconds / 60:.0f} minutes by kvjax.eval.cli.COST (measured on 2 idle cores); nothing run")
         return 0
+    require("eval", "kvjax eval (its accuracy plot)")  # before the sweep, not after it
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
     samples = make_samples(tokenizer, plan["tasks"], plan["haystacks"], plan["lengths"], plan["n"], args.seed)

@@ -32,7 +32,7 @@ from kvjax.model import logits_from_hidden
 from kvjax.options import eviction_from
 from kvjax.params import Params
 from kvjax.sampling import Sampling
-from kvjax.sharding import check_batch, constrain, on_mesh, shard
+from kvjax.sharding import auto_mesh, check_batch, constrain, on_mesh, shard
 
 MAX_STOP_IDS = 8  # stop ids per request (a padded [slots, MAX_STOP_IDS] array)
 MAX_SEED = 2**31  # seeds lie in [0, MAX_SEED)
@@ -200,6 +200,7 @@ class Engine:
         for name, value in (("slots", slots), ("steps", steps)):
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        mesh = auto_mesh(mesh)
         check_batch(slots, mesh)
         max_new_tokens = check_max_new(max_new_tokens)
         if not (isinstance(max_prompt, int) and 1 <= max_prompt <= cfg.max_seq_len - max_new_tokens):
