@@ -67,7 +67,7 @@ def _resolve(source: str) -> tuple[str, str, str | None]:
     if os.path.exists(source):
         raise CheckpointError(f"source={source!r} exists but is neither a .gguf file, a Hugging Face directory "
                               f"(with config.json) nor a kvjax checkpoint (with {store.CONFIG_FILE})")
-    if hub.REPO_ID.fullmatch(source):
+    if hub.REPO_ID.fullmatch(source) and not source.endswith(".gguf"):
         path = hub.snapshot(source)
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise CheckpointError(f"source={source!r}: its Hugging Face files ({path}) hold no config.json")

@@ -149,9 +149,11 @@ def test_a_model_is_loaded_by_its_hugging_face_id_from_the_local_cache(smollm2_t
         assert main(["generate", "--model", model, "--chat", "Hi", "--max-new-tokens", "4"]) == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1] and outputs[0].strip()
-    with pytest.raises(kvjax.CheckpointError, match="'HuggingFaceTB/NoSuchModel' is a Hugging Face model id that is "
-                                                    "not in the local cache .*hub"):
+    missing = "'HuggingFaceTB/NoSuchModel' is no existing file or directory, and as a Hugging Face model id it is not"
+    with pytest.raises(kvjax.CheckpointError, match=missing + " in the local cache .*hub"):
         kvjax.load("HuggingFaceTB/NoSuchModel")
+    with pytest.raises(kvjax.CheckpointError, match="is not a registry name"):
+        kvjax.load("models/absent.gguf")  # a mistyped relative path stays a path
 
 
 def test_a_path_that_needs_a_missing_extra_names_it(monkeypatch, capsys):

@@ -38,6 +38,7 @@ def snapshot(repo_id: str) -> str:
         where = cache or "huggingface_hub's default cache (~/.cache/huggingface/hub)"
         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         raise CheckpointError(
-            f"source={repo_id!r} is a Hugging Face model id that is not in the local cache ({where}) and could not "
-            f"be downloaded ({reason}). Download it where a network is reachable (`hf download {repo_id}`; "
-            "HF_HUB_CACHE or HF_HOME choose the cache), or pass its directory") from None
+            f"source={repo_id!r} is no existing file or directory, and as a Hugging Face model id it is not in the "
+            f"local cache ({where}) and could not be downloaded ({reason}). Download it where a network is "
+            f"reachable (`hf download {repo_id}`; HF_HUB_CACHE or HF_HOME choose the cache), or pass its "
+            "directory") from None
