@@ -102,8 +102,9 @@ def _ask(args) -> int:
         print(f"[compressed in {time.perf_counter() - start:.1f}s, compilation included: "
               f"{context_stats(params, context)}]", file=sys.stderr)
         if args.save is not None:
-            save_context(context_path(args.save), context, params)
-            print(f"[saved to {context_path(args.save)}]", file=sys.stderr)
+            path = context_path(args.save)
+            save_context(path, context, params)
+            print(f"[saved to {path}]", file=sys.stderr)
     max_new = args.max_new_tokens or 64
     for question in questions:
         _, ids = chat_parts(tokenizer, "", question)

@@ -31,7 +31,7 @@ def error_text(e: BaseException, limit: int = 600) -> str:
 
 
 class Deadline:
-    """Seconds left of the run; each part gets ``until(share)`` of what remains when it starts."""
+    """A point in time a run or a phase must not start new work after."""
 
     def __init__(self, seconds: float):
         self.end = time.monotonic() + seconds

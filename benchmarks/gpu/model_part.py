@@ -61,6 +61,11 @@ class Sizes:
     steps: int
     margin: int  # bytes left free when sizing the largest batch
 
+    @property
+    def probe(self) -> int:
+        """The batch whose compiled program sizes the largest batch (the largest run at 32K with the full cache)."""
+        return max(b for b in self.batches if b <= 8)
+
 
 def sizes(smoke: bool) -> Sizes:
     if smoke:
@@ -127,16 +132,17 @@ class ModelRun:
 
     # --- prefill -----------------------------------------------------------------------------------------------
 
-    def submit_prefill(self, cache: Cache, context: int, impl: str | None):
+    def prefill_program(self, cache: Cache, context: int, impl: str | None) -> tuple:
+        """(jitted prefill, abstract arguments, static keywords) of one prompt of ``context`` tokens."""
         tokens = jax.ShapeDtypeStruct((1, context), jnp.int32)
         lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
         key = jax.eval_shape(lambda: jax.random.key(0))
         ev = eviction(cache, self.sz, context, impl)
         if ev is None:
-            return self.compiler.submit(prefill_full_cache, self.params, tokens, lengths, key,
-                                        capacity=round_capacity(context + NEW), out_width=OUT_WIDTH)
-        return self.compiler.submit(prefill_budget_cache, self.params, None, tokens, lengths, lengths, key, ev=ev,
-                                    out_width=OUT_WIDTH, decode_spare=ev.decode_spare(OUT_WIDTH))
+            return (prefill_full_cache, (self.params, tokens, lengths, key),
+                    dict(capacity=round_capacity(context + NEW), out_width=OUT_WIDTH))
+        return (prefill_budget_cache, (self.params, None, tokens, lengths, lengths, key),
+                dict(ev=ev, out_width=OUT_WIDTH, decode_spare=ev.decode_spare(OUT_WIDTH)))
 
     def call_prefill(self, compiled, cache: Cache, context: int) -> DecodeState:
         ids = jnp.asarray(prompt(context, self.sz.cfg.vocab_size))
@@ -221,7 +227,7 @@ class ModelRun:
             for b in sz.batches:
                 if cache == FULL:
                     jobs.append((cache, impl, source, b, (c4,)))
-                    if b <= 8:  # larger batches of a 32K full cache do not fit (the largest that does is run below)
+                    if b <= sz.probe:  # larger batches of a 32K full cache do not fit (the largest that does: below)
                         jobs.append((cache, impl, source, b, (c32,)))
                 else:  # a budget cache's shape does not depend on the context: one program serves both
                     jobs.append((cache, impl, source, b, (c4, c32)))
@@ -230,7 +236,10 @@ class ModelRun:
     def submit_all(self) -> tuple[dict, dict]:
         """Every prefill and decode program, compiled in the background (decode states' shapes from the prefills'
         abstract outputs)."""
-        prefills = {p: self.submit_prefill(*p) for p in self.prefill_plan()}
+        prefills = {}
+        for p in self.prefill_plan():
+            fn, args, static = self.prefill_program(*p)
+            prefills[p] = self.compiler.submit(fn, *args, **static)
         decodes = {}
         for job in self.decode_plan():
             cache, impl, source, b, contexts = job
@@ -239,16 +248,8 @@ class ModelRun:
         return prefills, decodes
 
     def prefill_shape(self, cache: Cache, context: int) -> DecodeState:
-        ev = eviction(cache, self.sz, context, None)
-        tokens = jax.ShapeDtypeStruct((1, context), jnp.int32)
-        lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
-        key = jax.eval_shape(lambda: jax.random.key(0))
-        if ev is None:
-            return jax.eval_shape(functools.partial(prefill_full_cache, capacity=round_capacity(context + NEW),
-                                                    out_width=OUT_WIDTH), self.params, tokens, lengths, key)
-        return jax.eval_shape(functools.partial(prefill_budget_cache, ev=ev, out_width=OUT_WIDTH,
-                                                decode_spare=ev.decode_spare(OUT_WIDTH)),
-                              self.params, None, tokens, lengths, lengths, key)
+        fn, args, static = self.prefill_program(cache, context, None)
+        return jax.eval_shape(functools.partial(fn, **static), *args)
 
     def decode(self, futures: dict) -> None:
         sz = self.sz
@@ -262,7 +263,8 @@ class ModelRun:
             if (cache, c32) not in self.states or self.deadline.passed():
                 self.results.add("decode", {**label, "error": "not run: no prefilled state or the deadline passed"})
                 continue
-            guarded(self.results, "decode", label, functools.partial(self.largest_batch_row, cache))
+            probe = next(futures[j] for j in first if j[0] == cache and j[3] == sz.probe and c32 in j[4])
+            guarded(self.results, "decode", label, functools.partial(self.largest_batch_row, cache, probe))
         for job in jobs:
             if job not in first:
                 self.decode_job(futures, job)
@@ -279,17 +281,18 @@ class ModelRun:
                 guarded(self.results, "decode", label,
                         functools.partial(self.decode_row, futures[job], self.states[source, context], b))
 
-    def largest_batch_row(self, cache: Cache) -> dict:
-        """Size the batch from a compiled probe's state and temporaries per row against the allocator's free
-        bytes, then run it (a batch that fails to run is retried 10% smaller, twice)."""
+    def largest_batch_row(self, cache: Cache, probe_future) -> dict:
+        """Size the batch from the compiled probe's (the plan's program at batch ≤ 8) state and temporaries per
+        row against the allocator's free bytes, then run it (a batch that fails to run is retried 10% smaller,
+        twice)."""
         c32 = self.sz.contexts[1]
         source = self.states[cache, c32]
         ev = eviction(cache, self.sz, c32, None)
-        probe_batch = max(b for b in self.sz.batches if b <= 8)
+        probe_batch = self.sz.probe
         one = cache_bytes(jax.eval_shape(functools.partial(tile_state, batch=1), source))
         shape = jax.eval_shape(functools.partial(tile_state, batch=probe_batch), source)
         per_row_state = (cache_bytes(shape) - one) / (probe_batch - 1)
-        probe, _ = self.submit_decode(shape, ev).result(timeout=max(1.0, self.deadline.left()))
+        probe, _ = probe_future.result(timeout=max(1.0, self.deadline.left()))
         per_row = per_row_state + probe.memory_analysis().temp_size_in_bytes / probe_batch
         stats = memory_stats()
         if stats:
