@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import Segment
+from kvjax.cache import Segment, when
 from kvjax.config import ModelConfig
 from kvjax.kernels import block_attention_with_scores, corrected_attention, decode_attention_with_scores
 from kvjax.moments import Moments, moment_informed_eviction, over_layers
@@ -91,7 +91,8 @@ class BudgetCache:
                seg: Segment) -> tuple[jax.Array, BudgetCache]:
         """Layer ``layer``: put k, v [B, T, Hk, K] in the first free slots of ``order`` (written in place in
         the stacked arrays: keys and values never move), attend q [B, T, H, K] and update the scores, as
-        ``seg.policy`` says. Eviction comes after the step, for every layer at once (``evict``)."""
+        ``seg.policy`` says. Eviction comes after the step, for every layer at once (``evict``), or with
+        ``seg.evict_in_layer`` here, before the layer's output: the attention over the tokens it keeps."""
         B, T, Hk, _ = k.shape
         small = jax.tree.map(lambda x: x[layer], self.replace(k=None, v=None))
         count = (small.pos >= 0).sum(-1)  # [B, Hk]
@@ -101,19 +102,31 @@ class BudgetCache:
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
         here = small.replace(k=k_all[layer], v=v_all[layer], pos=set_slots(small.pos, free, new_pos))
         p = seg.policy
-        attention = (q, here.k, here.v, here.pos, seg.positions, seg.query_weights)
-        if T == 1:  # decoding: the decode kernel, MomentKV's correction included
-            moments = here.moments if p.moment_correction else None
+
+        def decode(h: BudgetCache, weights) -> tuple[jax.Array, jax.Array | None]:
+            """The decode kernel over h's slots, MomentKV's correction included: (out, col)."""
+            moments = h.moments if p.moment_correction else None
             out, _, col = per_shard(
                 lambda *a: decode_attention_with_scores(*a[:-1], p.score_kind, a[-1], p.zeroth_order, impl=p.impl),
-                (*attention, moments), (*ATTENTION_AXES, KV), ATTENTION_OUT_AXES, B, Hk)
+                (q, h.k, h.v, h.pos, seg.positions, weights, moments), (*ATTENTION_AXES, KV), ATTENTION_OUT_AXES,
+                B, Hk)
+            return out, col
+
+        if T == 1:  # decoding
+            out, col = decode(here, seg.query_weights)
         else:
+            attention = (q, here.k, here.v, here.pos, seg.positions, seg.query_weights)
             out, lse, col = per_shard(lambda *a: block_attention_with_scores(*a, p.score_kind, impl=p.impl),
                                       attention, ATTENTION_AXES, ATTENTION_OUT_AXES, B, Hk)
             if p.moment_correction:
                 out = corrected_attention(out, lse, q, here.moments, p.zeroth_order)
         if col is not None:  # new slots start from zero: empty slots hold a zero state
             here = here.replace(state=update_state(p, here.state, col, seg.query_weights.sum(-1) > 0))
+        if seg.evict_in_layer:
+            def evict_first(args):
+                h = args[0]._evict_layer(p, seg.seen)
+                return h, decode(h, None)[0]
+            here, out = when(seg.evict, evict_first, (here, out))
         small = jax.tree.map(lambda full, x: full.at[layer].set(x), self.replace(k=None, v=None),
                              here.replace(k=None, v=None))
         return out, small.replace(k=k_all, v=v_all)

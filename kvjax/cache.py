@@ -30,7 +30,9 @@ class Segment:
     an eviction (a Python bool when known statically, else a traced bool scalar); from_start (static):
     positions are ``0 … T-1`` in every row (a prefill into an empty cache), which lets the full cache skip
     the masked upper triangle; policy (static): how a budget cache scores and evicts (None for the full
-    cache), taken from the engine's ``Eviction``.
+    cache), taken from the engine's ``Eviction``; evict_in_layer (static): at an eviction point each layer
+    evicts right after its attention has scored, and outputs the attention over the tokens it keeps
+    (decoding under ``decode_order="evict-first"``), instead of the step evicting after every layer.
     """
 
     positions: jax.Array
@@ -40,6 +42,15 @@ class Segment:
     seen: jax.Array | None = None
     evict: jax.Array | None = None
     policy: Policy | None = struct.field(pytree_node=False, default=None)
+    evict_in_layer: bool = struct.field(pytree_node=False, default=False)
+
+
+def when(flag, fn, x):
+    """``fn(x)`` if ``flag`` else ``x``; flag: a Python bool (or None: False), or a traced bool scalar (then under
+    ``lax.cond``)."""
+    if flag is None or isinstance(flag, bool):
+        return fn(x) if flag else x
+    return jax.lax.cond(flag, fn, lambda y: y, x)
 
 
 @struct.dataclass

@@ -53,7 +53,7 @@ def _kvzip_heads(args) -> int:
     with open(args.context) as f:
         ids = tokenizer(f.read(), add_special_tokens=False)["input_ids"][: args.max_tokens]
     start = time.perf_counter()
-    scores = kvjax.prefill_full(params, ids).kvzip_head_scores(kvjax.kvzip_prompt(tokenizer))
+    scores = kvjax.prefill_full(params, ids).kvzip_head_scores(kvjax.kvzip_prompt(tokenizer, "paper"))  # raw text
     save_head_scores(args.out, scores, params.config)
     print(f"[{len(ids)} context tokens scored in {time.perf_counter() - start:.1f}s; head scores "
           f"[{scores.shape[0]}, {scores.shape[1]}] written to {args.out}]", file=sys.stderr)

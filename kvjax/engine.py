@@ -11,8 +11,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kvjax.allocation import ALLOCATIONS
 from kvjax.budget_cache import BudgetCache
-from kvjax.cache import Segment
+from kvjax.cache import Segment, when
 from kvjax.inputs import round_capacity
 from kvjax.model import decode_hidden
 from kvjax.paged_cache import PagedCache, pool_pages
@@ -23,6 +24,10 @@ from kvjax.scorers import Policy
 PROTOCOLS = ("blockwise", "prefill")
 APPEND = "append"  # internal protocol: feed tokens without any eviction point (``Eviction.without_eviction``)
 PAGE_SIZE = 16  # tokens per page of the paged cache, unless chosen
+# A decode step's order: "attend-first" (every layer attends over its kept tokens and the new one; the step then
+# evicts in every layer) or "evict-first" (CAOTE's Eq. 5-7, MomentKV's Algorithm 1: each layer evicts as soon as
+# its attention has scored the new token and outputs the attention over the tokens it keeps).
+DECODE_ORDERS = ("attend-first", "evict-first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +35,8 @@ class Eviction:
     """policy: scorer, budget and allocation; protocol: "blockwise" (evict after every block of
     ``block_size``) or "prefill" (prefill in blocks, evict once at the end), or "append" (no eviction: see
     ``without_eviction``); decoding evicts every ``evict_every`` tokens (``evict_every`` spare slots) unless
-    ``decode_evict`` is False; page_size: tokens per page of a paged cache (``kvjax.paged_cache``), None for
-    the dense ``BudgetCache`` (uniform allocation only)."""
+    ``decode_evict`` is False, each step in ``decode_order`` (``DECODE_ORDERS``); page_size: tokens per page of
+    a paged cache (``kvjax.paged_cache``), None for the dense ``BudgetCache`` (uniform allocation only)."""
 
     policy: Policy
     protocol: str = "blockwise"
@@ -39,10 +44,16 @@ class Eviction:
     evict_every: int = 1
     decode_evict: bool = True
     page_size: int | None = None
+    decode_order: str = "attend-first"
 
     def __post_init__(self):
         if self.protocol not in PROTOCOLS + (APPEND,):
             raise ValueError(f"protocol={self.protocol!r} must be one of {PROTOCOLS}")
+        if self.decode_order not in DECODE_ORDERS:
+            raise ValueError(f"decode_order={self.decode_order!r} must be one of {DECODE_ORDERS}")
+        if self.decode_order == "evict-first" and ALLOCATIONS[self.policy.allocation].shared == "all":
+            raise ValueError(f"decode_order='evict-first' evicts each layer before the next one attends, but "
+                             f"allocation={self.policy.allocation!r} ranks every layer's tokens together")
         for name in ("block_size", "evict_every"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
@@ -136,11 +147,12 @@ def extend(params: Params, cache: BudgetCache | PagedCache, tokens: jax.Array, s
 def step(params: Params, tokens: jax.Array, cache, seg: Segment) -> tuple[jax.Array, object]:
     """One forward call of tokens [B, T] through every layer of any cache, then the eviction point if
     ``seg.evict`` says so (for every layer at once: an eviction never changes the outputs of the step it
-    ends). Returns the final-normed hidden states [B, T, D] and the cache."""
+    ends), unless each layer evicted in its own attention (``seg.evict_in_layer``). Returns the final-normed
+    hidden states [B, T, D] and the cache."""
     hidden, cache = decode_hidden(params, tokens, cache, seg)
-    if seg.evict is None or isinstance(seg.evict, bool):  # known statically: no cond
-        return hidden, cache.evict(seg.policy, seg.seen) if seg.evict else cache
-    return hidden, jax.lax.cond(seg.evict, lambda c: c.evict(seg.policy, seg.seen), lambda c: c, cache)
+    if seg.evict_in_layer:
+        return hidden, cache
+    return hidden, when(seg.evict, lambda c: c.evict(seg.policy, seg.seen), cache)
 
 
 def decode_segment(ev: Eviction | None, step: jax.Array, lengths: jax.Array, active: jax.Array) -> Segment:
@@ -155,4 +167,4 @@ def decode_segment(ev: Eviction | None, step: jax.Array, lengths: jax.Array, act
         evict = (step + 1) % ev.evict_every == 0
     return Segment(positions=positions, valid=valid,
                    query_weights=query_weights(ev.policy, positions, valid, lengths + 1), seen=lengths + 1,
-                   evict=evict, policy=ev.policy)
+                   evict=evict, policy=ev.policy, evict_in_layer=ev.decode_evict and ev.decode_order == "evict-first")

@@ -6,7 +6,9 @@ starting with" + the last 8 tokens of c_(t−1) + ":" + c_t — through the mode
 repeat tokens take positions n_c, n_c + 1, …; their own keys and values are discarded afterwards). In every
 layer, the repeat queries' softmax over [the chunk's keys, the repeat input's keys (causal)] gives each
 chunk token the maximum attention it receives over the queries and over the query heads of its KV head:
-its score. The context-independent mode keeps per head only the maximum over positions (``head_scores``),
+its score. The "kvpress" form of the prompt (``kvzip_prompt``) is NVIDIA kvpress's ``KVzipPress``: other
+wording inside the chat template's assistant turn, the template's head not repeated, 4 sink tokens in every
+softmax. The context-independent mode keeps per head only the maximum over positions (``head_scores``),
 saved once from a calibration context and used later with no scoring pass.
 """
 
@@ -30,33 +32,62 @@ from kvjax.params import Params
 
 CHUNK = 2048  # m: context tokens per repeat input (the paper's 2K)
 TRAIL = 8  # tokens of the previous chunk that start a later repeat prompt
-QUERY_BLOCK = 512  # repeat queries scored at once
+QUERY_BLOCK = 256  # repeat queries attended and scored at once
 WIDTH_STEP = 256  # a context shorter than a chunk is fed as one chunk of its length rounded up to this
+FORMS = ("paper", "kvpress")
+DEFAULT_FORM = "kvpress"  # measured against "paper" on prose (docs/results.md, "KVzip on prose")
+KVPRESS_SINKS = 4  # KVzipPress's n_sink: the first tokens in every score's softmax (and never evicted)
 
 
 @dataclasses.dataclass(frozen=True)
 class RepeatPrompt:
     """Token ids of the repeat prompt: ``first`` before chunk 1, ``later`` + the previous chunk's last
-    ``TRAIL`` tokens + ``colon`` before each later chunk."""
+    ``TRAIL`` tokens + ``colon`` before each later chunk. skip: the context's first tokens (a chat template's
+    head) that are neither repeated nor scored (score 0); sinks: the first tokens of the context that join
+    every score's softmax beside the chunk and the repeat input; form: the ``FORMS`` entry ``kvzip_prompt`` made
+    it from ("" for one built by hand)."""
 
     first: tuple[int, ...]
     later: tuple[int, ...]
     colon: tuple[int, ...]
+    skip: int = 0
+    sinks: int = 0
+    form: str = ""
 
     def input_for(self, context: np.ndarray, start: int, stop: int) -> np.ndarray:
         """The repeat input of the chunk ``context[start:stop]``."""
-        if start == 0:
+        if start == self.skip:
             head = self.first
         else:
             head = self.later + tuple(int(t) for t in context[max(0, start - TRAIL): start]) + self.colon
         return np.concatenate([np.asarray(head, np.int32), context[start:stop].astype(np.int32)])
 
 
-def kvzip_prompt(tokenizer) -> RepeatPrompt:
-    """KVzip's repeat prompt in ``tokenizer``'s ids (the official code's wording after two newlines)."""
+def kvzip_prompt(tokenizer, form: str = DEFAULT_FORM) -> RepeatPrompt:
+    """KVzip's repeat prompt in ``tokenizer``'s ids.
+
+    "paper": the official code's wording after two newlines, "Repeat the previous context:" (later chunks:
+    "... starting with" + the last 8 tokens + ":"), over the whole context. "kvpress": NVIDIA kvpress's
+    ``KVzipPress``: "Repeat the previous context exactly." (later chunks: "Repeat the part of the previous
+    context exactly, starting with" + the last 8 tokens), each followed by the chat template's end of the user
+    turn and assistant header, so the model repeats as the assistant; the template's head (system prompt and
+    user header, ``skip``) is not repeated, and the first 4 tokens join every score's softmax."""
+    if form not in FORMS:
+        raise ValueError(f"repeat={form!r} must be one of {FORMS}")
     ids = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    return RepeatPrompt(first=ids("\n\nRepeat the previous context:"),
-                        later=ids("\n\nRepeat the previous context starting with"), colon=ids(":"))
+    if form == "paper":
+        return RepeatPrompt(first=ids("\n\nRepeat the previous context:"),
+                            later=ids("\n\nRepeat the previous context starting with"), colon=ids(":"), form=form)
+    skip, suffix = 0, ids("\n")
+    if getattr(tokenizer, "chat_template", None):  # kvpress's split of the template around a dummy message
+        dummy, marker = "dummy context", "\n" + "#" * len("dummy context")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + marker}], tokenize=False,
+                                             add_generation_prompt=True, enable_thinking=False)
+        head, tail = text.split(marker)
+        skip, suffix = len(ids(head.split(dummy)[0])), ids(tail)
+    return RepeatPrompt(first=ids("\n\nRepeat the previous context exactly.") + suffix,
+                        later=ids("\n\nRepeat the part of the previous context exactly, starting with"),
+                        colon=suffix, skip=skip, sinks=KVPRESS_SINKS, form=form)
 
 
 @struct.dataclass
@@ -64,45 +95,55 @@ class RepeatScoring:
     """A full cache fed one repeat input, recording the chunk's scores.
 
     full: the prefilled full cache (the repeat tokens are written after each row's context); scores:
-    [L, B, Hk, C] the scores so far, per cache slot; start, stop: [B] the chunk's slots."""
+    [L, B, Hk, C] the scores so far, per cache slot; start, stop: [B] the chunk's slots; context: [B] each
+    row's context length (the repeat input's first slot); sinks: slots below it join every score's softmax."""
 
     full: FullCache
     scores: jax.Array
     start: jax.Array
     stop: jax.Array
-    chunk: int = struct.field(pytree_node=False, default=CHUNK)
+    context: jax.Array
+    sinks: int = struct.field(pytree_node=False, default=0)
 
-    AXES = dict(scores=("layers", "batch", "kv_heads", "slots"), start=("batch",), stop=("batch",))
+    AXES = dict(scores=("layers", "batch", "kv_heads", "slots"), start=("batch",), stop=("batch",),
+                context=("batch",))
 
     def attend(self, layer, q, k, v, seg: Segment):
-        out, full = self.full.attend(layer, q, k, v, seg)
+        """Write k, v [B, T, Hk, K], attend q [B, T, H, K] causally over the context and the repeat input, and
+        keep each chunk slot's largest score: its softmax weight among [sinks, chunk, repeat input] (the
+        attention's logits over fewer keys), maxed over the queries and the group's heads."""
         B, T, H, K = q.shape
-        Hk, m = k.shape[2], self.chunk
-        slots = self.start[:, None] + jnp.arange(m)  # [B, m]
-        in_chunk = slots < self.stop[:, None]
-        rows, heads = jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None]
-        chunk_k = full.k[layer][rows, heads, jnp.minimum(slots, full.capacity - 1)[:, None]]  # [B, Hk, m, K]
-        keys = jnp.concatenate([chunk_k, k.swapaxes(1, 2).astype(chunk_k.dtype)], axis=2).astype(q.dtype)
+        Hk = k.shape[2]
+        index = (layer, jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None], seg.positions[:, None, :])
+        full = FullCache(k=self.full.k.at[index].set(k.swapaxes(1, 2).astype(self.full.k.dtype)),
+                         v=self.full.v.at[index].set(v.swapaxes(1, 2).astype(self.full.v.dtype)))
+        keys, values = full.k[layer].astype(q.dtype), full.v[layer].astype(q.dtype)  # [B, Hk, S, K]
+        slots = jnp.arange(full.capacity)
+        in_chunk = (slots >= self.start[:, None]) & (slots < self.stop[:, None])  # [B, S]
+        scored = in_chunk | (slots < self.sinks) | (slots >= self.context[:, None])
         qg = q.reshape(B, T, Hk, H // Hk, K)
-        score = jnp.zeros((B, Hk, m), jnp.float32)
-        for lo in range(0, T, QUERY_BLOCK):  # no [T, m + T] matrix at once
+        best, outs = jnp.zeros((B, Hk, full.capacity), jnp.float32), []
+        for lo in range(0, T, QUERY_BLOCK):  # no [T, S] matrix at once
             hi = min(lo + QUERY_BLOCK, T)
             z = jnp.einsum("bthgk,bhsk->bhgts", qg[:, lo:hi], keys).astype(jnp.float32) / jnp.sqrt(jnp.float32(K))
-            causal = jnp.arange(T)[None, :] <= jnp.arange(lo, hi)[:, None]
-            repeat = causal[None] & seg.valid[:, None, :]  # [B, hi − lo, T]
-            visible = jnp.concatenate([jnp.broadcast_to(in_chunk[:, None, :], (B, hi - lo, m)), repeat], -1)
-            weights = jax.nn.softmax(jnp.where(visible[:, None, None], z, NEG_INF), axis=-1)[..., :m]
-            weights = jnp.where(seg.valid[:, lo:hi][:, None, None, :, None], weights, 0.0)
-            score = jnp.maximum(score, weights.max(axis=(2, 3)))  # over the group's query heads and the queries
-        at = (layer, rows, heads, jnp.where(in_chunk, slots, self.scores.shape[-1])[:, None])
-        return out, self.replace(full=full, scores=self.scores.at[at].max(score, mode="drop"))
+            visible = slots[None, None, :] <= seg.positions[:, lo:hi, None]  # [B, hi − lo, S]
+            z = jnp.where(visible[:, None, None], z, NEG_INF)
+            e = jnp.exp(z - z.max(-1, keepdims=True))
+            outs.append(jnp.einsum("bhgts,bhsk->bthgk", (e / e.sum(-1, keepdims=True)).astype(q.dtype), values))
+            zs = jnp.where(scored[:, None, None, None], z, NEG_INF)  # its own max: no underflow of a small sum
+            w = jnp.exp(zs - zs.max(-1, keepdims=True))
+            w = w / w.sum(-1, keepdims=True)
+            w = jnp.where(seg.valid[:, None, None, lo:hi, None] & in_chunk[:, None, None, None], w, 0.0)
+            best = jnp.maximum(best, w.max(axis=(2, 3)))
+        out = jnp.concatenate(outs, axis=1).reshape(B, T, H, K)
+        C = self.scores.shape[-1]
+        return out, self.replace(full=full, scores=self.scores.at[layer].max(best[..., :C]))
 
 
 @jax.jit
-def _score_chunk(params: Params, scoring: RepeatScoring, tokens: jax.Array, lengths: jax.Array,
-                 context: jax.Array) -> RepeatScoring:
-    """Feed repeat inputs tokens [B, W] (``lengths`` [B] valid) at positions ``context`` [B] + t."""
-    positions = context[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+def _score_chunk(params: Params, scoring: RepeatScoring, tokens: jax.Array, lengths: jax.Array) -> RepeatScoring:
+    """Feed repeat inputs tokens [B, W] (``lengths`` [B] valid) at positions ``scoring.context`` [B] + t."""
+    positions = scoring.context[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     valid = jnp.arange(tokens.shape[1]) < lengths[:, None]
     _, scoring = decode_hidden(params, tokens, scoring, Segment(positions=positions, valid=valid))
     return scoring
@@ -110,21 +151,22 @@ def _score_chunk(params: Params, scoring: RepeatScoring, tokens: jax.Array, leng
 
 def kvzip_scores(params: Params, full: FullCache, rows: list[np.ndarray], prompt: RepeatPrompt,
                  chunk: int = CHUNK) -> jax.Array:
-    """KVzip's score [L, B, Hk, C] of every context token (0 past each row's context) from the prefilled full
-    cache of the contexts ``rows`` (C slots), with chunks of ``chunk`` tokens. ``full`` is not changed: the
-    repeat inputs go to a copy. Contexts that fit in one chunk are fed as one chunk of their longest length
-    (rounded up to ``WIDTH_STEP``, to bound recompilation), not padded to ``chunk``."""
-    B = len(rows)
+    """KVzip's score [L, B, Hk, C] of every context token (0 past each row's context and in its first
+    ``prompt.skip`` tokens) from the prefilled full cache of the contexts ``rows`` (C slots), the repeated part
+    cut in chunks of ``chunk`` tokens. ``full`` is not changed: the repeat inputs go to a copy. Contexts that
+    fit in one chunk are fed as one chunk of their longest length (rounded up to ``WIDTH_STEP``, to bound
+    recompilation), not padded to ``chunk``."""
+    B, skip = len(rows), prompt.skip
     longest = max(len(r) for r in rows)
-    chunk = min(chunk, -(-longest // WIDTH_STEP) * WIDTH_STEP)  # the same chunks: one if it covers every row
+    chunk = min(chunk, -(-max(longest - skip, 1) // WIDTH_STEP) * WIDTH_STEP)  # one chunk if it covers every row
     width = chunk + max(len(prompt.first), len(prompt.later) + TRAIL + len(prompt.colon))
     L, _, Hk, C, _ = full.k.shape
     grow = [(0, 0)] * 3 + [(0, max(0, longest + width - C)), (0, 0)]  # a copy with room for a repeat input
     scoring = RepeatScoring(full=FullCache(k=jnp.pad(full.k, grow), v=jnp.pad(full.v, grow)),
                             scores=jnp.zeros((L, B, Hk, C), jnp.float32), start=jnp.zeros(B, jnp.int32),
-                            stop=jnp.zeros(B, jnp.int32), chunk=chunk)
-    context = jnp.asarray([len(r) for r in rows], jnp.int32)
-    for start in range(0, longest, chunk):
+                            stop=jnp.zeros(B, jnp.int32), context=jnp.asarray([len(r) for r in rows], jnp.int32),
+                            sinks=prompt.sinks)
+    for start in range(skip, longest, chunk):
         inputs = [prompt.input_for(r, start, min(start + chunk, len(r))) if start < len(r) else np.zeros(0, np.int32)
                   for r in rows]
         tokens = np.zeros((B, width), np.int32)
@@ -132,7 +174,7 @@ def kvzip_scores(params: Params, full: FullCache, rows: list[np.ndarray], prompt
             tokens[b, : len(ids)] = ids
         stop = np.array([min(start + chunk, len(r)) for r in rows], np.int32)
         scoring = _score_chunk(params, scoring.replace(start=jnp.full(B, start, jnp.int32), stop=jnp.asarray(stop)),
-                               jnp.asarray(tokens), jnp.asarray([len(i) for i in inputs], np.int32), context)
+                               jnp.asarray(tokens), jnp.asarray([len(i) for i in inputs], np.int32))
     return scoring.scores
 
 

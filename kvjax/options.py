@@ -11,10 +11,10 @@ import dataclasses
 import math
 from typing import Any
 
-from kvjax.allocation import ALLOCATIONS
-from kvjax.engine import PAGE_SIZE, PROTOCOLS, Eviction
+from kvjax.allocation import ALLOCATIONS, FLOOR_MODES
+from kvjax.engine import DECODE_ORDERS, PAGE_SIZE, PROTOCOLS, Eviction
 from kvjax.kernels import IMPLS
-from kvjax.kvzip import RepeatPrompt, kvzip_prompt
+from kvjax.kvzip import DEFAULT_FORM, FORMS, RepeatPrompt, kvzip_prompt
 from kvjax.scorers import AGGREGATES, BASES, POOLS, make_policy, split_name
 
 
@@ -45,6 +45,10 @@ class EvictionOptions:
     evict_every: int = _option(1, "decode steps between evictions (that many spare slots)")
     decode_evict: bool | None = _option(None, "evict while decoding (False: the cache grows by the new tokens; "
                                         "None: False for kvzip and kvzip-head, else True)")
+    decode_order: str = _option("attend-first", "a decode step's order: attend-first = every layer attends over its "
+                                "kept tokens and the new one, then evicts; evict-first = each layer evicts once its "
+                                "attention has scored, and outputs the attention over the tokens it keeps (CAOTE Eq. "
+                                "5-7, MomentKV Algorithm 1)", DECODE_ORDERS)
     impl: str | None = _option(None, "attention with scores: None = XLA on CPU, the Pallas kernels on TPU and "
                                "CUDA; pallas = the platform's kernels (interpreted on CPU)", IMPLS)
     mi_batch: int = _option(1, "MomentKV: tokens its moment-informed eviction removes per statistics update "
@@ -52,13 +56,19 @@ class EvictionOptions:
     allocation: str | None = _option(None, "how many tokens each layer and KV head keeps (None: the scorer "
                                      "name's prefix, else uniform; README 'Allocations')", tuple(ALLOCATIONS))
     floor: float | None = _option(None, "under adakv / global: the fraction of the budget every KV head keeps "
-                                  "at least (None: 0.2 for adakv, AdaKV's α; 0 for global)")
+                                  "at least, as floor_mode counts it (None: 0.2 for adakv, AdaKV's α; 0 for global)")
+    floor_mode: str = _option("adakv", "how the floor counts a head's sinks and window: adakv keeps floor × "
+                              "(budget − n_sink − window) more tokens on top of them (AdaKV's code); kvpress "
+                              "keeps floor × budget, the protected among them (kvpress's AdaKVPress)", FLOOR_MODES)
     chunk: int = _option(1, "tokens of `chunk` consecutive positions share the mean of their priorities, so "
                          "spans are kept whole (1: each token by itself)")
     page_size: int | None = _option(None, "tokens per page of the paged cache (None: 16 for non-uniform "
                                     "allocations, which are paged; uniform keeps one dense block per head)")
+    repeat: str | None = _option(None, "kvzip: the repeat prompt's form (kvjax.kvzip_prompt): kvpress = NVIDIA "
+                                 "kvpress KVzipPress's, repeated as the assistant after the chat template's head; "
+                                 f"paper = the KVzip code's, over the whole context (None: {DEFAULT_FORM})", FORMS)
     repeat_prompt: RepeatPrompt | None = _option(None, "kvzip: the repeat prompt's token ids, "
-                                                 "kvjax.kvzip_prompt(tokenizer) (the CLI makes it)")
+                                                 "kvjax.kvzip_prompt(tokenizer, repeat) (the CLI makes it)")
     head_scores: str | None = _option(None, "kvzip-head: the file of head scores saved from a calibration "
                                       "context (python -m kvjax kvzip-heads)")
 
@@ -73,6 +83,12 @@ class EvictionOptions:
         """The validated engine configuration (None for budget=None: the full cache). ``context``: the longest
         prompt, which a fractional budget is a fraction of (without it, only the fraction is checked)."""
         budget = self.budget
+        if self.repeat not in (None, *FORMS):
+            raise ValueError(f"repeat={self.repeat!r} must be one of {FORMS}")
+        made = self.repeat_prompt.form if self.repeat_prompt is not None else ""
+        if self.repeat is not None and made and made != self.repeat:
+            raise ValueError(f"repeat={self.repeat!r}, but repeat_prompt was made in the {made!r} form: pass "
+                             f"kvjax.kvzip_prompt(tokenizer, {self.repeat!r})")
         if budget is None:
             if self.impl is not None:
                 raise ValueError(f"impl={self.impl!r} chooses the attention of the budget cache; the full cache "
@@ -85,8 +101,8 @@ class EvictionOptions:
         policy = make_policy(self.scorer, budget, n_sink=self.n_sink, window=self.window,
                              obs_window=self.obs_window, pool=self.pool, kernel=self.kernel,
                              aggregate=self.aggregate, mi_batch=self.mi_batch, impl=self.impl,
-                             allocation=self.allocation, floor=self.floor, chunk=self.chunk,
-                             repeat_prompt=self.repeat_prompt, head_scores=self.head_scores)
+                             allocation=self.allocation, floor=self.floor, floor_mode=self.floor_mode,
+                             chunk=self.chunk, repeat_prompt=self.repeat_prompt, head_scores=self.head_scores)
         own_pass = policy.base_spec.scoring_pass is not None
         protocol = self.protocol or ("prefill" if own_pass else "blockwise")
         decode_evict = (not own_pass) if self.decode_evict is None else self.decode_evict
@@ -95,7 +111,7 @@ class EvictionOptions:
                              f"protocol='prefill' (got {protocol!r}) and decode_evict=False (got {decode_evict!r})")
         page_size = self.page_size if self.page_size is not None else (PAGE_SIZE if policy.paged else None)
         return Eviction(policy, protocol=protocol, block_size=self.block_size, evict_every=self.evict_every,
-                        decode_evict=decode_evict, page_size=page_size)
+                        decode_evict=decode_evict, page_size=page_size, decode_order=self.decode_order)
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(EvictionOptions))
@@ -126,7 +142,8 @@ def with_tokenizer(tokenizer, **options) -> dict[str, Any]:
         return options
     if BASES[split_name(options.get("scorer", DEFAULTS["scorer"]))[1]].scoring_pass != "kvzip":
         return options
-    return options | {"repeat_prompt": RepeatPrompt((), (), ()) if tokenizer is None else kvzip_prompt(tokenizer)}
+    form = options.get("repeat") or DEFAULT_FORM
+    return options | {"repeat_prompt": RepeatPrompt((), (), ()) if tokenizer is None else kvzip_prompt(tokenizer, form)}
 
 
 def add_arguments(group, defaults: bool = True, skip: tuple[str, ...] = ()) -> None:

@@ -22,7 +22,7 @@ from flax import struct
 
 from kvjax.allocation import ALLOCATIONS, ranks, targets
 from kvjax.budget_cache import ATTENTION_AXES, ATTENTION_OUT_AXES, KV
-from kvjax.cache import Segment
+from kvjax.cache import Segment, when
 from kvjax.config import ModelConfig
 from kvjax.kernels import corrected_attention
 from kvjax.kernels.paged_attention import paged_block_attention_with_scores, paged_decode_attention_with_scores
@@ -155,7 +155,8 @@ class PagedCache:
                seg: Segment) -> tuple[jax.Array, PagedCache]:
         """Layer ``layer``: put k, v [B, T, Hk, K] in each head's next logical slots (taking pages as
         needed), attend q [B, T, H, K] and update the scores, as ``seg.policy`` says (``BudgetCache.attend``
-        on pages). Eviction comes after the step, for every layer at once (``evict``)."""
+        on pages). Eviction comes after the step, for every layer at once (``evict``), or with
+        ``seg.evict_in_layer`` here, before the layer's output: the attention over the tokens it keeps."""
         B, T, Hk, _ = k.shape
         P = self.page_size
         cache = self._take_pages(layer, T)
@@ -171,11 +172,15 @@ class PagedCache:
         moments = jax.tree.map(lambda x: x[layer], cache.moments)
         attention = (q, k_pages, v_pages, table, n_pages, pos, seg.positions, seg.query_weights)
         axes = (ATTENTION_AXES[0], ("batch",), ("batch",), KV, KV, *ATTENTION_AXES[3:])  # pools: per row
-        if T == 1:
-            out, _, col = per_shard(
+
+        def decode(attention, moments):
+            return per_shard(
                 lambda *a: paged_decode_attention_with_scores(*a[:-1], p.score_kind, a[-1], p.zeroth_order,
                                                               impl=p.impl),
                 (*attention, moments if p.moment_correction else None), (*axes, KV), ATTENTION_OUT_AXES, B, Hk)
+
+        if T == 1:
+            out, _, col = decode(attention, moments)
         else:
             out, lse, col = per_shard(lambda *a: paged_block_attention_with_scores(*a, p.score_kind, impl=p.impl),
                                       attention, axes, ATTENTION_OUT_AXES, B, Hk)
@@ -184,20 +189,42 @@ class PagedCache:
         state = cache.state[layer]
         if col is not None:
             state = update_state(p, state, col, seg.query_weights.sum(-1) > 0)
-        return out, cache.replace(k_pages=k_pages, v_pages=v_pages, pos=cache.pos.at[layer].set(pos),
-                                  state=cache.state.at[layer].set(state))
+        cache = cache.replace(k_pages=k_pages, v_pages=v_pages, pos=cache.pos.at[layer].set(pos),
+                              state=cache.state.at[layer].set(state))
+        if seg.evict_in_layer:
+            def evict_first(args):
+                c = args[0].evict(p, seg.seen, layer=layer)
+                kept = (q, c.k_pages, c.v_pages, c.table[layer], c.n_pages[layer], c.pos[layer], seg.positions, None)
+                return c, decode(kept, jax.tree.map(lambda x: x[layer], c.moments))[0]
+            cache, out = when(seg.evict, evict_first, (cache, out))
+        return out, cache
 
-    def evict(self, p: Policy, seen: jax.Array, max_evict: int | None = None) -> PagedCache:
+    def evict(self, p: Policy, seen: jax.Array, max_evict: int | None = None,
+              layer: jax.Array | None = None) -> PagedCache:
         """Every layer at once: the allocation's kept count per (layer, row, KV head), the scorer's choice of
         slots, the moments, compaction and page release. seen: [B] one past the newest position; max_evict:
         the most slots one (layer, row, KV head) can lose (static). None: the bound when every layer held at
         most its total budget before the newest tokens (decoding, prompt blocks): the spare slots of a head
         (C − cap) times the heads that share a budget; a cache filled otherwise (a full prefill being
-        compressed) must give it."""
+        compressed) must give it. layer: only that layer (a traced index; not under a "global" allocation)."""
         L, B, Hk, C = self.pos.shape
         cap = p.head_capacity(L, Hk)
         if max_evict is None:
             max_evict = min(C, (C - cap) * {None: 1, "layer": Hk, "all": L * Hk}[ALLOCATIONS[p.allocation].shared])
+        if layer is None:
+            return self._evict(p, seen, max_evict, cap, p.layer_budgets(L))
+        one = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1)  # noqa: E731
+        small = ("table", "n_pages", "pos", "state", "order")
+        part = self.replace(**{name: one(getattr(self, name)) for name in small},
+                            moments=jax.tree.map(one, self.moments))
+        part = part._evict(p, seen, max_evict, cap, jnp.asarray(p.layer_budgets(L), jnp.int32)[layer][None])
+        put = lambda full, x: jax.lax.dynamic_update_slice_in_dim(full, x, layer, 0)  # noqa: E731
+        return part.replace(**{name: put(getattr(self, name), getattr(part, name)) for name in small},
+                            moments=jax.tree.map(put, self.moments, part.moments))
+
+    def _evict(self, p: Policy, seen: jax.Array, max_evict: int, cap: int, budgets) -> PagedCache:
+        """``evict`` over this cache's layers (every layer, or one cut out with a leading axis of 1), whose
+        budgets are ``budgets``."""
         kv = None
         if p.moment_eviction or p.meta is not None:  # the scorer reads keys or values of every slot
             kv = jax.vmap(lambda t, n, s: gather_pages(self.k_pages, self.v_pages, t, n, s)[:2])(
@@ -207,7 +234,7 @@ class PagedCache:
             self.state, self.pos, v_all, self.order)
         valid = self.pos >= 0
         count = valid.sum(-1)
-        kept = targets(p.allocation, key, self.pos, p.layer_budgets(L), p.floor_count(), cap, p.head_budgets)
+        kept = targets(p.allocation, key, self.pos, budgets, p.floor_count(), cap, p.head_budgets)
         if p.moment_eviction:
             evicted = over_layers(lambda a: moment_informed_eviction(*a, p.zeroth_order, max_evict, p.mi_batch),
                                   (prio, unprotected, count - kept, kv[0], kv[1], self.pos, self.moments),

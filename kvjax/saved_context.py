@@ -42,7 +42,8 @@ def _eviction_to_json(ev: Eviction) -> dict:
 def _eviction_from_json(raw: dict) -> Eviction:
     policy = dict(raw["policy"])
     if policy.get("repeat_prompt") is not None:
-        policy["repeat_prompt"] = RepeatPrompt(**{k: tuple(v) for k, v in policy["repeat_prompt"].items()})
+        policy["repeat_prompt"] = RepeatPrompt(**{k: tuple(v) if isinstance(v, list) else v
+                                                  for k, v in policy["repeat_prompt"].items()})
     if policy.get("head_budgets") is not None:
         policy["head_budgets"] = tuple(policy["head_budgets"])
     return Eviction(**(raw | {"policy": Policy(**policy)}))

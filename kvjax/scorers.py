@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.allocation import ALLOCATIONS, floor_count, head_capacity, layer_budgets
+from kvjax.allocation import ALLOCATIONS, FLOOR_MODES, floor_count, head_capacity, layer_budgets
 from kvjax.kernels import IMPLS
 from kvjax.kvzip import RepeatPrompt
 
@@ -57,7 +57,8 @@ class ModifierSpec:
 
 BASES: dict[str, BaseSpec] = {
     "streamingllm": BaseSpec("the n_sink first and the most recent tokens", "none", "accumulate", False, "zero"),
-    "h2o": BaseSpec("attention accumulated over every query seen, prompt queries included", "all", "accumulate", False, "quarter"),
+    "h2o": BaseSpec("attention accumulated over every query seen, prompt queries included", "all", "accumulate",
+                    False, "quarter"),
     "h2o-window": BaseSpec("H2O's prefill variant (OBCache App. C.2.1): attention accumulated over the last "
                            "obs_window prompt queries (kept as the window; the papers use 16), then every decoding "
                            "query", "window", "accumulate", False, "obs"),
@@ -158,7 +159,8 @@ class Policy:
     KVzip's repeat prompt (``kvjax.kvzip.RepeatPrompt``); head_scores: the file of ``kvzip-head``'s saved head
     scores; cap: the most tokens one head keeps, when the allocation's own rule does not apply (``kvzip-head``,
     whose whole heads hold the context); head_budgets: the "heads" allocation's budget of every (layer, KV
-    head), flattened (set when a prompt is compressed).
+    head), flattened (set when a prompt is compressed); floor_mode: how the floor counts the protected tokens
+    (``kvjax.allocation.FLOOR_MODES``).
     """
 
     base: str
@@ -179,6 +181,7 @@ class Policy:
     head_scores: str | None = None
     cap: int | None = None
     head_budgets: tuple[int, ...] | None = None
+    floor_mode: str = "adakv"
 
     @property
     def base_spec(self) -> BaseSpec:
@@ -228,7 +231,7 @@ class Policy:
         return head_capacity(self.allocation, self.budget, self.window, n_layers, n_kv_heads)
 
     def floor_count(self) -> int:
-        return floor_count(self.floor, self.budget)
+        return floor_count(self.floor, self.budget, self.n_sink + self.window, self.floor_mode)
 
     def total_budget(self, n_layers: int, n_kv_heads: int) -> int:
         """Tokens kept over every layer and KV head of a row after an eviction point."""
@@ -248,7 +251,8 @@ class Policy:
 def make_policy(scorer: str, budget: int, *, n_sink: int = 4, window: int | None = None, obs_window: int = 32,
                 pool: str | None = None, kernel: int = 7, aggregate: str | None = None, mi_batch: int = 1,
                 impl: str | None = None, allocation: str | None = None, floor: float | None = None,
-                chunk: int = 1, repeat_prompt: RepeatPrompt | None = None, head_scores: str | None = None) -> Policy:
+                chunk: int = 1, repeat_prompt: RepeatPrompt | None = None, head_scores: str | None = None,
+                floor_mode: str = "adakv") -> Policy:
     """Validated ``Policy`` with the papers' defaults for what is left as None (aggregate: ``sum`` for
     OBCache as in its App. B.5, else ``mean`` as kvpress, the two rank identically; allocation: the name's
     prefix, else the scorer's (uniform but for KVzip); floor: the scorer's, else the allocation's)."""
@@ -267,6 +271,8 @@ def make_policy(scorer: str, budget: int, *, n_sink: int = 4, window: int | None
         floor = spec.default_floor if own else ALLOCATIONS[allocation].default_floor
     if not (isinstance(floor, (int, float)) and 0 <= floor <= 1):
         raise ValueError(f"floor={floor!r} must be a fraction of the budget in [0, 1]")
+    if floor_mode not in FLOOR_MODES:
+        raise ValueError(f"floor_mode={floor_mode!r} must be one of {FLOOR_MODES}")
     if not (isinstance(chunk, int) and chunk >= 1):
         raise ValueError(f"chunk={chunk!r} must be an integer >= 1")
     if (repeat_prompt is not None) != (spec.scoring_pass == "kvzip"):
@@ -307,4 +313,4 @@ def make_policy(scorer: str, budget: int, *, n_sink: int = 4, window: int | None
         raise ValueError(f"aggregate='layer' keeps the same tokens in every KV head, which allocation="
                          f"{allocation!r} shares unevenly among them")
     return Policy(base, budget, n_sink, window, obs_window, pool, kernel, aggregate, modifier, mi_batch, impl,
-                  allocation, float(floor), chunk, repeat_prompt, head_scores)
+                  allocation, float(floor), chunk, repeat_prompt, head_scores, floor_mode=floor_mode)

@@ -501,7 +501,8 @@ class Reference:
     def __init__(self, params, *, scorer: str, budget: int | None, protocol: str = "blockwise",
                  block_size: int = 16, n_sink: int = 0, window: int = 0, obs_window: int = 32, pool: str = "max",
                  kernel: int = 7, aggregate: str | None = None, evict_every: int = 1, decode_evict: bool = True,
-                 allocation: str = "uniform", floor: float | None = None, chunk: int = 1):
+                 allocation: str = "uniform", floor: float | None = None, chunk: int = 1,
+                 floor_mode: str = "adakv", decode_order: str = "attend-first"):
         base, modifier = parse_scorer(scorer)
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation={allocation!r}; expected one of {ALLOCATIONS}")
@@ -536,6 +537,8 @@ class Reference:
         self.evict_every, self.decode_evict = evict_every, decode_evict
         self.allocation, self.chunk = allocation, chunk
         self.floor = {"adakv": 0.2}.get(allocation, 0.0) if floor is None else floor
+        self.floor_mode = floor_mode
+        self.decode_order = decode_order
 
         L, Hk, K = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         self.G = cfg.n_heads // cfg.n_kv_heads
@@ -557,9 +560,10 @@ class Reference:
                        self.vk_sum[layer, kh].copy())
 
     # -- one step ---------------------------------------------------------------------------------------
-    def step(self, tokens, positions, scoring, evict_point: bool) -> np.ndarray:
+    def step(self, tokens, positions, scoring, evict_point: bool, evict_first: bool = False) -> np.ndarray:
         """Feed ``tokens`` [T] at consecutive ``positions`` [T]; ``scoring`` [T] bool marks the step's scoring
-        queries. Returns the logits [T, V]."""
+        queries; ``evict_first``: at an eviction point each layer evicts right after its attention and uses the
+        attention over its kept tokens (CAOTE Eq. 5-7, MomentKV Algorithm 1). Returns the logits [T, V]."""
         cfg, w, G = self.cfg, self.w, self.G
         tokens, positions = np.asarray(tokens), np.asarray(positions, np.int64)
         scoring = np.asarray(scoring, bool)
@@ -602,14 +606,32 @@ class Reference:
                                 s.state[g] = col[j]
                             else:  # h2o, h2o-window, snapkv
                                 s.state[g] += col[j]
+            if evict_point and evict_first:  # 4. evict this layer now, then attend again over what it keeps
+                self._evict_all([layer])
+                attn = self._attend_kept(layer, q, positions)
             for t, p in enumerate(positions):
                 self.history[layer]["o"][int(p)] = attn[t].copy()
             # 5. the rest of the layer
             x = finish_layer(cfg, w, layer, x, attn)
         # 4. evict, once every layer has attended (an eviction never changes the outputs of its own step)
-        if evict_point:
+        if evict_point and not evict_first:
             self._evict_all()
         return logits_of(cfg, w, x)
+
+    def _attend_kept(self, layer: int, q: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The attention output of queries q [T, H, K] over the layer's kept tokens (NC-corrected with the
+        moments as they are now, the tokens just evicted included), recomputed from scratch."""
+        attn = np.zeros_like(q)
+        for kh, slots in enumerate(self.cache[layer]):
+            keys, vals = np.stack([s.key for s in slots]), np.stack([s.value for s in slots])
+            visible = np.array([s.position for s in slots])[None, :] <= positions[:, None]
+            moments = self.moments(layer, kh)
+            for g in range(self.G):
+                h = kh * self.G + g
+                _, _, o, log_z = attention(q[:, h], keys, vals, visible)
+                attn[:, h] = nc_correct(q[:, h], o, log_z, moments, zeroth=self.zeroth) \
+                    if self.normalization_corrected else o
+        return attn
 
     def _priorities(self, layer: int, kh: int, aggregate: str) -> np.ndarray:
         slots = self.cache[layer][kh]
@@ -634,14 +656,15 @@ class Reference:
                                    aggregate="mean")
         return np.mean([self._priorities(layer, kh, "mean") for kh in range(len(heads))], axis=0)
 
-    def _evict_all(self):
-        """Step 4 for every (layer, KV head): priorities, the allocation's kept counts, then each head's choice."""
+    def _evict_all(self, layers: list[int] | None = None):
+        """Step 4 for every (layer, KV head) of ``layers`` (default: all): priorities, the allocation's kept
+        counts, then each head's choice."""
         if self.budget is None:  # no eviction at all
             return
         cfg = self.cfg
         L, Hk = cfg.n_layers, cfg.n_kv_heads
         heads = {}
-        for layer in range(L):
+        for layer in range(L) if layers is None else layers:
             unprotected = [not protected_mask([s.position for s in slots], seen=self.seen, n_sink=self.n_sink,
                                               window=self.window).all() for slots in self.cache[layer]]
             shared = self._layer_priorities(layer) if self.aggregate == "layer" and all(unprotected) else None
@@ -664,9 +687,13 @@ class Reference:
         if self.allocation in ("uniform", "pyramidkv"):
             budgets = pyramid_budgets(b, self.window, L) if self.allocation == "pyramidkv" else [b] * L
             return {(layer, kh): min(len(h["positions"]), budgets[layer]) for (layer, kh), h in heads.items()}
-        floor = int(np.ceil(self.floor * b))
-        groups = [[(layer, kh) for kh in range(Hk)] for layer in range(L)] if self.allocation == "adakv" \
-            else [[(layer, kh) for layer in range(L) for kh in range(Hk)]]
+        if self.floor_mode == "adakv":  # AdaKV's code: ⌊α (b − protected)⌋ on top of the protected tokens
+            floor = self.n_sink + self.window + int(np.floor(self.floor * (b - self.n_sink - self.window)))
+        else:  # kvpress's AdaKVPress: ⌊α b⌋ of the head's best tokens (at least 1), the protected among them
+            floor = max(1, int(np.floor(self.floor * b))) if self.floor > 0 else 0
+        layers = sorted({layer for layer, _ in heads})
+        groups = [[(layer, kh) for kh in range(Hk)] for layer in layers] if self.allocation == "adakv" \
+            else [[(layer, kh) for layer in layers for kh in range(Hk)]]
         counts = {}
         for group in groups:
             kept, near, exact = shared_counts([heads[key] for key in group], len(group) * b, floor, Hk * b)
@@ -752,7 +779,7 @@ class Reference:
         for s in range(1, max_new_tokens + 1):
             tokens.append(tok)
             evict_point = self.decode_evict and s % self.evict_every == 0
-            out = self.step([tok], [P + s - 1], [True], evict_point)[-1]
+            out = self.step([tok], [P + s - 1], [True], evict_point, self.decode_order == "evict-first")[-1]
             step_logits.append(out)
             kept_after_steps.append(self.kept_positions())
             tok = int(np.argmax(out))
@@ -772,12 +799,12 @@ class Reference:
 
 def run_reference(params, prompt, max_new_tokens, *, scorer, budget, protocol, block_size, n_sink, window,
                   obs_window=32, pool="max", kernel=7, aggregate=None, evict_every=1, decode_evict=True,
-                  allocation="uniform", floor=None, chunk=1) -> dict:
+                  allocation="uniform", floor=None, chunk=1, floor_mode="adakv", decode_order="attend-first") -> dict:
     """Prefill ``prompt`` under ``protocol`` then greedily decode ``max_new_tokens`` tokens; see module doc.
 
     ``scorer``: any name of :data:`SCORERS`; ``aggregate=None``: ``sum`` for OBCache modifiers, else ``mean``."""
     ref = Reference(params, scorer=scorer, budget=budget, protocol=protocol, block_size=block_size,
                     n_sink=n_sink, window=window, obs_window=obs_window, pool=pool, kernel=kernel,
                     aggregate=aggregate, evict_every=evict_every, decode_evict=decode_evict, allocation=allocation,
-                    floor=floor, chunk=chunk)
+                    floor=floor, chunk=chunk, floor_mode=floor_mode, decode_order=decode_order)
     return ref.run(prompt, max_new_tokens)

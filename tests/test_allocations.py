@@ -9,9 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kvjax
+from kvjax.allocation import FLOOR_MODES, floor_count, targets
 from kvjax.decoding import Generation
 from kvjax.options import eviction_from
 from kvjax.sampling import Sampling
+from reference_eviction import shared_counts
 
 SMOLLM2 = kvjax.ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                             head_dim=64, d_ff=1536, max_seq_len=8192)
@@ -91,6 +93,9 @@ def test_page_pool_stays_consistent_under_every_allocation(model, data):
     (dict(scorer="adakv+snapkv", allocation="global"), "allocation='global' contradicts scorer='adakv\\+snapkv'"),
     (dict(allocation="even"), "allocation='even' must be one of"),
     (dict(scorer="adakv", floor=1.5), r"floor=1.5 must be a fraction of the budget in \[0, 1\]"),
+    (dict(scorer="adakv", floor_mode="ada"), r"floor_mode='ada' must be one of \('adakv', 'kvpress'\)"),
+    (dict(decode_order="later"), r"decode_order='later' must be one of \('attend-first', 'evict-first'\)"),
+    (dict(scorer="global+snapkv", decode_order="evict-first"), "allocation='global' ranks every layer's tokens"),
     (dict(chunk=0), "chunk=0 must be an integer >= 1"),
     (dict(allocation="adakv", page_size=0), "page_size=0 must be an integer >= 1"),
     (dict(allocation="heads"), "allocation='heads' belongs to scorer 'kvzip-head'"),
@@ -101,3 +106,38 @@ def test_page_pool_stays_consistent_under_every_allocation(model, data):
 def test_bad_allocation_arguments(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         kvjax.generate(model, np.arange(4, 60, dtype=np.int32), 2, **{"budget": 64} | kwargs)
+
+
+def test_floor_count_readings():
+    """b = 128, a 32-token window, α = 0.2: AdaKV's code keeps 32 + ⌊0.2 × 96⌋ = 51 per head; kvpress's
+    ⌊0.2 × 128⌋ = 25 of the head's best, the window among them, which is no floor at all."""
+    assert floor_count(0.2, 128, 32, "adakv") == 51
+    assert floor_count(0.2, 128, 32, "kvpress") == 25
+    assert floor_count(0.0, 128, 32, "adakv") == 32 and floor_count(0.0, 128, 32, "kvpress") == 0
+    assert floor_count(0.001, 128, 0, "kvpress") == 1  # kvpress keeps at least one when α > 0
+
+
+@pytest.mark.parametrize("floor_mode", FLOOR_MODES)
+def test_adakv_targets_match_brute_force(floor_mode):
+    """AdaKV's kept counts on random keys (heads of unequal lengths and score scales, sinks and window
+    protected) against the NumPy reference's one-slot-at-a-time sharing, under both floor readings."""
+    rng = np.random.default_rng(0)
+    L, B, Hk, S, b, n_sink, window = 2, 3, 4, 40, 12, 1, 3
+    for alpha in (0.2, 0.5, 0.9):
+        count = rng.integers(b, S + 1, (L, B, Hk))
+        pos = np.where(np.arange(S) < count[..., None], np.arange(S), -1)
+        protected = (pos >= 0) & ((pos < n_sink) | (pos >= count[..., None] - window))
+        scale = rng.uniform(0.01, 10.0, (L, B, Hk, 1))  # unequal heads, so the floor binds
+        key = np.where(protected, np.inf, np.where(pos >= 0, rng.random((L, B, Hk, S)) * scale, -np.inf))
+        floor = floor_count(alpha, b, n_sink + window, floor_mode)
+        got = np.asarray(targets("adakv", jnp.asarray(key, jnp.float32), jnp.asarray(pos, jnp.int32), (b,) * L,
+                                 floor, Hk * b))
+        for layer in range(L):
+            for row in range(B):
+                heads = [dict(positions=pos[layer, row, h, :count[layer, row, h]],
+                              protected=protected[layer, row, h, :count[layer, row, h]],
+                              prio=key[layer, row, h][(pos[layer, row, h] >= 0) & ~protected[layer, row, h]])
+                         for h in range(Hk)]
+                expected, _, _ = shared_counts(heads, Hk * b, floor, Hk * b)
+                assert list(got[layer, row]) == expected, (alpha, layer, row)
+        assert (got >= min(floor, b)).all()

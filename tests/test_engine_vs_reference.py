@@ -172,6 +172,7 @@ def check_against_reference(model, case, protocol, evict_every, prompts):
             np.testing.assert_allclose(np.asarray(getattr(moments, name)[:, row]), expected,
                                        atol=1e-5 * max(1.0, np.abs(expected).max()), rtol=1e-4)
     assert sum(r["moments"]["count"].sum() for r in refs) > 0  # evictions did happen
+    return refs
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c["scorer"])

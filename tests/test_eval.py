@@ -2,13 +2,14 @@
 and plot, perplexity and fidelity against their no-eviction limits, and the full cache on SmolLM2."""
 
 import json
+import re
 
 import numpy as np
 import pytest
 
 from kvjax.eval import report, sweep
 from kvjax.eval.fidelity import run_fidelity
-from kvjax.eval.haystack import pydoc_prose, sentences
+from kvjax.eval.haystack import licenses_prose, pydoc_prose, sentences
 from kvjax.eval.niah import TASKS, make_sample, make_samples, score
 from kvjax.eval.perplexity import evicting_nll, full_cache_nll, run_perplexity, text_tokens
 from kvjax.options import eviction_from
@@ -25,7 +26,7 @@ def test_real_text_haystack_is_prose_from_an_installed_package():
     assert not any(s.startswith((" ", ">>>")) for s in sentences("pydoc"))
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", [t for t in TASKS if t != "sentence-number"])
 @pytest.mark.parametrize("haystack", ["filler", "pydoc"])
 def test_samples_are_deterministic_and_hold_their_needles(tokenizer, task, haystack):
     a = make_sample(tokenizer, task, haystack, 512, 1, 3, seed=7)
@@ -40,6 +41,34 @@ def test_samples_are_deterministic_and_hold_their_needles(tokenizer, task, hayst
         assert context.count("One of the special magic") == 4 and len(a.answers) == 1
     if task == "multivalue":
         assert len(a.answers) >= 3
+
+
+@pytest.mark.parametrize("haystack", ["pydoc", "licenses"])
+def test_sentence_needles_read_as_prose(tokenizer, haystack):
+    """sentence-number: the asked sentence and one distractor of the same form (two names sharing no word),
+    real prose around them, no instruction, and the question ends the user turn with no answer prefix."""
+    a = make_sample(tokenizer, "sentence-number", haystack, 1024, 2, 3, seed=7)
+    assert a == make_sample(tokenizer, "sentence-number", haystack, 1024, 2, 3, seed=7)
+    assert 1024 - 160 <= len(a.prompt) <= 1024 and a.max_new_tokens == 32
+    context, question = tokenizer.decode(list(a.context)), tokenizer.decode(list(a.question))
+    assert "magic" not in context + question and "\nWhat" in question or "\nAt what" in question
+    assert question.endswith("<|im_start|>assistant\n")
+    (answer,) = a.answers
+    numbers = re.findall(r"\b\d{7}\b", context)
+    assert len(numbers) == 2 and answer in numbers
+    needle = next(s for s in re.split(r"(?<=[.:!?]) ", context) if answer in s)
+    other = next(s for s in re.split(r"(?<=[.:!?]) ", context) if s != needle and re.search(r"\b\d{7}\b", s))
+    name = r"\b(?!The\b)[A-Z][a-z]+ [A-Z][a-z]+"
+    asked, distractor = (re.search(name, s).group(0) for s in (needle, other))
+    assert asked in question and distractor not in question and not set(asked.split()) & set(distractor.split())
+    assert re.sub(name + r"|\d{7}", "X", needle) == re.sub(name + r"|\d{7}", "X", other)
+    assert context.rindex(answer) / len(context) > 0.9  # index 2 of 3: the end of the context
+
+
+def test_licenses_haystack_is_legal_prose():
+    text = licenses_prose()
+    assert len(text) > 100_000 and "GNU General Public License" in text
+    assert not any(re.search(r"https?://|<.*>", s) for s in sentences("licenses"))
 
 
 def test_needle_depths_spread_over_the_context(tokenizer):

@@ -2,6 +2,8 @@
 model, the compression that keeps the top scores across a layer's KV heads, the head-level mode with saved
 head scores, and the errors a user meets."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -23,11 +25,13 @@ def model():
     return kvjax.init_params(cfg, jax.random.key(4), scale=0.4)
 
 
-def numpy_kvzip(params, context: np.ndarray, chunk: int) -> np.ndarray:
+def numpy_kvzip(params, context: np.ndarray, chunk: int, prompt: RepeatPrompt = PROMPT) -> np.ndarray:
     """Algorithm 1 as written, in float64: prefill the context; for each chunk feed its repeat input through the
     model after the context (ordinary causal attention over context and input); in each layer, the softmax of
     the input's queries over [the chunk's keys, the input's keys (causal)] gives each chunk key the maximum over
-    the queries and the GQA group. Returns S [L, Hk, n_c]."""
+    the queries and the GQA group. Returns S [L, Hk, n_c]. kvpress's form (``prompt.skip``, ``prompt.sinks``):
+    the chunks cover the context after its first ``skip`` tokens, and the softmax also takes the keys of the
+    first min(sinks, chunk start) tokens first, as ``KVzipPress._compute_cross_attention`` does."""
     from kvjax.rope import inverse_frequencies
 
     cfg, w = params.config, numpy_params(params)
@@ -52,19 +56,20 @@ def numpy_kvzip(params, context: np.ndarray, chunk: int) -> np.ndarray:
     n = len(context)
     cache = [(k, v) for _, k, v in forward(context, np.arange(n), None)]
     scores = np.zeros((L, Hk, n))
-    for start in range(0, n, chunk):
+    for start in range(prompt.skip, n, chunk):
         stop = min(start + chunk, n)
-        head = PROMPT.first if start == 0 else PROMPT.later + tuple(context[max(0, start - 8): start]) + PROMPT.colon
+        head = prompt.first if start == prompt.skip else (prompt.later + tuple(context[max(0, start - 8): start])
+                                                          + prompt.colon)
         tokens = np.concatenate([np.asarray(head), context[start:stop]])
         layers = forward(tokens, n + np.arange(len(tokens)), cache)
-        T = len(tokens)
+        T, sink = len(tokens), min(prompt.sinks, start)
         for layer, (q, k, _) in enumerate(layers):
-            keys = np.concatenate([cache[layer][0][start:stop], k])  # [m + T, Hk, K]
-            visible = np.concatenate([np.ones((T, stop - start), bool), np.tril(np.ones((T, T), bool))], axis=1)
+            keys = np.concatenate([cache[layer][0][:sink], cache[layer][0][start:stop], k])  # [s + m + T, Hk, K]
+            visible = np.concatenate([np.ones((T, sink + stop - start), bool), np.tril(np.ones((T, T), bool))], 1)
             for h in range(cfg.n_heads):
                 _, A, _, _ = attention(q[:, h], keys[:, h // G], keys[:, h // G], visible)
                 scores[layer, h // G, start:stop] = np.maximum(scores[layer, h // G, start:stop],
-                                                               A[:, : stop - start].max(axis=0))
+                                                               A[:, sink: sink + stop - start].max(axis=0))
     return scores
 
 
@@ -83,6 +88,20 @@ def test_scores_equal_algorithm_1(model):
     np.testing.assert_allclose(head_scores(got, [41, 23]),
                                np.maximum(numpy_kvzip(model, contexts[0], CHUNK).max(-1),
                                           numpy_kvzip(model, contexts[1], CHUNK).max(-1)), rtol=1e-4)
+
+
+def test_kvpress_form_scores_equal_its_reference(model):
+    """kvpress's form: the first 5 tokens (a chat template's head) neither repeated nor scored, 4 sinks in every
+    softmax, three chunks and a batch of two contexts of different lengths."""
+    prompt = RepeatPrompt(first=(5, 6, 7, 11, 12), later=(5, 6, 8), colon=(11, 12), skip=5, sinks=4)
+    rng = np.random.default_rng(5)
+    contexts = [rng.integers(10, 97, 41).astype(np.int32), rng.integers(10, 97, 23).astype(np.int32)]
+    got = np.asarray(kvzip_scores(model, prefill_full(model, contexts).cache.full, contexts, prompt, chunk=CHUNK))
+    for row, context in enumerate(contexts):
+        want = numpy_kvzip(model, context, CHUNK, prompt)
+        np.testing.assert_allclose(got[:, row, :, : len(context)], want, rtol=1e-4, atol=1e-6)
+        assert not got[:, row, :, :5].any() and (want[..., 5:] > 0).all()
+    assert not np.allclose(got[:, 0, :, 5:41], numpy_kvzip(model, contexts[0], CHUNK)[..., 5:], rtol=1e-2)
 
 
 def test_contexts_shorter_than_a_chunk_are_fed_at_their_length(model, monkeypatch):
@@ -174,3 +193,25 @@ def test_kvzip_needs_its_inputs_and_the_prefill_protocol(model):
         kvjax.generate(model, ids, 4, budget=12, scorer="kvzip", repeat_prompt=PROMPT, protocol="blockwise")
     with pytest.raises(ValueError, match="a fractional budget must lie in"):
         kvjax.generate(model, ids, 4, budget=1.5)
+
+
+def test_repeat_option_errors():
+    """An unknown form, or a repeat prompt made in another form than ``repeat`` asks, is an error naming both."""
+    from kvjax.options import eviction_from
+
+    with pytest.raises(ValueError, match=r"repeat='verbatim' must be one of \('paper', 'kvpress'\)"):
+        eviction_from(scorer="kvzip", budget=8, repeat="verbatim", repeat_prompt=PROMPT)
+    made = RepeatPrompt(first=(5,), later=(6,), colon=(7,), form="kvpress")
+    with pytest.raises(ValueError, match="repeat='paper', but repeat_prompt was made in the 'kvpress' form"):
+        eviction_from(scorer="kvzip", budget=8, repeat="paper", repeat_prompt=made)
+    assert eviction_from(scorer="kvzip", budget=8, repeat_prompt=made).policy.repeat_prompt == made
+
+
+def test_repeat_prompt_survives_a_saved_context():
+    """A saved context's eviction settings (JSON) bring back the repeat prompt whole: ids, skip, sinks, form."""
+    from kvjax.options import eviction_from
+    from kvjax.saved_context import _eviction_from_json, _eviction_to_json
+
+    prompt = RepeatPrompt(first=(5, 6), later=(7,), colon=(8, 9), skip=3, sinks=4, form="kvpress")
+    ev = eviction_from(scorer="kvzip", budget=8, repeat_prompt=prompt)
+    assert _eviction_from_json(json.loads(json.dumps(_eviction_to_json(ev)))) == ev

@@ -59,13 +59,13 @@ MATCHED = {
     "streamingllm": dict(n_sink=4),
     # kvpress ObservedAttentionPress: attention averaged over the queries that see a token; nothing protected.
     "h2o": dict(n_sink=0, window=0),
-    # kvpress KVzipPress(layerwise=True): 4 sinks never evicted, no recent window, each layer's n_kv_heads × budget
-    # shared among its KV heads by score with no per-head floor. (Not mirrored: kvpress leaves the chat
-    # template's head after the 4 sinks unscored, so those tokens are evicted first.)
-    "kvzip": dict(n_sink=4, window=0, allocation="adakv", floor=0.0),
+    # kvpress KVzipPress(layerwise=True): kvjax's defaults (its repeat prompt, 4 sinks in the softmax and never
+    # evicted, the chat template's head unscored, no recent window, each layer's n_kv_heads × budget shared among
+    # its KV heads with no floor); tests/test_kvzip_kvpress.py checks the kept positions against kvpress's.
+    "kvzip": dict(repeat="kvpress", n_sink=4, window=0, allocation="adakv", floor=0.0),
     # kvpress AdaKVPress(SnapKVPress, alpha_safeguard=0.2): SnapKV as above inside; every head keeps at least
-    # int(0.2 × budget) (its highest scores, the window included).
-    "adakv+snapkv": dict(n_sink=0, obs_window=64, window=64, pool="avg", kernel=5, floor=0.2),
+    # int(0.2 × budget) (its highest scores, the window included: floor_mode="kvpress").
+    "adakv+snapkv": dict(n_sink=0, obs_window=64, window=64, pool="avg", kernel=5, floor=0.2, floor_mode="kvpress"),
 }
 
 

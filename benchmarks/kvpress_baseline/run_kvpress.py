@@ -10,7 +10,9 @@ prefill, then feed the question and decode greedily, uncompressed), on the same 
 follows (kvpress's default); ``query-aware`` compresses the prompt up to its last token, which is then fed as
 the "question". One JSON line per answer: sample, setting, scorer ("kvpress:<press>"), budget, prediction,
 seconds, and ``kept``: the KV pairs each layer keeps, summed over its KV heads (n_kv_heads × budget for every
-press here: checked, not assumed).
+press here: checked, not assumed). KVzip's presses score a context once for all the budgets (``kvzip_answers``:
+the same selection and answers as one run per budget; ``seconds`` of the later budgets leave the shared scoring
+pass out and their rows say ``shared_scoring``).
 
 A budget b over a context of n tokens is kvpress's ``compression_ratio`` r (the fraction removed), chosen so
 that kvpress's own rounding keeps exactly b per KV head on average (``ratio_for``):
@@ -119,6 +121,43 @@ def use_tokenizer(tokenizer) -> None:
     kvzip_press.AutoTokenizer = GGUFTokenizer
 
 
+def kvzip_answers(pipe, name: str, context: list[int], question: list[int], budgets: list[int], max_new: int):
+    """(budget, answer, seconds, kept) for each budget from one KVzip scoring of ``context``: the first budget's
+    press runs kvpress's pipeline (prefill, reconstruction scoring, ``compress_post``, answer) and its scores
+    are kept; each later budget runs a press of its own ratio whose ``compress_post`` selects from the same
+    scores over the same cache (the pipeline crops the answer off it), then answers as the pipeline does. The
+    same kept sets and answers as one pipeline run per budget, without repeating the scoring pass."""
+    from transformers import DynamicCache
+
+    model, saved, found = pipe.model, {}, []
+    first = make_press(name, len(context), budgets[0], model.config)
+    select = first.compress_post
+
+    def keep_scores(model_):  # the scores, and the context's keys and values before any answer touches them
+        saved["scores"] = first.score_val.clone()
+        saved["kv"] = [(layer.keys.clone(), layer.values.clone()) for layer in first._cache.layers]
+        select(model_)
+
+    first.compress_post = keep_scores
+    cache, start = DynamicCache(), time.perf_counter()
+    inputs = {"context_ids": torch.tensor([context]), "questions_ids": [torch.tensor([question])]}
+    answer = pipe._forward(inputs, max_new_tokens=max_new, press=first, cache=cache)[0]
+    found.append((budgets[0], answer, time.perf_counter() - start, kept_per_layer(model, cache)))
+    for budget in budgets[1:]:
+        start = time.perf_counter()
+        for layer, (keys, values) in zip(cache.layers, saved["kv"], strict=True):
+            layer.keys, layer.values = keys.clone(), values.clone()  # decoding overwrote the evicted keys in place
+        press = make_press(name, len(context), budget, model.config)
+        press.score_val = saved["scores"].clone()
+        press.compress_post(model)
+        lengths = [cache.get_seq_length(layer) for layer in range(len(cache))]
+        answer = pipe.generate_answer(question_ids=torch.tensor([question]), cache=cache,
+                                      context_length=len(context), max_new_tokens=max_new)
+        pipe._remove_answer_from_cache(cache, lengths)
+        found.append((budget, answer, time.perf_counter() - start, kept_per_layer(model, cache)))
+    return found
+
+
 def kept_per_layer(model, cache) -> list[int]:
     """KV pairs each layer attends to after compression, summed over its KV heads: the cache's length times the
     KV heads, less the pairs masked by AdaKV / KVzip's fake eviction (``masked_key_indices``)."""
@@ -173,6 +212,21 @@ def main() -> None:
                     prompt = sample["context"] + sample["question"]
                     context, question = prompt[:-1], prompt[-1:]
                 for press_name in args.presses:
+                    if press_name in ("kvzip", "kvzip_global"):  # one scoring pass serves every budget
+                        todo = [b for b in args.budgets if (sample["id"], setting, f"kvpress:{press_name}", b)
+                                not in done]
+                        if todo:
+                            for budget, answer, seconds, kept in kvzip_answers(
+                                    pipe_for(press_name), press_name, context, question, todo,
+                                    sample["max_new_tokens"]):
+                                row = {"sample": sample["id"], "setting": setting, "scorer": f"kvpress:{press_name}",
+                                       "budget": budget, "prediction": answer, "seconds": seconds, "kept": kept,
+                                       "shared_scoring": budget != todo[0]}
+                                f.write(json.dumps(row) + "\n")
+                                f.flush()
+                                print(f"{sample['id']} {setting} kvpress:{press_name} {budget}: {answer!r}",
+                                      flush=True)
+                        continue
                     for budget in args.budgets:
                         key = (sample["id"], setting, f"kvpress:{press_name}", budget)
                         if key in done:

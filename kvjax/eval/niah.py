@@ -6,6 +6,11 @@ a 7-digit number, a word or a UUID), ``multikey`` (four needles with different k
 {key} is: {value}." and sits between haystack sentences at a depth in [0, 1]; the question comes after the
 context, inside the model's chat template, and the assistant turn starts with RULER's answer prefix.
 
+A second form, ``sentence-number``, reads as ordinary prose: the needle is a sentence such as "The access code
+for the Amber Lantern gate is 8322358.", two distractors of the same form give other places other numbers,
+there is no instruction, and the question ("What is the access code for the Amber Lantern gate?") ends the
+user turn with no answer prefix, so the model answers in its own words.
+
 Every sample is fixed by (seed, task, haystack, length, index): the same seed gives the same tokens.
 """
 
@@ -18,8 +23,9 @@ import uuid
 from kvjax.eval.haystack import HAYSTACKS, sentences
 from kvjax.loading import chat_parts
 
-TASKS = ("single-number", "single-word", "single-uuid", "multikey", "multivalue")
+TASKS = ("single-number", "single-word", "single-uuid", "multikey", "multivalue", "sentence-number")
 NEEDLES_PER_SAMPLE = 4  # multikey: needles (one asked); multivalue: values of the asked key
+SENTENCE_NEEDLES = 2  # sentence-number: the asked sentence and one distractor
 ADJECTIVES = ("amber", "ancient", "bitter", "brave", "bright", "calm", "clever", "cold", "crimson", "curious",
               "dark", "distant", "eager", "faint", "fierce", "gentle", "golden", "hidden", "hollow", "humble",
               "icy", "jolly", "lively", "lonely", "loud", "lucky", "mellow", "misty", "noble", "odd", "pale",
@@ -30,6 +36,14 @@ NOUNS = ("anchor", "badger", "banjo", "beacon", "blossom", "canyon", "castle", "
          "hazel", "heron", "island", "jasmine", "kettle", "lantern", "meadow", "meteor", "monsoon", "nectar",
          "orchard", "otter", "parrot", "pebble", "pillar", "quartz", "raven", "reef", "saddle", "sparrow",
          "spruce", "summit", "thistle", "thunder", "tulip", "valley", "violin", "walnut", "willow", "zephyr")
+SENTENCES = (  # sentence-number's forms: (needle, question), one per sample
+    ("The access code for the {key} gate is {value}.", "What is the access code for the {key} gate?"),
+    ("The {key} hotel can be reached by phone at {value}.", "At what number can the {key} hotel be reached by phone?"),
+    ("The serial number engraved on the {key} telescope is {value}.",
+     "What is the serial number engraved on the {key} telescope?"),
+    ("The {key} library card of the visiting scholar has the number {value}.",
+     "What number does the visiting scholar's {key} library card have?"),
+)
 WORD_VALUES = ("apricot", "bonfire", "cobalt", "driftwood", "eclipse", "flamingo", "gondola", "hammock",
                "igloo", "juniper", "kaleidoscope", "lighthouse", "marmalade", "nightingale", "origami", "paprika",
                "quiver", "riddle", "saffron", "tapestry", "umbrella", "velvet", "whistle", "yodel")
@@ -80,13 +94,23 @@ def _value(task: str, rng: random.Random) -> str:
 
 def make_sample(tokenizer, task: str, haystack: str, length: int, index: int, n: int, seed: int = 0) -> Sample:
     """Sample ``index`` of ``n`` for (task, haystack, length): the asked needle sits at depth index/(n-1) and the
-    prompt (context + question) holds at most ``length`` tokens, filled with haystack to within 64 of it."""
+    prompt (context + question) holds at most ``length`` tokens, filled with whole haystack sentences (short of
+    it by less than the next sentence)."""
     if task not in TASKS:
         raise ValueError(f"task={task!r} must be one of {TASKS}")
     if haystack not in HAYSTACKS:
         raise ValueError(f"haystack={haystack!r} must be one of {HAYSTACKS}")
     rng = random.Random(f"{seed}/{task}/{haystack}/{length}/{index}")
     depth = index / (n - 1) if n > 1 else 0.5
+    if task == "sentence-number":
+        needle, asks = rng.choice(SENTENCES)
+        names = [f"{a.capitalize()} {b.capitalize()}" for a, b in  # no word shared between two names
+                 zip(rng.sample(ADJECTIVES, SENTENCE_NEEDLES), rng.sample(NOUNS, SENTENCE_NEEDLES), strict=True)]
+        values = [_value(task, rng) for _ in names]
+        needles = [(depth if i == 0 else rng.random(), needle.format(key=name, value=v))
+                   for i, (name, v) in enumerate(zip(names, values))]
+        return _fill(tokenizer, task, haystack, length, index, n, seed, rng, depth, needles, instruction="",
+                     question="\n\n" + asks.format(key=names[0]), prefix="", answers=(values[0],), max_new=32)
     kind = {"single-word": "words", "single-uuid": "uuids"}.get(task, "numbers")
     keys = rng.sample([f"{a}-{b}" for a in ADJECTIVES for b in NOUNS], NEEDLES_PER_SAMPLE)
     asked = keys[0]
@@ -108,7 +132,15 @@ def make_sample(tokenizer, task: str, haystack: str, length: int, index: int, n:
         max_new = 40 if task == "single-uuid" else 16
     instruction = (f"Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
                    f"I will quiz you about the {kind} afterwards.\n")
+    return _fill(tokenizer, task, haystack, length, index, n, seed, rng, depth, needles, instruction,
+                 "\n" + question, prefix, answers, max_new)
 
+
+def _fill(tokenizer, task: str, haystack: str, length: int, index: int, n: int, seed: int, rng: random.Random,
+          depth: float, needles: list[tuple[float, str]], instruction: str, question: str, prefix: str,
+          answers: tuple[str, ...], max_new: int) -> Sample:
+    """The sample whose context is ``instruction`` + haystack sentences from a random start with ``needles``
+    ((depth, sentence) pairs) placed among them, as many sentences as keep the prompt within ``length``."""
     pool = sentences(haystack)
     start = rng.randrange(len(pool))
     hay = [pool[(start + i) % len(pool)] for i in range(len(pool))]
@@ -118,7 +150,7 @@ def make_sample(tokenizer, task: str, haystack: str, length: int, index: int, n:
         places = sorted(((round(d * n_sentences), needle) for d, needle in needles), reverse=True)
         for at, needle in places:  # deepest first, so the shallower places stay where they were computed
             body = body[:at] + [needle] + body[at:]
-        return chat_parts(tokenizer, instruction + " ".join(body), "\n" + question, prefix)
+        return chat_parts(tokenizer, instruction + " ".join(body), question, prefix)
 
     low, high = 0, len(hay)  # the most sentences that fit
     while low < high:
@@ -129,7 +161,7 @@ def make_sample(tokenizer, task: str, haystack: str, length: int, index: int, n:
         else:
             high = mid - 1
     context, asked_ids = build(low)
-    if len(context) + len(asked_ids) < length - 64:
+    if low == len(hay):
         raise ValueError(f"length={length}: the {haystack!r} haystack cannot fill it (got "
                          f"{len(context) + len(asked_ids)} tokens)")
     return Sample(id=f"{task}/{haystack}/{length}/{index}of{n}/seed{seed}", task=task,
