@@ -79,13 +79,18 @@ class FullCache:
     def kv(self) -> tuple[jax.Array, jax.Array]:
         return self.k, self.v
 
+    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> FullCache:
+        """Layer ``layer`` with k, v [B, T, Hk, K] written at their ``positions`` [B, T] (in place)."""
+        B, _, Hk, _ = k.shape
+        index = (layer, jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None], positions[:, None, :])
+        return FullCache(k=self.k.at[index].set(k.swapaxes(1, 2).astype(self.k.dtype)),
+                         v=self.v.at[index].set(v.swapaxes(1, 2).astype(self.v.dtype)))
+
     def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                seg: Segment) -> tuple[jax.Array, FullCache]:
         """Layer ``layer``: write k, v [B, T, Hk, K] at their positions (in place), attend q [B, T, H, K]."""
-        B, T, Hk, _ = k.shape
-        index = (layer, jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None], seg.positions[:, None, :])
-        cache = FullCache(k=self.k.at[index].set(k.swapaxes(1, 2).astype(self.k.dtype)),
-                          v=self.v.at[index].set(v.swapaxes(1, 2).astype(self.v.dtype)))
+        T = k.shape[1]
+        cache = self.write(layer, k, v, seg.positions)
         k_layer, v_layer = cache.k[layer], cache.v[layer]
         if seg.from_start and T > PREFILL_CHUNK and T % PREFILL_CHUNK == 0:
             # Causal prefill: query chunk c only needs the keys of chunks 0..c.

@@ -114,9 +114,7 @@ class RepeatScoring:
         attention's logits over fewer keys), maxed over the queries and the group's heads."""
         B, T, H, K = q.shape
         Hk = k.shape[2]
-        index = (layer, jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None], seg.positions[:, None, :])
-        full = FullCache(k=self.full.k.at[index].set(k.swapaxes(1, 2).astype(self.full.k.dtype)),
-                         v=self.full.v.at[index].set(v.swapaxes(1, 2).astype(self.full.v.dtype)))
+        full = self.full.write(layer, k, v, seg.positions)
         keys, values = full.k[layer].astype(q.dtype), full.v[layer].astype(q.dtype)  # [B, Hk, S, K]
         slots = jnp.arange(full.capacity)
         in_chunk = (slots >= self.start[:, None]) & (slots < self.stop[:, None])  # [B, S]

@@ -101,22 +101,22 @@ def main() -> None:
         print(f"[kvjax: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
         if kvpress is not None and kvpress.wait() != 0:
             sys.exit(f"run_kvpress.py failed (exit {kvpress.returncode}); its rows so far are in {kvpress_path}")
-    text = table(samples, kvjax_path, kvpress_path, args.budgets)
+    found = read_scores(samples, kvjax_path, kvpress_path)
+    text = table(samples, found, args.budgets)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text)
-    plot(samples, kvjax_path, kvpress_path, args.budgets, os.path.join(args.out, "accuracy.png"))
+    plot(samples, found, args.budgets, os.path.join(args.out, "accuracy.png"))
     print(text)
 
 
-def plot(samples, kvjax_path: str, kvpress_path: str, budgets, path: str) -> None:
-    """Accuracy against budget, one panel per setting, one line per method (kvpress's dashed: where a kvjax line
-    is hidden, kvpress's lies on it)."""
+def plot(samples, found: dict, budgets, path: str) -> None:
+    """Accuracy against budget (found: ``read_scores``), one panel per setting, one line per method (kvpress's
+    dashed: where a kvjax line is hidden, kvpress's lies on it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    found = read_scores(samples, kvjax_path, kvpress_path)
     fig, axes = plt.subplots(1, len(SETTINGS), figsize=(11, 4), sharey=True)
     for ax, st in zip(axes, SETTINGS, strict=True):
         ids = [s.id for s in samples if s.id.endswith(st)]
@@ -157,10 +157,9 @@ def read_scores(samples, kvjax_path: str, kvpress_path: str) -> dict:
     return found
 
 
-def table(samples, kvjax_path: str, kvpress_path: str, budgets) -> str:
+def table(samples, found: dict, budgets) -> str:
     """Markdown: accuracy (right answers of n, Wilson 95% interval) per setting, method and budget; the paired
-    comparisons; kvjax's default against kvpress's KVzip answer for answer."""
-    found = read_scores(samples, kvjax_path, kvpress_path)
+    comparisons; kvjax's default against kvpress's KVzip answer for answer. found: ``read_scores``."""
     by_setting = {st: [s.id for s in samples if s.id.endswith(st)] for st in SETTINGS}
     labels = ["full"] + [m for m in METHODS if any((m, b) in found for b in budgets)] + \
              [p for p in PRESSES if any((p, b) in found for b in budgets)]
