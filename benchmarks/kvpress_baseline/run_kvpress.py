@@ -65,6 +65,7 @@ PRESSES = ("snapkv", "tova", "streamingllm", "observed_attention", "kvzip", "kvz
 SCORER_PRESSES = {"snapkv": "SnapKVPress", "tova": "TOVAPress", "streamingllm": "StreamingLLMPress",
                   "observed_attention": "ObservedAttentionPress"}
 ALPHA_SAFEGUARD = 0.20  # kvpress AdaKVPress's default
+KVZIP_PRESSES = ("kvzip", "kvzip_global")
 
 
 def _nudge(ratio: float, toward: float) -> float:
@@ -102,7 +103,7 @@ def make_press(name: str, n: int, budget: int, config):
     if name == "adakv_snapkv":
         return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio_for(n, budget)),
                                   alpha_safeguard=ALPHA_SAFEGUARD)
-    if name in ("kvzip", "kvzip_global"):
+    if name in KVZIP_PRESSES:
         layerwise = name == "kvzip"
         rows = config.num_key_value_heads * (1 if layerwise else config.num_hidden_layers)
         return kvpress.KVzipPress(compression_ratio=ratio_for(n, budget, rows), layerwise=layerwise)
@@ -119,6 +120,23 @@ def use_tokenizer(tokenizer) -> None:
             return tokenizer
 
     kvzip_press.AutoTokenizer = GGUFTokenizer
+
+
+def press_answers(pipe, name: str, context: list[int], question: list[int], budgets: list[int], max_new: int):
+    """(budget, answer, seconds, kept) for each budget: kvpress's pipeline run once per budget, or for KVzip's
+    presses once for all of them (``kvzip_answers``)."""
+    from transformers import DynamicCache
+
+    if name in KVZIP_PRESSES:
+        return kvzip_answers(pipe, name, context, question, budgets, max_new)
+    found = []
+    for budget in budgets:
+        press, cache = make_press(name, len(context), budget, pipe.model.config), DynamicCache()
+        start = time.perf_counter()
+        inputs = {"context_ids": torch.tensor([context]), "questions_ids": [torch.tensor([question])]}
+        answer = pipe._forward(inputs, max_new_tokens=max_new, press=press, cache=cache)[0]
+        found.append((budget, answer, time.perf_counter() - start, kept_per_layer(pipe.model, cache)))
+    return found
 
 
 def kvzip_answers(pipe, name: str, context: list[int], question: list[int], budgets: list[int], max_new: int):
@@ -181,7 +199,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, pipeline
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
     import kvpress  # noqa: F401  (registers the "kv-press-text-generation" pipeline)
 
@@ -212,39 +230,19 @@ def main() -> None:
                     prompt = sample["context"] + sample["question"]
                     context, question = prompt[:-1], prompt[-1:]
                 for press_name in args.presses:
-                    if press_name in ("kvzip", "kvzip_global"):  # one scoring pass serves every budget
-                        todo = [b for b in args.budgets if (sample["id"], setting, f"kvpress:{press_name}", b)
-                                not in done]
-                        if todo:
-                            for budget, answer, seconds, kept in kvzip_answers(
-                                    pipe_for(press_name), press_name, context, question, todo,
-                                    sample["max_new_tokens"]):
-                                row = {"sample": sample["id"], "setting": setting, "scorer": f"kvpress:{press_name}",
-                                       "budget": budget, "prediction": answer, "seconds": seconds, "kept": kept,
-                                       "shared_scoring": budget != todo[0]}
-                                f.write(json.dumps(row) + "\n")
-                                f.flush()
-                                print(f"{sample['id']} {setting} kvpress:{press_name} {budget}: {answer!r}",
-                                      flush=True)
+                    scorer = f"kvpress:{press_name}"
+                    todo = [b for b in args.budgets if (sample["id"], setting, scorer, b) not in done]
+                    if not todo:
                         continue
-                    for budget in args.budgets:
-                        key = (sample["id"], setting, f"kvpress:{press_name}", budget)
-                        if key in done:
-                            continue
-                        pipe = pipe_for(press_name)
-                        press = make_press(press_name, len(context), budget, pipe.model.config)
-                        cache = DynamicCache()
-                        start = time.perf_counter()
-                        inputs = {"context_ids": torch.tensor([context]), "questions_ids": [torch.tensor([question])]}
-                        answer = pipe._forward(inputs, max_new_tokens=sample["max_new_tokens"], press=press,
-                                               cache=cache)[0]
-                        row = {"sample": sample["id"], "setting": setting, "scorer": key[2], "budget": budget,
-                               "prediction": answer, "seconds": time.perf_counter() - start,
-                               "kept": kept_per_layer(pipe.model, cache)}
+                    for budget, answer, seconds, kept in press_answers(pipe_for(press_name), press_name, context,
+                                                                       question, todo, sample["max_new_tokens"]):
+                        row = {"sample": sample["id"], "setting": setting, "scorer": scorer, "budget": budget,
+                               "prediction": answer, "seconds": seconds, "kept": kept}
+                        if press_name in KVZIP_PRESSES:
+                            row["shared_scoring"] = budget != todo[0]
                         f.write(json.dumps(row) + "\n")
                         f.flush()
-                        print(f"{sample['id']} {setting} {key[2]} {budget}: {answer!r}", flush=True)
-
+                        print(f"{sample['id']} {setting} {scorer} {budget}: {answer!r}", flush=True)
 
 if __name__ == "__main__":
     main()
