@@ -109,8 +109,20 @@ def make_sample(tokenizer, task: str, haystack: str, length: int, index: int, n:
         values = [_value(task, rng) for _ in names]
         needles = [(depth if i == 0 else rng.random(), needle.format(key=name, value=v))
                    for i, (name, v) in enumerate(zip(names, values))]
-        return _fill(tokenizer, task, haystack, length, index, n, seed, rng, depth, needles, instruction="",
-                     question="\n\n" + asks.format(key=names[0]), prefix="", answers=(values[0],), max_new=32)
+        instruction, question, prefix = "", "\n\n" + asks.format(key=names[0]), ""
+        answers, max_new = (values[0],), 32
+    else:
+        needles, instruction, question, prefix, answers, max_new = _ruler(task, rng, depth)
+    context, asked_ids = _fill(tokenizer, haystack, length, rng, needles, instruction, question, prefix)
+    return Sample(id=f"{task}/{haystack}/{length}/{index}of{n}/seed{seed}", task=task,
+                  haystack=haystack, length=length, index=index,
+                  depth=depth, context=tuple(context), question=tuple(asked_ids), answers=answers,
+                  max_new_tokens=max_new)
+
+
+def _ruler(task: str, rng: random.Random, depth: float) -> tuple:
+    """RULER's needles ((depth, sentence) pairs), instruction, question, answer prefix, answers and answer
+    length for ``task``."""
     kind = {"single-word": "words", "single-uuid": "uuids"}.get(task, "numbers")
     keys = rng.sample([f"{a}-{b}" for a in ADJECTIVES for b in NOUNS], NEEDLES_PER_SAMPLE)
     asked = keys[0]
@@ -132,15 +144,14 @@ def make_sample(tokenizer, task: str, haystack: str, length: int, index: int, n:
         max_new = 40 if task == "single-uuid" else 16
     instruction = (f"Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
                    f"I will quiz you about the {kind} afterwards.\n")
-    return _fill(tokenizer, task, haystack, length, index, n, seed, rng, depth, needles, instruction,
-                 "\n" + question, prefix, answers, max_new)
+    return needles, instruction, "\n" + question, prefix, answers, max_new
 
 
-def _fill(tokenizer, task: str, haystack: str, length: int, index: int, n: int, seed: int, rng: random.Random,
-          depth: float, needles: list[tuple[float, str]], instruction: str, question: str, prefix: str,
-          answers: tuple[str, ...], max_new: int) -> Sample:
-    """The sample whose context is ``instruction`` + haystack sentences from a random start with ``needles``
-    ((depth, sentence) pairs) placed among them, as many sentences as keep the prompt within ``length``."""
+def _fill(tokenizer, haystack: str, length: int, rng: random.Random, needles: list[tuple[float, str]],
+          instruction: str, question: str, prefix: str) -> tuple[list[int], list[int]]:
+    """The token ids (context, question) of the chat prompt whose context is ``instruction`` + haystack
+    sentences from a random start with ``needles`` ((depth, sentence) pairs) placed among them, as many
+    sentences as keep the prompt within ``length``."""
     pool = sentences(haystack)
     start = rng.randrange(len(pool))
     hay = [pool[(start + i) % len(pool)] for i in range(len(pool))]
@@ -164,10 +175,7 @@ def _fill(tokenizer, task: str, haystack: str, length: int, index: int, n: int, 
     if low == len(hay):
         raise ValueError(f"length={length}: the {haystack!r} haystack cannot fill it (got "
                          f"{len(context) + len(asked_ids)} tokens)")
-    return Sample(id=f"{task}/{haystack}/{length}/{index}of{n}/seed{seed}", task=task,
-                  haystack=haystack, length=length, index=index,
-                  depth=depth, context=tuple(context), question=tuple(asked_ids), answers=answers,
-                  max_new_tokens=max_new)
+    return context, asked_ids
 
 
 def make_samples(tokenizer, tasks=TASKS, haystacks=HAYSTACKS, lengths=(1024, 2048, 4096), n: int = 4,
