@@ -11,6 +11,8 @@ IMPLS = (None, "xla", "pallas", "pallas_tpu", "pallas_gpu")
 NEG_INF = -1e30  # the logit of an invisible slot (finite: a fully masked row gives garbage, never NaN)
 # What the per-slot score column holds: the attention column, or an OBCache saliency.
 SCORE_KINDS = ("attn", "obcache-value", "obcache-key", "obcache-joint")
+KEY_KINDS = ("obcache-key", "obcache-joint")  # with the ‖v − o‖² term: they read the outputs o
+VALUE_KINDS = ("obcache-value", "obcache-joint")  # with the ‖v‖² term
 
 # Dot dimension numbers: a [M, K] · b [N, K] -> [M, N] (contract the last dims of both, "A Bᵀ").
 NT_DIMS = (((1,), (1,)), ((), ()))

@@ -1,21 +1,18 @@
 """kvjax: Llama / Qwen inference in JAX with fixed-budget KV-cache eviction."""
 
-from kvjax.allocation import ALLOCATIONS
 from kvjax.budget_cache import BudgetCache
 from kvjax.cache import cache_bytes
 from kvjax.checkpoint.errors import CheckpointError
 from kvjax.config import ModelConfig
-from kvjax.context import decode, extend, prefill
-from kvjax.decoding import Context
+from kvjax.context import Context, decode, extend
+from kvjax.eviction import ALLOCATIONS, SCORERS, kvzip_prompt
 from kvjax.generate import forward, generate, generate_stream
-from kvjax.kvzip import kvzip_prompt
 from kvjax.loading import chat_tokens, load, load_tokenizer
 from kvjax.options import EvictionOptions
 from kvjax.paged_cache import PagedCache
 from kvjax.params import Params, init_params
-from kvjax.prefilled import Prefilled, prefill_full
+from kvjax.prefilled import Prefilled, prefill, prefill_full
 from kvjax.sampling import Sampling
-from kvjax.scorers import SCORERS
 from kvjax.sharding import make_mesh, shard
 
 __all__ = ["ALLOCATIONS", "SCORERS", "BudgetCache", "CheckpointError", "Context", "EvictionOptions", "ModelConfig",

@@ -15,25 +15,20 @@ from flax import struct
 
 from kvjax.cache import Segment, when
 from kvjax.config import ModelConfig
-from kvjax.kernels import block_attention_with_scores, corrected_attention, decode_attention_with_scores
+from kvjax.eviction import Policy, eviction_keys
+from kvjax.kernels import block_attention_with_scores, decode_attention_with_scores
 from kvjax.moments import Moments, moment_informed_eviction, over_layers
-from kvjax.priorities import eviction_keys, update_state
-from kvjax.scorers import Policy
+from kvjax.scored_attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV, fold_scores, kept_attention, scored_attention
 from kvjax.sharding import per_shard
 from kvjax.slots import set_layer_slots, set_slots
-
-# The leading logical axes of the attention kernels' arguments (q, k, v, slot_pos, query_pos, query_weights)
-# and outputs (out, lse, col), for running them per shard.
-KV = ("batch", "kv_heads")
-ATTENTION_AXES = (("batch", None, "heads"), KV, KV, KV, ("batch",), ("batch",))
-ATTENTION_OUT_AXES = (("batch", None, "heads"), ("batch", None, "heads"), KV)
 
 
 @struct.dataclass
 class BudgetCache:
     """k, v: [L, B, Hk, S, K]; pos: [L, B, Hk, S] int32 original positions (-1 = empty);
     state: [L, B, Hk, G, S] float32 per-slot, per-query-head scorer state (zero in empty slots);
-    order: [L, B, Hk, S] int32 the slots by position, valid ones first; moments: ``Moments``.
+    order: [L, B, Hk, S] int32 the slots by position, valid ones first; moments: ``Moments``;
+    stats: the base scorer's own statistics (``Base.init_stats``), or None.
     S (slots) = budget + spare, where spare holds the tokens of one step before eviction.
     """
 
@@ -43,6 +38,7 @@ class BudgetCache:
     state: jax.Array
     order: jax.Array
     moments: Moments
+    stats: object = None
 
     AXES = dict(k=("layers", "batch", "kv_heads", "slots", "head_dim"),
                 v=("layers", "batch", "kv_heads", "slots", "head_dim"), pos=("layers", "batch", "kv_heads", "slots"),
@@ -103,29 +99,22 @@ class BudgetCache:
         here = small.replace(k=k_all[layer], v=v_all[layer], pos=set_slots(small.pos, free, new_pos))
         p = seg.policy
 
-        def decode(h: BudgetCache, weights) -> tuple[jax.Array, jax.Array | None]:
-            """The decode kernel over h's slots, MomentKV's correction included: (out, col)."""
-            moments = h.moments if p.moment_correction else None
-            out, _, col = per_shard(
+        def decode(h: BudgetCache):
+            return lambda weights, moments: per_shard(
                 lambda *a: decode_attention_with_scores(*a[:-1], p.score_kind, a[-1], p.zeroth_order, impl=p.impl),
                 (q, h.k, h.v, h.pos, seg.positions, weights, moments), (*ATTENTION_AXES, KV), ATTENTION_OUT_AXES,
                 B, Hk)
-            return out, col
 
-        if T == 1:  # decoding
-            out, col = decode(here, seg.query_weights)
-        else:
-            attention = (q, here.k, here.v, here.pos, seg.positions, seg.query_weights)
-            out, lse, col = per_shard(lambda *a: block_attention_with_scores(*a, p.score_kind, impl=p.impl),
-                                      attention, ATTENTION_AXES, ATTENTION_OUT_AXES, B, Hk)
-            if p.moment_correction:
-                out = corrected_attention(out, lse, q, here.moments, p.zeroth_order)
-        if col is not None:  # new slots start from zero: empty slots hold a zero state
-            here = here.replace(state=update_state(p, here.state, col, seg.query_weights.sum(-1) > 0))
+        block = lambda weights: per_shard(  # noqa: E731
+            lambda *a: block_attention_with_scores(*a, p.score_kind, impl=p.impl),
+            (q, here.k, here.v, here.pos, seg.positions, weights), ATTENTION_AXES, ATTENTION_OUT_AXES, B, Hk)
+        out, col = scored_attention(p, seg, q, block, decode(here), here.moments)
+        state, stats = fold_scores(p, seg, q, here.state, here.stats, col)
+        here = here.replace(state=state, stats=stats)
         if seg.evict_in_layer:
             def evict_first(args):
                 h = args[0]._evict_layer(p, seg.seen)
-                return h, decode(h, None)[0]
+                return h, kept_attention(p, decode(h), h.moments)
             here, out = when(seg.evict, evict_first, (here, out))
         small = jax.tree.map(lambda full, x: full.at[layer].set(x), self.replace(k=None, v=None),
                              here.replace(k=None, v=None))
@@ -145,9 +134,9 @@ class BudgetCache:
         """One layer's slice ([B, Hk, ...] leaves)."""
         b = p.budget
         if self.slots <= b:  # everything fits: only the state reset remains
-            return self.replace(state=_reset(self.state)) if p.base_spec.reset_after_evict else self
+            return self.replace(state=_reset(self.state)) if p.scorer.reset_after_evict else self
         pos = self.pos
-        key, prio, unprotected = eviction_keys(p, self.state, pos, self.v, self.order, seen)
+        key, prio, unprotected = eviction_keys(p, self.state, pos, self.k, self.v, self.order, self.stats, seen)
         n_drop = self.slots - b
         if p.moment_eviction:
             n_evict = jnp.maximum((pos >= 0).sum(-1) - b, 0)
@@ -185,7 +174,7 @@ class BudgetCache:
         take = lambda x: jnp.take_along_axis(x, dropped[..., None], axis=-2)  # noqa: E731
         weight = (jnp.take_along_axis(self.pos, dropped, -1) >= 0).astype(jnp.float32)
         freed = set_slots(jnp.zeros(self.pos.shape, bool), dropped, True)
-        if p.base_spec.reset_after_evict:
+        if p.scorer.reset_after_evict:
             state = _reset(self.state)
         else:
             state = jnp.where(freed[:, :, None, :], 0.0, self.state)

@@ -15,7 +15,7 @@ from kvjax.config import ModelConfig
 from kvjax.kernels import attention_with_scores
 
 if TYPE_CHECKING:
-    from kvjax.scorers import Policy
+    from kvjax.eviction import Policy
 
 PREFILL_CHUNK = 256  # query chunk of the full-cache causal prefill
 

@@ -7,7 +7,7 @@ longer one as well (a conversation whose turns stay inside the budget).
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from typing import Callable, Sequence
 
 import jax
@@ -16,50 +16,45 @@ import numpy as np
 from jax.sharding import Mesh
 
 from kvjax.budget_cache import BudgetCache
-from kvjax.decoding import Context, DecodeState, Generation, prefill_budget_cache
+from kvjax.decoding import Generation, prefill_budget_cache, resume_state
 from kvjax.engine import APPEND, Eviction
 from kvjax.inputs import check_context, check_max_new, check_tokens, pad_rows, prompt_bucket, round_capacity
-from kvjax.options import eviction_from
 from kvjax.paged_cache import PagedCache
 from kvjax.params import Params
-from kvjax.prefilled import Prefilled
 from kvjax.sampling import Sampling
-from kvjax.sharding import auto_mesh, check_batch, constrain, on_mesh, shard, to_host
+from kvjax.sharding import on_mesh, shard, to_host
 
 
-def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> Context:
-    """Prefill and compress prompts (1-D or a batch) under a budget. ``eviction``: the keywords of
-    ``kvjax.EvictionOptions``, as ``kvjax.generate``; ``budget`` is required. ``mesh``: a device mesh
-    (``kvjax.sharding.make_mesh``) to place the params and the context on (the batch must split over its
-    ``data`` axis); the context's ``decode`` runs there too."""
-    rows, batched = check_tokens(tokens, params.config.vocab_size)
-    longest = max(len(r) for r in rows)
-    ev = eviction_from(context=longest, **eviction)
-    if ev is None:
-        raise ValueError("budget=None: prefill builds a compressed context and needs a budget; use "
-                         "kvjax.generate (or kvjax.prefill_full) for a full cache")
-    check_context(params.config, longest, 0)
-    mesh = auto_mesh(mesh)
-    check_batch(len(rows), mesh)
-    if ev.policy.base_spec.scoring_pass is not None:  # KVzip: a scoring pass over the whole prefilled prompt
-        return Prefilled(params, rows if batched else rows[0], mesh=mesh).compress(**eviction)
-    padded, lengths = pad_rows(rows, prompt_bucket(longest, ev.block_size), params.config.pad_token_id)
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """A batch of prompts prefilled into a budget cache.
+
+    cache: BudgetCache or PagedCache with room for the budget; lengths: [B] tokens seen per row;
+    logits: [B, V] next-token logits after each row's last token; ev: the eviction settings it was
+    built with; mesh: the device mesh its arrays are placed on (None: one device), which decoding it
+    uses too.
+    """
+
+    cache: BudgetCache | PagedCache
+    lengths: np.ndarray
+    logits: jax.Array
+    ev: Eviction
+    batched: bool
+    mesh: Mesh | None = None
+
+
+def prefill_budget(params: Params, rows: list[np.ndarray], batched: bool, ev: Eviction,
+                   mesh: Mesh | None) -> Context:
+    """Validated prompt rows (``check_tokens``; they split over ``mesh``) prefilled into a budget cache
+    under ``ev`` by the engine's protocol (scorers without a scoring pass of their own)."""
+    padded, lengths = pad_rows(rows, prompt_bucket(max(len(r) for r in rows), ev.block_size),
+                               params.config.pad_token_id)
     params = params if mesh is None else shard(params, mesh)
     with on_mesh(mesh):
         state = prefill_budget_cache(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
                                      jnp.asarray(lengths), jax.random.key(0), ev=ev, out_width=1,
                                      decode_spare=ev.decode_spare(0))
     return Context(cache=state.cache, lengths=lengths, logits=state.logits, ev=ev, batched=batched, mesh=mesh)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "ev", "out_width", "spare"))
-def _resume(cfg, cache: BudgetCache | PagedCache, lengths, logits, key, ev: Eviction, out_width: int,
-            spare: int) -> DecodeState:
-    """A decode state over the context's cache (pass copies: jit may forward inputs that decode donates)."""
-    B = lengths.shape[0]
-    return constrain(DecodeState(cache=ev.fit(cache, cfg, spare), out=jnp.zeros((B, out_width), jnp.int32),
-                                 lengths=lengths, n_new=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool),
-                                 logits=logits, key=key, step=jnp.zeros((), jnp.int32)))
 
 
 def decode(params: Params, context: Context, tokens=None, max_new_tokens: int = 64, *, evict: bool = True,
@@ -73,8 +68,9 @@ def decode(params: Params, context: Context, tokens=None, max_new_tokens: int = 
     still applies. A context compressed by a scorer with a scoring pass of its own (kvzip, kvzip-head) is
     always continued that way: it has no scores for later tokens."""
     max_new = check_max_new(max_new_tokens)
-    gen = resume(params, context, tokens, max_new, Sampling(temperature, top_k, top_p), seed, stop_ids, evict)
-    out = gen.run(max_new)
+    sampling = Sampling(temperature, top_k, top_p)
+    rows = _new_rows(params.config, context, tokens, max_new)
+    out = resume(params, context, rows, max_new, sampling, seed, stop_ids, evict).run(max_new)
     return out if context.batched else out[0]
 
 
@@ -89,7 +85,7 @@ def extend(params: Params, context: Context, tokens=None, max_new_tokens: int = 
     that it holds at most the budget between turns; a scorer with a scoring pass of its own (kvzip) cannot
     (it compresses once: ``decode(..., evict=False)``)."""
     ev = context.ev
-    if ev.policy.base_spec.scoring_pass is not None:
+    if ev.policy.scorer.scoring_pass is not None:
         raise ValueError(f"scorer={ev.policy.name!r} compresses a context once in a scoring pass of its own and "
                          "cannot evict later turns; a conversation needs a scorer that evicts as it decodes")
     if not ev.decode_evict or ev.evict_every != 1:
@@ -98,7 +94,9 @@ def extend(params: Params, context: Context, tokens=None, max_new_tokens: int = 
     if not (isinstance(every, int) and every >= 1):
         raise ValueError(f"every={every!r} must be an integer >= 1")
     max_new = check_max_new(max_new_tokens)
-    gen = resume(params, context, tokens, max_new, Sampling(temperature, top_k, top_p), seed, stop_ids)
+    sampling = Sampling(temperature, top_k, top_p)
+    rows = _new_rows(params.config, context, tokens, max_new)
+    gen = resume(params, context, rows, max_new, sampling, seed, stop_ids)
     pieces: list[list[np.ndarray]] = []
     while not gen.finished and int(to_host(gen.state.n_new).max()) < max_new:
         pieces.append(gen.run(every if on_tokens is not None else max_new))
@@ -112,28 +110,40 @@ def extend(params: Params, context: Context, tokens=None, max_new_tokens: int = 
     return (out if context.batched else out[0]), longer
 
 
-def resume(params: Params, context: Context, tokens, max_new: int, sampling: Sampling, seed: int,
-           stop_ids: Sequence[int] | None, evict: bool = True) -> Generation:
-    """The ``Generation`` that ``decode`` runs (arguments as there), on the context's mesh."""
+def _new_rows(cfg, context: Context, tokens, max_new: int) -> list[np.ndarray] | None:
+    """What ``decode`` / ``extend`` feed a context, validated: ``tokens`` (None, or one row per
+    context row, shaped like the prompts given to ``prefill``), which with ``max_new`` new tokens
+    must fit the model's context. Returns the rows (None for none)."""
+    if tokens is None:
+        check_context(cfg, int(context.lengths.max()), max_new, what="context length")
+        return None
+    rows, _ = check_tokens(tokens if context.batched else [np.asarray(tokens)], cfg.vocab_size)
+    if len(rows) != len(context.lengths):
+        raise ValueError(f"tokens: {len(rows)} rows for a context of {len(context.lengths)} rows")
+    check_context(cfg, int(max(context.lengths + [len(r) for r in rows])), max_new,
+                  what="context plus new tokens")
+    return rows
+
+
+def resume(params: Params, context: Context, rows: list[np.ndarray] | None, max_new: int,
+           sampling: Sampling, seed: int, stop_ids: Sequence[int] | None,
+           evict: bool = True) -> Generation:
+    """The ``Generation`` that ``decode`` runs over validated ``rows`` (``_new_rows``; the other
+    arguments as there), on the context's mesh."""
     cfg, mesh = params.config, context.mesh
     params = params if mesh is None else shard(params, mesh)
-    own_pass = context.ev.policy.base_spec.scoring_pass is not None
+    own_pass = context.ev.policy.scorer.scoring_pass is not None
     ev = context.ev if evict and not own_pass else context.ev.without_eviction()
     out_width, key = round_capacity(max_new), jax.random.key(seed)
     spare = ev.decode_spare(out_width)
-    if tokens is None:
-        check_context(cfg, int(context.lengths.max()), max_new, what="context length")
+    if rows is None:
         copies = jax.tree.map(jnp.copy, (context.cache, context.logits))
         with on_mesh(mesh):
-            state = _resume(cfg, copies[0], jnp.asarray(context.lengths), copies[1], key, ev=ev,
-                            out_width=out_width, spare=spare)
+            state = resume_state(cfg, copies[0], jnp.asarray(context.lengths), copies[1], key,
+                                 ev=ev, out_width=out_width, spare=spare)
     else:
-        rows, _ = check_tokens(tokens if context.batched else [np.asarray(tokens)], cfg.vocab_size)
-        if len(rows) != len(context.lengths):
-            raise ValueError(f"tokens: {len(rows)} rows for a context of {len(context.lengths)} rows")
-        check_context(cfg, int(max(context.lengths + [len(r) for r in rows])), max_new,
-                      what="context plus new tokens")
-        padded, lengths = pad_rows(rows, prompt_bucket(max(len(r) for r in rows), ev.block_size), cfg.pad_token_id)
+        padded, lengths = pad_rows(rows, prompt_bucket(max(len(r) for r in rows), ev.block_size),
+                                   cfg.pad_token_id)
         if ev.protocol == APPEND:  # room for the appended tokens too
             spare = ev.extend_spare(padded.shape[1]) + out_width
         with on_mesh(mesh):

@@ -10,9 +10,9 @@ from typing import Callable
 import numpy as np
 
 from kvjax.cache import cache_bytes
-from kvjax.context import extend, prefill
-from kvjax.decoding import Context
+from kvjax.context import Context, extend
 from kvjax.params import Params
+from kvjax.prefilled import prefill
 from kvjax.sharding import to_host
 
 

@@ -1,11 +1,12 @@
-"""Decoding: the state the decode loop carries, the jitted prefills that start it (full cache or budget cache
-under an eviction protocol) and the jitted loop itself (``lax.while_loop``, the state donated); ``Generation``
-drives them for a batch, streamed or whole.
+"""Decoding: the state the decode loops carry and the one place it starts (``start_state``: after a
+jitted prefill, full cache or budget cache under an eviction protocol, or over a context's cache);
+the one decode step (``decode_step``: sample, feed, stop), which the serving engine scans over its
+slots; and the jitted loop of ``kvjax.generate``, streaming and ``kvjax.decode`` / ``extend``
+(``lax.while_loop``, the state donated), which ``Generation`` drives for a batch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Sequence
 
@@ -18,29 +19,12 @@ from jax.sharding import Mesh
 from kvjax.budget_cache import BudgetCache
 from kvjax.cache import FullCache, Segment
 from kvjax.engine import Eviction, decode_segment, extend, step
-from kvjax.inputs import check_context, check_max_new, pad_rows, prompt_bucket, round_capacity
+from kvjax.inputs import pad_rows, prompt_bucket, round_capacity
 from kvjax.model import decode_hidden, logits_from_hidden
 from kvjax.paged_cache import PagedCache
 from kvjax.params import Params
 from kvjax.sampling import Sampling, sample
-from kvjax.sharding import check_batch, constrain, on_mesh, to_host
-
-
-@dataclasses.dataclass(frozen=True)
-class Context:
-    """A batch of prompts prefilled into a budget cache.
-
-    cache: BudgetCache or PagedCache with room for the budget; lengths: [B] tokens seen per row; logits: [B, V]
-    next-token logits after each row's last token; ev: the eviction settings it was built with; mesh: the
-    device mesh its arrays are placed on (None: one device), which decoding it uses too.
-    """
-
-    cache: BudgetCache | PagedCache
-    lengths: np.ndarray
-    logits: jax.Array
-    ev: Eviction
-    batched: bool
-    mesh: Mesh | None = None
+from kvjax.sharding import constrain, on_mesh, to_host
 
 
 @struct.dataclass
@@ -67,11 +51,14 @@ class DecodeState:
                 step=())
 
 
-def start_state(params: Params, cache, lengths, last_hidden, key, out_width: int) -> DecodeState:
+def start_state(cfg, cache, lengths: jax.Array, logits: jax.Array, key: jax.Array,
+                out_width: int) -> DecodeState:
+    """The state before the first decode step: ``cache`` holding ``lengths`` [B] tokens per row,
+    ``logits`` [B, V] float32 after each row's last token, room for ``out_width`` new tokens."""
     B = lengths.shape[0]
-    return constrain(DecodeState(cache=cache, out=jnp.full((B, out_width), params.config.pad_token_id, jnp.int32),
-                                 lengths=lengths, n_new=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool),
-                                 logits=logits_from_hidden(params, last_hidden), key=key,
+    out = jnp.full((B, out_width), cfg.pad_token_id, jnp.int32)
+    return constrain(DecodeState(cache=cache, out=out, lengths=lengths, logits=logits, key=key,
+                                 n_new=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool),
                                  step=jnp.zeros((), jnp.int32)))
 
 
@@ -84,7 +71,8 @@ def prefill_full_cache(params: Params, tokens: jax.Array, lengths: jax.Array, ke
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     hidden, cache = decode_hidden(params, tokens, cache, Segment(positions=positions, from_start=True))
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return start_state(params, cache, lengths, last, key, out_width)
+    logits = logits_from_hidden(params, last)
+    return start_state(params.config, cache, lengths, logits, key, out_width)
 
 
 @functools.partial(jax.jit, static_argnames=("ev", "out_width", "decode_spare"))
@@ -96,30 +84,54 @@ def prefill_budget_cache(params: Params, cache: BudgetCache | PagedCache | None,
     if cache is None:
         cache = ev.empty_cache(cfg, tokens.shape[0], spare, params.dtype)
     cache, last = extend(params, constrain(ev.fit(cache, cfg, spare)), tokens, start, lengths, ev)
-    return start_state(params, ev.fit(cache, cfg, decode_spare), start + lengths, last, key, out_width)
+    return start_state(cfg, ev.fit(cache, cfg, decode_spare), start + lengths,
+                       logits_from_hidden(params, last), key, out_width)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ev", "out_width", "spare"))
+def resume_state(cfg, cache: BudgetCache | PagedCache, lengths: jax.Array, logits: jax.Array,
+                 key: jax.Array, ev: Eviction, out_width: int, spare: int) -> DecodeState:
+    """A state over a context's cache, fitted to ``spare`` new tokens per head (pass copies: jit may
+    forward inputs that decoding donates)."""
+    return start_state(cfg, ev.fit(cache, cfg, spare), lengths, logits, key, out_width)
+
+
+def decode_step(params: Params, s, sampling, stop, max_new, ev: Eviction | None):
+    """One decode step of every row: a row not done samples its next token (``sample``, the key
+    split once per step), feeds it (evicting as ``ev`` says; None: a full cache) and is done after a
+    stop id or its token limit.
+
+    s: a ``DecodeState`` or the serving engine's ``Slots``: cache, logits [B, V], lengths, n_new,
+    done [B], key (one PRNG key, or [B] keys) and step; sampling: a ``Sampling`` or per-row settings
+    (as ``sample``); stop: stop ids [n], or [B, n] per row (-1: none); max_new: the token limit, a
+    scalar or [B]. Returns the state after the step and the tokens [B], -1 for rows already done.
+    """
+    split = jax.random.split(s.key) if s.key.ndim == 0 else jax.vmap(jax.random.split)(s.key)
+    active = ~s.done
+    tok = jnp.where(active, sample(s.logits, split[..., 1], sampling), params.config.pad_token_id)
+    n_new = s.n_new + active
+    done = s.done | (tok[:, None] == jnp.asarray(stop, jnp.int32)).any(-1) | (n_new >= max_new)
+    seg = decode_segment(ev, s.step, s.lengths, active)
+    hidden, cache = step(params, tok[:, None], s.cache, seg)
+    s = s.replace(cache=cache, logits=logits_from_hidden(params, hidden[:, 0]), key=split[..., 0],
+                  lengths=s.lengths + active, n_new=n_new, done=done, step=s.step + 1)
+    return s, jnp.where(active, tok, -1)
 
 
 @functools.partial(jax.jit, static_argnames=("sampling", "stop_ids", "ev"), donate_argnames=("state",))
 def decode_steps(params: Params, state: DecodeState, max_new_tokens: jax.Array, stop_step: jax.Array,
            sampling: Sampling, stop_ids: tuple[int, ...], ev: Eviction | None = None) -> DecodeState:
-    """Generate until every row is done (stop id or ``max_new_tokens``) or ``state.step == stop_step``."""
-    pad = params.config.pad_token_id
+    """``decode_step`` until every row is done (stop id or ``max_new_tokens``) or ``state.step ==
+    stop_step``, each row's new tokens written to ``out``."""
     rows = jnp.arange(state.out.shape[0])
 
     def cond(s: DecodeState):
         return (s.step < stop_step) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
-        key, sub = jax.random.split(s.key)
-        active = ~s.done
-        tok = jnp.where(active, sample(s.logits, sub, sampling), pad)
-        out = s.out.at[rows, s.n_new].set(jnp.where(active, tok, s.out[rows, s.n_new]))
-        n_new = s.n_new + active
-        done = s.done | jnp.isin(tok, jnp.asarray(stop_ids, jnp.int32)) | (n_new >= max_new_tokens)
-        seg = decode_segment(ev, s.step, s.lengths, active)
-        hidden, cache = step(params, tok[:, None], s.cache, seg)
-        return constrain(DecodeState(cache=cache, out=out, lengths=s.lengths + active, n_new=n_new, done=done,
-                                     logits=logits_from_hidden(params, hidden[:, 0]), key=key, step=s.step + 1))
+        after, tok = decode_step(params, s, sampling, stop_ids, max_new_tokens, ev)
+        out = s.out.at[rows, s.n_new].set(jnp.where(tok >= 0, tok, s.out[rows, s.n_new]))
+        return constrain(after.replace(out=out))
 
     return constrain(jax.lax.while_loop(cond, body, state))
 
@@ -142,12 +154,10 @@ class Generation:
     def from_prompts(cls, params: Params, rows: list[np.ndarray], max_new_tokens: int, sampling: Sampling,
                      seed: int, stop_ids: Sequence[int] | None, ev: Eviction | None,
                      mesh: Mesh | None = None) -> Generation:
-        """Validate lengths, pad to the bucket and prefill (full cache or the eviction protocol) on ``mesh``."""
-        check_batch(len(rows), mesh)
+        """Pad validated prompt rows (``kvjax.generate`` checks them and ``max_new_tokens``) to
+        their bucket and prefill them (full cache or the eviction protocol) on ``mesh``."""
         cfg = params.config
-        max_new_tokens = check_max_new(max_new_tokens)
         longest = max(len(r) for r in rows)
-        check_context(cfg, longest, max_new_tokens)
         bucket = prompt_bucket(longest, 1 if ev is None else ev.block_size)
         padded, lengths = pad_rows(rows, bucket, cfg.pad_token_id)
         out_width, key = round_capacity(max_new_tokens), jax.random.key(seed)

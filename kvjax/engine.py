@@ -11,15 +11,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.allocation import ALLOCATIONS
-from kvjax.budget_cache import BudgetCache
 from kvjax.cache import Segment, when
+from kvjax.cache_layout import Dense, EvictingCache, Paged, cache_layout
+from kvjax.eviction import ALLOCATIONS, Policy
 from kvjax.inputs import round_capacity
 from kvjax.model import decode_hidden
-from kvjax.paged_cache import PagedCache, pool_pages
 from kvjax.params import Params
-from kvjax.priorities import query_weights
-from kvjax.scorers import Policy
 
 PROTOCOLS = ("blockwise", "prefill")
 APPEND = "append"  # internal protocol: feed tokens without any eviction point (``Eviction.without_eviction``)
@@ -71,24 +68,20 @@ class Eviction:
         """Spare slots per head for decoding ``max_new_tokens``."""
         return self.evict_every if self.decode_evict else max_new_tokens
 
-    def _geometry(self, cfg, spare: int) -> tuple[int, int]:
-        """The paged cache's pages per head and pool pages for ``spare`` new tokens per head."""
-        p, L, Hk, P = self.policy, cfg.n_layers, cfg.n_kv_heads, self.page_size
-        return -(-(p.head_capacity(L, Hk) + spare) // P), pool_pages(p.total_budget(L, Hk), spare, L, Hk, P)
+    @property
+    def layout(self) -> Dense | Paged:
+        """The cache layout (``kvjax.cache_layout``): dense, or paged with ``page_size``."""
+        return cache_layout(self.page_size)
 
-    def empty_cache(self, cfg, batch: int, spare: int, dtype) -> BudgetCache | PagedCache:
+    def empty_cache(self, cfg, batch: int, spare: int, dtype) -> EvictingCache:
         """An empty cache with room for the budget plus ``spare`` new tokens per head."""
         self.policy.check_model(cfg.n_layers)
-        if self.page_size is None:
-            return BudgetCache.init(cfg, batch, self.policy.budget + spare, dtype)
-        pages_per_head, n_pool = self._geometry(cfg, spare)
-        return PagedCache.init(cfg, batch, pages_per_head, self.page_size, n_pool, dtype)
+        cache = self.layout.empty(cfg, self.policy, batch, spare, dtype)
+        return cache.replace(stats=self.policy.scorer.init_stats(cfg, batch))
 
-    def fit(self, cache: BudgetCache | PagedCache, cfg, spare: int) -> BudgetCache | PagedCache:
+    def fit(self, cache: EvictingCache, cfg, spare: int) -> EvictingCache:
         """The same cache with room for ``spare`` new tokens per head (its kept tokens must fit)."""
-        if self.page_size is None:
-            return cache.resize(self.policy.budget + spare)
-        return cache.resize(*self._geometry(cfg, spare))
+        return self.layout.fit(cache, cfg, self.policy, spare)
 
     def decoding(self) -> Eviction:
         """What decoding depends on, with protocol and block size normalised: one decode compilation then
@@ -111,8 +104,8 @@ class Eviction:
                         page_size=self.page_size)
 
 
-def extend(params: Params, cache: BudgetCache | PagedCache, tokens: jax.Array, start: jax.Array,
-           lengths: jax.Array, ev: Eviction) -> tuple[BudgetCache | PagedCache, jax.Array]:
+def extend(params: Params, cache: EvictingCache, tokens: jax.Array, start: jax.Array,
+           lengths: jax.Array, ev: Eviction) -> tuple[EvictingCache, jax.Array]:
     """Feed tokens [B, P] (P a multiple of the block; row b has ``lengths[b]`` valid tokens at positions
     ``start[b] + t``) block by block under ``lax.scan``, evicting as the protocol says.
 
@@ -131,7 +124,7 @@ def extend(params: Params, cache: BudgetCache | PagedCache, tokens: jax.Array, s
         seen = start + jnp.minimum(lengths, (i + 1) * m)
         end = seen if ev.protocol == "blockwise" else start + lengths
         evict = {"blockwise": True, "prefill": i == n_blocks - 1, APPEND: False}[ev.protocol]
-        seg = Segment(positions=positions, valid=valid, query_weights=query_weights(ev.policy, positions, valid, end),
+        seg = Segment(positions=positions, valid=valid, query_weights=ev.policy.query_weights(positions, valid, end),
                       seen=seen, evict=evict, policy=ev.policy)
         hidden, cache = step(params, jax.lax.dynamic_slice_in_dim(tokens, i * m, m, axis=1), cache, seg)
         here = lengths - 1 - i * m
@@ -166,5 +159,5 @@ def decode_segment(ev: Eviction | None, step: jax.Array, lengths: jax.Array, act
     else:
         evict = (step + 1) % ev.evict_every == 0
     return Segment(positions=positions, valid=valid,
-                   query_weights=query_weights(ev.policy, positions, valid, lengths + 1), seen=lengths + 1,
+                   query_weights=ev.policy.query_weights(positions, valid, lengths + 1), seen=lengths + 1,
                    evict=evict, policy=ev.policy, evict_in_layer=ev.decode_evict and ev.decode_order == "evict-first")

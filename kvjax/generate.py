@@ -10,12 +10,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from kvjax.cache import FullCache, Segment
-from kvjax.context import prefill, resume
+from kvjax.context import resume
 from kvjax.decoding import Generation
 from kvjax.inputs import check_context, check_max_new, check_tokens
 from kvjax.model import decode_hidden, logits_from_hidden
 from kvjax.options import eviction_from
 from kvjax.params import Params
+from kvjax.prefilled import prefill_rows
 from kvjax.sampling import Sampling
 from kvjax.sharding import auto_mesh, data_size, shard
 
@@ -71,16 +72,19 @@ def generate_stream(params: Params, tokens, max_new_tokens: int = 64, *, every: 
 
 def _generation(params: Params, rows: list[np.ndarray], max_new_tokens: int, sampling: Sampling, seed: int,
                 stop_ids: Sequence[int] | None, eviction: dict, mesh: Mesh | None) -> Generation:
-    """Prefill the prompts under the eviction keywords (a scorer with a scoring pass of its own compresses
-    the whole prompt first, as ``kvjax.prefill``) and return the decoding ``Generation``. On a mesh, rows of one
-    pad token fill the batch up to a multiple of its ``data`` axis (their outputs come last)."""
-    ev = eviction_from(context=max(len(r) for r in rows), **eviction)
+    """Validate the rest of a call on its prompt rows (``check_tokens``), prefill them under the
+    eviction keywords (a scorer with a scoring pass of its own compresses the whole prompt first, as
+    ``kvjax.prefill``) and return the decoding ``Generation``. On a mesh, rows of one pad token fill
+    the batch up to a multiple of its ``data`` axis (their outputs come last)."""
+    longest = max(len(r) for r in rows)
+    ev = eviction_from(context=longest, **eviction)
     mesh = auto_mesh(mesh)
+    max_new = check_max_new(max_new_tokens)
+    check_context(params.config, longest, max_new)
     rows = rows + [np.full(1, params.config.pad_token_id, np.int32)] * (-len(rows) % data_size(mesh))
     if mesh is not None:
         params = shard(params, mesh)
-    if ev is not None and ev.policy.base_spec.scoring_pass is not None:
-        check_context(params.config, max(len(r) for r in rows), check_max_new(max_new_tokens))
-        context = prefill(params, rows, mesh=mesh, **eviction)
-        return resume(params, context, None, max_new_tokens, sampling, seed, stop_ids)
-    return Generation.from_prompts(params, rows, max_new_tokens, sampling, seed, stop_ids, ev, mesh)
+    if ev is not None and ev.policy.scorer.scoring_pass is not None:
+        context = prefill_rows(params, rows, True, ev, eviction, mesh)
+        return resume(params, context, None, max_new, sampling, seed, stop_ids)
+    return Generation.from_prompts(params, rows, max_new, sampling, seed, stop_ids, ev, mesh)

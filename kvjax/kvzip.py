@@ -14,7 +14,6 @@ saved once from a calibration context and used later with no scoring pass.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -26,70 +25,14 @@ from flax import struct
 
 from kvjax.cache import FullCache, Segment
 from kvjax.config import ModelConfig
-from kvjax.kernels._shared import NEG_INF
+from kvjax.eviction.kvzip import TRAIL, RepeatPrompt
+from kvjax.kernels import NEG_INF
 from kvjax.model import decode_hidden
 from kvjax.params import Params
 
 CHUNK = 2048  # m: context tokens per repeat input (the paper's 2K)
-TRAIL = 8  # tokens of the previous chunk that start a later repeat prompt
 QUERY_BLOCK = 256  # repeat queries attended and scored at once
 WIDTH_STEP = 256  # a context shorter than a chunk is fed as one chunk of its length rounded up to this
-FORMS = ("paper", "kvpress")
-DEFAULT_FORM = "kvpress"  # measured against "paper" on prose (docs/results.md, "KVzip on prose")
-KVPRESS_SINKS = 4  # KVzipPress's n_sink: the first tokens in every score's softmax (and never evicted)
-
-
-@dataclasses.dataclass(frozen=True)
-class RepeatPrompt:
-    """Token ids of the repeat prompt: ``first`` before chunk 1, ``later`` + the previous chunk's last
-    ``TRAIL`` tokens + ``colon`` before each later chunk. skip: the context's first tokens (a chat template's
-    head) that are neither repeated nor scored (score 0); sinks: the first tokens of the context that join
-    every score's softmax beside the chunk and the repeat input; form: the ``FORMS`` entry ``kvzip_prompt`` made
-    it from ("" for one built by hand)."""
-
-    first: tuple[int, ...]
-    later: tuple[int, ...]
-    colon: tuple[int, ...]
-    skip: int = 0
-    sinks: int = 0
-    form: str = ""
-
-    def input_for(self, context: np.ndarray, start: int, stop: int) -> np.ndarray:
-        """The repeat input of the chunk ``context[start:stop]``."""
-        if start == self.skip:
-            head = self.first
-        else:
-            head = self.later + tuple(int(t) for t in context[max(0, start - TRAIL): start]) + self.colon
-        return np.concatenate([np.asarray(head, np.int32), context[start:stop].astype(np.int32)])
-
-
-def kvzip_prompt(tokenizer, form: str = DEFAULT_FORM) -> RepeatPrompt:
-    """KVzip's repeat prompt in ``tokenizer``'s ids.
-
-    "paper": the official code's wording after two newlines, "Repeat the previous context:" (later chunks:
-    "... starting with" + the last 8 tokens + ":"), over the whole context. "kvpress": NVIDIA kvpress's
-    ``KVzipPress``: "Repeat the previous context exactly." (later chunks: "Repeat the part of the previous
-    context exactly, starting with" + the last 8 tokens), each followed by the chat template's end of the user
-    turn and assistant header, so the model repeats as the assistant; the template's head (system prompt and
-    user header, ``skip``) is not repeated, and the first 4 tokens join every score's softmax."""
-    if form not in FORMS:
-        raise ValueError(f"repeat={form!r} must be one of {FORMS}")
-    ids = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    if form == "paper":
-        return RepeatPrompt(first=ids("\n\nRepeat the previous context:"),
-                            later=ids("\n\nRepeat the previous context starting with"), colon=ids(":"), form=form)
-    skip, suffix = 0, ids("\n")
-    if getattr(tokenizer, "chat_template", None):  # kvpress's split of the template around a dummy message
-        dummy, marker = "dummy context", "\n" + "#" * len("dummy context")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + marker}], tokenize=False,
-                                             add_generation_prompt=True, enable_thinking=False)
-        head, tail = text.split(marker)
-        skip, suffix = len(ids(head.split(dummy)[0])), ids(tail)
-    return RepeatPrompt(first=ids("\n\nRepeat the previous context exactly.") + suffix,
-                        later=ids("\n\nRepeat the part of the previous context exactly, starting with"),
-                        colon=suffix, skip=skip, sinks=KVPRESS_SINKS, form=form)
-
-
 @struct.dataclass
 class RepeatScoring:
     """A full cache fed one repeat input, recording the chunk's scores.

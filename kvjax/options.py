@@ -11,11 +11,21 @@ import dataclasses
 import math
 from typing import Any
 
-from kvjax.allocation import ALLOCATIONS, FLOOR_MODES
 from kvjax.engine import DECODE_ORDERS, PAGE_SIZE, PROTOCOLS, Eviction
+from kvjax.eviction import (
+    AGGREGATES,
+    ALLOCATIONS,
+    BASES,
+    DEFAULT_FORM,
+    FLOOR_MODES,
+    FORMS,
+    POOLS,
+    RepeatPrompt,
+    kvzip_prompt,
+    make_policy,
+    split_name,
+)
 from kvjax.kernels import IMPLS
-from kvjax.kvzip import DEFAULT_FORM, FORMS, RepeatPrompt, kvzip_prompt
-from kvjax.scorers import AGGREGATES, BASES, POOLS, make_policy, split_name
 
 
 def _option(default, help: str, choices: tuple | None = None):
@@ -103,7 +113,7 @@ class EvictionOptions:
                              aggregate=self.aggregate, mi_batch=self.mi_batch, impl=self.impl,
                              allocation=self.allocation, floor=self.floor, floor_mode=self.floor_mode,
                              chunk=self.chunk, repeat_prompt=self.repeat_prompt, head_scores=self.head_scores)
-        own_pass = policy.base_spec.scoring_pass is not None
+        own_pass = policy.scorer.scoring_pass is not None
         protocol = self.protocol or ("prefill" if own_pass else "blockwise")
         decode_evict = (not own_pass) if self.decode_evict is None else self.decode_evict
         if own_pass and (protocol != "prefill" or decode_evict):

@@ -7,7 +7,7 @@ position — is per head in logical order with capacity C = M·P (M: the table's
 ``BudgetCache``, so every scorer runs unchanged on it.
 
 New tokens take the next logical slots; a head that needs a page takes one of the row's free pages. An
-eviction point (every layer at once) asks the allocation (``kvjax.allocation``) how many slots each head
+eviction point (every layer at once) asks the allocation (``kvjax.eviction.allocations``) how many slots each head
 keeps, lets the scorer choose which, adds the evicted tokens to the moments, moves each head's kept tokens
 above its new count into the holes below it (one row copy per such token: the only time keys and values
 move) and returns the pages past the new count to the pool. The pool holds the total budget plus the spare
@@ -20,16 +20,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.allocation import ALLOCATIONS, ranks, targets
-from kvjax.budget_cache import ATTENTION_AXES, ATTENTION_OUT_AXES, KV
 from kvjax.cache import Segment, when
 from kvjax.config import ModelConfig
-from kvjax.kernels import corrected_attention
+from kvjax.eviction import Policy, eviction_keys
+from kvjax.eviction.allocations import ALLOCATIONS, ranks, targets
 from kvjax.kernels.paged_attention import paged_block_attention_with_scores, paged_decode_attention_with_scores
 from kvjax.kernels.paged_attention.reference import gather_pages
 from kvjax.moments import Moments, moment_informed_eviction, over_layers
-from kvjax.priorities import eviction_keys, update_state
-from kvjax.scorers import Policy
+from kvjax.scored_attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV, fold_scores, kept_attention, scored_attention
 from kvjax.sharding import per_shard
 from kvjax.slots import per_row, set_slots
 
@@ -48,7 +46,8 @@ class PagedCache:
     (layer, row, KV head) in logical order; n_pages: [L, B, Hk] int32 pages in use; free: [B, N] bool;
     pos: [L, B, Hk, C] int32 original positions by logical slot (C = M·P; valid slots are 0 … n−1, -1 =
     empty); state: [L, B, Hk, G, C] float32 scorer state; order: [L, B, Hk, C] int32 the slots by position,
-    valid ones first, then the empty ones ascending; moments: ``Moments`` of the evicted tokens."""
+    valid ones first, then the empty ones ascending; moments: ``Moments`` of the evicted tokens; stats: the
+    base scorer's own statistics (``Base.init_stats``), or None."""
 
     k_pages: jax.Array
     v_pages: jax.Array
@@ -59,6 +58,7 @@ class PagedCache:
     state: jax.Array
     order: jax.Array
     moments: Moments
+    stats: object = None
 
     # The pool is split by batch row only: its pages hold every KV head (see docs/sharding.md).
     AXES = dict(k_pages=("batch", "pages", "page", "head_dim"), v_pages=("batch", "pages", "page", "head_dim"),
@@ -169,33 +169,28 @@ class PagedCache:
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
         pos = set_slots(pos, slot, new_pos)
         p = seg.policy
-        moments = jax.tree.map(lambda x: x[layer], cache.moments)
-        attention = (q, k_pages, v_pages, table, n_pages, pos, seg.positions, seg.query_weights)
         axes = (ATTENTION_AXES[0], ("batch",), ("batch",), KV, KV, *ATTENTION_AXES[3:])  # pools: per row
 
-        def decode(attention, moments):
-            return per_shard(
+        def decode(c: PagedCache, pos: jax.Array):
+            storage = (q, c.k_pages, c.v_pages, c.table[layer], c.n_pages[layer], pos, seg.positions)
+            return lambda weights, moments: per_shard(
                 lambda *a: paged_decode_attention_with_scores(*a[:-1], p.score_kind, a[-1], p.zeroth_order,
                                                               impl=p.impl),
-                (*attention, moments if p.moment_correction else None), (*axes, KV), ATTENTION_OUT_AXES, B, Hk)
+                (*storage, weights, moments), (*axes, KV), ATTENTION_OUT_AXES, B, Hk)
 
-        if T == 1:
-            out, _, col = decode(attention, moments)
-        else:
-            out, lse, col = per_shard(lambda *a: paged_block_attention_with_scores(*a, p.score_kind, impl=p.impl),
-                                      attention, axes, ATTENTION_OUT_AXES, B, Hk)
-            if p.moment_correction:
-                out = corrected_attention(out, lse, q, moments, p.zeroth_order)
-        state = cache.state[layer]
-        if col is not None:
-            state = update_state(p, state, col, seg.query_weights.sum(-1) > 0)
-        cache = cache.replace(k_pages=k_pages, v_pages=v_pages, pos=cache.pos.at[layer].set(pos),
-                              state=cache.state.at[layer].set(state))
+        block = lambda weights: per_shard(  # noqa: E731
+            lambda *a: paged_block_attention_with_scores(*a, p.score_kind, impl=p.impl),
+            (q, k_pages, v_pages, table, n_pages, pos, seg.positions, weights), axes, ATTENTION_OUT_AXES, B, Hk)
+        layer_of = lambda tree: jax.tree.map(lambda x: x[layer], tree)  # noqa: E731
+        cache = cache.replace(k_pages=k_pages, v_pages=v_pages)
+        out, col = scored_attention(p, seg, q, block, decode(cache, pos), layer_of(cache.moments))
+        state, stats = fold_scores(p, seg, q, cache.state[layer], layer_of(cache.stats), col)
+        cache = cache.replace(pos=cache.pos.at[layer].set(pos), state=cache.state.at[layer].set(state),
+                              stats=jax.tree.map(lambda full, x: full.at[layer].set(x), cache.stats, stats))
         if seg.evict_in_layer:
             def evict_first(args):
                 c = args[0].evict(p, seg.seen, layer=layer)
-                kept = (q, c.k_pages, c.v_pages, c.table[layer], c.n_pages[layer], c.pos[layer], seg.positions, None)
-                return c, decode(kept, jax.tree.map(lambda x: x[layer], c.moments))[0]
+                return c, kept_attention(p, decode(c, c.pos[layer]), layer_of(c.moments))
             cache, out = when(seg.evict, evict_first, (cache, out))
         return out, cache
 
@@ -216,22 +211,22 @@ class PagedCache:
         one = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1)  # noqa: E731
         small = ("table", "n_pages", "pos", "state", "order")
         part = self.replace(**{name: one(getattr(self, name)) for name in small},
-                            moments=jax.tree.map(one, self.moments))
+                            moments=jax.tree.map(one, self.moments), stats=jax.tree.map(one, self.stats))
         part = part._evict(p, seen, max_evict, cap, jnp.asarray(p.layer_budgets(L), jnp.int32)[layer][None])
         put = lambda full, x: jax.lax.dynamic_update_slice_in_dim(full, x, layer, 0)  # noqa: E731
         return part.replace(**{name: put(getattr(self, name), getattr(part, name)) for name in small},
-                            moments=jax.tree.map(put, self.moments, part.moments))
+                            moments=jax.tree.map(put, self.moments, part.moments), stats=self.stats)
 
     def _evict(self, p: Policy, seen: jax.Array, max_evict: int, cap: int, budgets) -> PagedCache:
         """``evict`` over this cache's layers (every layer, or one cut out with a leading axis of 1), whose
         budgets are ``budgets``."""
-        kv = None
-        if p.moment_eviction or p.meta is not None:  # the scorer reads keys or values of every slot
+        kv = (None, None)
+        if p.moment_eviction or p.meta is not None or p.scorer.reads_kv:  # reads every slot's keys, values
             kv = jax.vmap(lambda t, n, s: gather_pages(self.k_pages, self.v_pages, t, n, s)[:2])(
                 self.table, self.n_pages, self.pos)
-        v_all = kv[1] if kv is not None else jnp.zeros(self.pos.shape + (1,), jnp.float32)
-        key, prio, unprotected = jax.vmap(lambda s, q, v, o: eviction_keys(p, s, q, v, o, seen))(
-            self.state, self.pos, v_all, self.order)
+        key, prio, unprotected = jax.vmap(
+            lambda s, q, k, v, o, st: eviction_keys(p, s, q, k, v, o, st, seen))(
+            self.state, self.pos, *kv, self.order, self.stats)
         valid = self.pos >= 0
         count = valid.sum(-1)
         kept = targets(p.allocation, key, self.pos, budgets, p.floor_count(), cap, p.head_budgets)
@@ -275,7 +270,7 @@ class PagedCache:
         new_slot = set_slots(identity, jnp.where(moving, tails, C), holes, lead=3, mode="drop")
         live = slot < n[..., None]
         pos = jnp.where(live, jnp.take_along_axis(self.pos, source, -1), -1)
-        if p.base_spec.reset_after_evict:
+        if p.scorer.reset_after_evict:
             state = self.state * 0.0
         else:
             state = jnp.where(live[..., None, :], jnp.take_along_axis(self.state, source[..., None, :], -1), 0.0)

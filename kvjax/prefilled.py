@@ -3,7 +3,7 @@
 Under the ``prefill`` protocol nothing is evicted until the whole prompt has been attended with the full
 cache, so every scorer and budget sees the same keys, values and queries. ``prefill_full`` runs that full
 prefill once and keeps every layer's queries; ``Prefilled.compress`` then scores and evicts exactly as
-``kvjax.prefill(..., protocol="prefill")`` does (the same ``BudgetCache.evict``), without running the model
+``kvjax.prefill(..., protocol="prefill")`` does (the same cache ``evict``), without running the model
 again. Scoring statistics are cached per kind of scoring queries, so budgets of one scorer share them.
 """
 
@@ -19,21 +19,19 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from kvjax.budget_cache import BudgetCache
 from kvjax.cache import PREFILL_CHUNK, FullCache, Segment
-from kvjax.decoding import Context, Generation, start_state
+from kvjax.cache_layout import EvictingCache
+from kvjax.context import Context, prefill_budget
+from kvjax.decoding import Generation, start_state
 from kvjax.engine import Eviction
+from kvjax.eviction import Policy, RepeatPrompt
 from kvjax.inputs import check_context, check_max_new, check_tokens, pad_rows, prompt_bucket, round_capacity
 from kvjax.kernels import attention_with_scores
-from kvjax.kvzip import RepeatPrompt, head_scores, kvzip_scores, load_head_scores
+from kvjax.kvzip import head_scores, kvzip_scores, load_head_scores
 from kvjax.model import decode_hidden, logits_from_hidden
-from kvjax.moments import Moments
-from kvjax.options import EvictionOptions
-from kvjax.paged_cache import PagedCache
+from kvjax.options import EvictionOptions, eviction_from
 from kvjax.params import Params
-from kvjax.priorities import query_weights, update_state
 from kvjax.sampling import Sampling
-from kvjax.scorers import Policy
 from kvjax.sharding import auto_mesh, check_batch, constrain, on_mesh, shard
 
 
@@ -67,14 +65,14 @@ def _scoring_queries(policy: Policy, q: jax.Array, lengths: jax.Array):
     [B, W], weights [B, W]); the last ``obs_window`` (or the last) positions only, when that is all that
     scores, else every position."""
     B, P = q.shape[:2]
-    kind = policy.base_spec.queries
+    kind = policy.scorer.queries
     if kind == "all":
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     else:
         W = min(P, 1 if kind == "last" else policy.obs_window)
         positions = lengths[:, None] - W + jnp.arange(W, dtype=jnp.int32)
     index = jnp.maximum(positions, 0)
-    weights = query_weights(policy, positions, (positions >= 0) & (positions < lengths[:, None]), lengths)
+    weights = policy.query_weights(positions, (positions >= 0) & (positions < lengths[:, None]), lengths)
     return jnp.take_along_axis(q, index[:, :, None, None], axis=1), index, weights
 
 
@@ -85,7 +83,7 @@ def _scoring_state(policy: Policy, q: jax.Array, k: jax.Array, v: jax.Array, len
     q: [L, B, P, H, K]; k, v: [L, B, Hk, C, K] with C >= P; lengths: [B] prompt tokens per row.
     """
     L, B, P, H, _ = q.shape
-    if policy.base_spec.queries == "none":
+    if policy.scorer.queries == "none":
         return jnp.zeros((L, B, k.shape[2], H // k.shape[2], P), jnp.float32)
 
     def layer(xs):
@@ -100,25 +98,35 @@ def _scoring_state(policy: Policy, q: jax.Array, k: jax.Array, v: jax.Array, len
             col = col + attention_with_scores(qs[:, start: start + PREFILL_CHUNK], k_l, v_l, mask[:, None],
                                               weights[:, start: start + PREFILL_CHUNK], policy.score_kind)[2]
         zeros = jnp.zeros(col.shape, jnp.float32)
-        return update_state(policy, zeros, col, weights.sum(-1) > 0)
+        return policy.scorer.update_state(zeros, col, weights.sum(-1) > 0)
 
     return jax.lax.map(layer, (q, k, v))
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "policy"))
+def _scoring_stats(cfg, policy: Policy, q: jax.Array, lengths: jax.Array):
+    """The base scorer's own statistics (``Base.observe``) after the prompts' first ``lengths`` queries
+    q [L, B, P, H, K], or None."""
+    L, B, P = q.shape[:3]
+    stats = policy.scorer.init_stats(cfg, B)
+    if stats is None:
+        return None
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    valid = positions < lengths[:, None]
+    return jax.vmap(lambda st, q_l: policy.scorer.observe(st, q_l, positions, valid, policy))(stats, q)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "ev"))
-def _compress(cfg, ev: Eviction, k: jax.Array, v: jax.Array, state: jax.Array,
-              lengths: jax.Array) -> BudgetCache | PagedCache:
+def _compress(cfg, ev: Eviction, k: jax.Array, v: jax.Array, state: jax.Array, stats,
+              lengths: jax.Array) -> EvictingCache:
     """Evict every layer once down to the budget (the cache's ``evict``: dense or paged as ``ev`` says), into
-    a cache fitted for decoding. k, v: [L, B, Hk, C, K] the full cache; state: [L, B, Hk, G, P], P <= C."""
-    L, B, Hk, C, K = k.shape
+    a cache fitted for decoding. k, v: [L, B, Hk, C, K] the full cache; state: [L, B, Hk, G, P], P <= C;
+    stats: the base scorer's statistics (``_scoring_stats``)."""
+    C = k.shape[3]
     slots = jnp.arange(C, dtype=jnp.int32)
-    pos = jnp.broadcast_to(jnp.where(slots < lengths[:, None], slots, -1)[None, :, None], (L, B, Hk, C))
+    pos = jnp.broadcast_to(jnp.where(slots < lengths[:, None], slots, -1)[None, :, None], k.shape[:4])
     state = jnp.pad(state, [(0, 0)] * 4 + [(0, C - state.shape[-1])])
-    if ev.page_size is None:
-        cache = BudgetCache(k=k, v=v, pos=pos, state=state, order=jnp.broadcast_to(slots, pos.shape),
-                            moments=Moments.zeros((L, B, Hk), K)).evict(ev.policy, lengths)
-    else:  # every head holds the whole prompt, so one can lose all of its slots
-        cache = PagedCache.from_dense(k, v, pos, state, ev.page_size).evict(ev.policy, lengths, max_evict=C)
+    cache = ev.layout.compress(ev.policy, k, v, pos, state, stats, lengths)
     return constrain(ev.fit(cache, cfg, ev.decode_spare(0)))
 
 
@@ -159,8 +167,8 @@ class Prefilled:
 
     def _state(self, policy: Policy, lengths: np.ndarray) -> jax.Array:
         """The scorer state [L, B, Hk, G, P] after the prompts' first ``lengths`` tokens (cached per kind)."""
-        spec, full = policy.base_spec, self.cache.full
-        key = (spec.queries, policy.score_kind, spec.update, policy.obs_window if spec.queries == "window" else 0,
+        spec, full = policy.scorer, self.cache.full
+        key = (spec.queries, policy.score_kind, spec.replace, policy.obs_window if spec.queries == "window" else 0,
                spec.scoring_pass, policy.repeat_prompt, policy.head_scores, tuple(lengths))
         if key in self._states:
             return self._states[key]
@@ -191,11 +199,12 @@ class Prefilled:
         ev = EvictionOptions.of(**(eviction | {"protocol": "prefill"})).resolve(context=int(lengths.max()))
         if ev is None:
             raise ValueError("budget=None: compress needs a budget")
-        if ev.policy.base_spec.scoring_pass == "heads":
+        if ev.policy.scorer.scoring_pass == "heads":
             ev = dataclasses.replace(ev, policy=whole_heads(ev.policy, self.params.config, int(lengths.max())))
         with on_mesh(self.mesh):
             state = self._state(ev.policy, lengths)
-            cache = _compress(self.params.config, ev, self.cache.full.k, self.cache.full.v, state,
+            stats = _scoring_stats(self.params.config, ev.policy, self.cache.q, jnp.asarray(lengths))
+            cache = _compress(self.params.config, ev, self.cache.full.k, self.cache.full.v, state, stats,
                               jnp.asarray(lengths))
             last = jnp.take_along_axis(self.hidden, jnp.asarray(lengths - 1)[:, None, None], axis=1)[:, 0]
             logits = logits_from_hidden(self.params, last)
@@ -217,7 +226,8 @@ class Prefilled:
         last = jnp.take_along_axis(self.hidden, jnp.asarray(self.lengths - 1)[:, None, None], axis=1)[:, 0]
         cache = jax.tree.map(jnp.copy, self.cache.full)  # decoding donates its cache; this one is kept
         with on_mesh(self.mesh):
-            state = start_state(self.params, cache, jnp.asarray(self.lengths), last, jax.random.key(0),
+            state = start_state(self.params.config, cache, jnp.asarray(self.lengths),
+                                logits_from_hidden(self.params, last), jax.random.key(0),
                                 round_capacity(max_new))
         out = Generation(self.params, state, max_new, Sampling(), stop_ids, None, self.mesh).run(max_new)
         return out if self.batched else out[0]
@@ -227,3 +237,29 @@ def prefill_full(params: Params, tokens, room: int = 256, *, mesh: Mesh | None =
     """Run the full-cache prefill of ``tokens`` (1-D or a batch) once; ``room`` extra slots for decoding;
     ``mesh``: a device mesh to run on."""
     return Prefilled(params, tokens, room, mesh)
+
+
+def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> Context:
+    """Prefill and compress prompts (1-D or a batch) under a budget. ``eviction``: the keywords of
+    ``kvjax.EvictionOptions``, as ``kvjax.generate``; ``budget`` is required. ``mesh``: a device mesh
+    (``kvjax.sharding.make_mesh``) to place the params and the context on (the batch must split over its
+    ``data`` axis); the context's ``decode`` runs there too."""
+    rows, batched = check_tokens(tokens, params.config.vocab_size)
+    longest = max(len(r) for r in rows)
+    ev = eviction_from(context=longest, **eviction)
+    if ev is None:
+        raise ValueError("budget=None: prefill builds a compressed context and needs a budget; use "
+                         "kvjax.generate (or kvjax.prefill_full) for a full cache")
+    check_context(params.config, longest, 0)
+    mesh = auto_mesh(mesh)
+    check_batch(len(rows), mesh)
+    return prefill_rows(params, rows, batched, ev, eviction, mesh)
+
+
+def prefill_rows(params: Params, rows: list[np.ndarray], batched: bool, ev: Eviction,
+                 eviction: dict, mesh: Mesh | None) -> Context:
+    """``prefill`` of validated prompt rows (``check_tokens``; they split over ``mesh``) under
+    ``ev``, the resolved ``eviction`` keywords."""
+    if ev.policy.scorer.scoring_pass is not None:  # KVzip: a scoring pass over the whole prefilled prompt
+        return Prefilled(params, rows if batched else rows[0], mesh=mesh).compress(**eviction)
+    return prefill_budget(params, rows, batched, ev, mesh)

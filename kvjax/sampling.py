@@ -1,4 +1,5 @@
-"""Next-token selection: greedy, or temperature with optional top-k / top-p (nucleus) truncation."""
+"""Next-token selection, the one sampler of every decode loop: greedy, or temperature with optional
+top-k / top-p (nucleus) truncation, set once for a batch (``Sampling``) or per row (serving)."""
 
 from __future__ import annotations
 
@@ -25,18 +26,51 @@ class Sampling:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
 
 
-def sample(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
-    """logits [B, V] float32 -> token ids [B] int32."""
-    if s.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / s.temperature
-    if s.top_k or s.top_p < 1:
-        k = min(s.top_k or logits.shape[-1], logits.shape[-1])
-        values, ids = jax.lax.top_k(logits, k)  # sorted descending
-        if s.top_p < 1:
-            probs = jax.nn.softmax(values, axis=-1)
-            mass_before = jnp.cumsum(probs, axis=-1) - probs
-            values = jnp.where(mass_before < s.top_p, values, -jnp.inf)  # keeps at least the top token
-        choice = jax.random.categorical(key, values, axis=-1)
-        return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+def sample(logits: jax.Array, key: jax.Array, s) -> jax.Array:
+    """logits [B, V] float32 -> token ids [B] int32: greedy at temperature 0, else a draw at the
+    temperature among the ``top_k`` likeliest tokens whose probability mass before them is below
+    ``top_p``.
+
+    s: a ``Sampling`` (one setting for the batch, fixed when compiling) with ``key`` one PRNG key
+    for the batch; or per-row settings (``temperature``, ``top_p`` [B] float32, ``top_k`` [B] int32:
+    the serving engine's ``Settings``) with ``key`` [B] PRNG keys, one per row.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if isinstance(s, Sampling):
+        return greedy if s.temperature == 0 else _draw(logits, key, s)
+    hot = s.temperature > 0
+    return jax.lax.cond(jnp.any(hot), lambda: jnp.where(hot, _draw(logits, key, s), greedy),
+                        lambda: greedy)
+
+
+def _draw(logits: jax.Array, key: jax.Array, s) -> jax.Array:
+    """One draw per row of logits [B, V] -> ids [B] int32 (settings and keys as ``sample``).
+
+    A ``Sampling`` fixes its candidates when compiling: it draws over the top-k logits in rank
+    order (over the vocabulary when nothing truncates). Per-row settings fix no count, so each row
+    draws over the vocabulary in vocabulary order, the tokens it does not keep masked.
+    """
+    fixed, V = isinstance(s, Sampling), logits.shape[-1]
+    scaled = logits / (s.temperature if fixed
+                       else jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None])
+    if fixed and not s.top_k and s.top_p == 1:
+        return _categorical(key, scaled)
+    values, ids = jax.lax.top_k(scaled, min(s.top_k or V, V) if fixed else V)  # sorted descending
+    keep = (jnp.ones(values.shape, bool) if fixed  # every candidate is within the fixed top k
+            else jnp.arange(V) < jnp.where(s.top_k > 0, s.top_k, V)[:, None])
+    if not fixed or s.top_p < 1:
+        probs = jax.nn.softmax(jnp.where(keep, values, -jnp.inf), axis=-1)
+        top_p = s.top_p if fixed else s.top_p[:, None]
+        keep &= jnp.cumsum(probs, axis=-1) - probs < top_p  # keeps at least the top token
+    if fixed:
+        choice = _categorical(key, jnp.where(keep, values, -jnp.inf))
+        return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
+    rows = jnp.arange(keep.shape[0])[:, None]
+    keep = jnp.zeros_like(keep).at[rows, ids].set(keep)  # in vocabulary order
+    return _categorical(key, jnp.where(keep, scaled, -jnp.inf))
+
+
+def _categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """A draw per row of logits [B, C] -> [B] int32: ``key`` one key for the batch or [B] keys."""
+    draw = jax.random.categorical if key.ndim == 0 else jax.vmap(jax.random.categorical)
+    return draw(key, logits).astype(jnp.int32)

@@ -21,12 +21,11 @@ from kvjax.budget_cache import BudgetCache
 from kvjax.checkpoint.errors import CheckpointError
 from kvjax.checkpoint.store import atomic_directory
 from kvjax.config import ModelConfig
-from kvjax.decoding import Context
+from kvjax.context import Context
 from kvjax.engine import Eviction
-from kvjax.kvzip import RepeatPrompt
+from kvjax.eviction import Policy, RepeatPrompt
 from kvjax.paged_cache import PagedCache
 from kvjax.params import Params
-from kvjax.scorers import Policy
 from kvjax.sharding import to_host
 
 META_FILE = "kvjax_context.json"

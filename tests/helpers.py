@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from reference_eviction import parse_scorer
 
 from kvjax.moments import Moments
-from reference_eviction import parse_scorer
 
 # --- real-model prompts: a needle in repetitive filler (SmolLM2 tests)
 NEEDLE = "The special magic number is 7341295. "
@@ -35,8 +35,8 @@ def scorer_requirements(name: str, head_scores: str, tiny: bool = True) -> dict:
     """What a scorer name needs beyond the common options, for tests that run every name: KVzip's repeat
     prompt (any token ids do), kvzip-head's file of head scores (``head_scores``), and for PyramidKV on the
     tiny models of two or three layers (``tiny``) nothing protected (its last layer keeps m/20 tokens)."""
+    from kvjax.eviction import BASES, split_name
     from kvjax.kvzip import RepeatPrompt
-    from kvjax.scorers import BASES, split_name
 
     allocation, base, _ = split_name(name)
     needs = {"kvzip": dict(repeat_prompt=RepeatPrompt((5, 6, 7), (5, 6, 8), (9,))),
@@ -46,7 +46,7 @@ def scorer_requirements(name: str, head_scores: str, tiny: bool = True) -> dict:
 
 def own_pass(name: str) -> bool:
     """The scorer scores the prompt in a pass of its own (KVzip): prefill protocol only."""
-    from kvjax.scorers import BASES, split_name
+    from kvjax.eviction import BASES, split_name
 
     return BASES[split_name(name)[1]].scoring_pass is not None
 
@@ -99,7 +99,7 @@ def covering(names):
     that the default run compiles each part once (tests/test_engine_vs_reference.py checks the combinations)."""
     from collections import Counter
 
-    from kvjax.scorers import ALIASES, split_name
+    from kvjax.eviction import ALIASES, split_name
 
     parts = {name: split_name(name)[1:] for name in names if name not in ALIASES}
     picked = [name for name in names if name in ALIASES or not parts[name][1]]

@@ -1,13 +1,14 @@
 """Plain-NumPy (float64) reference of the eviction semantics of ``docs/eviction.md``.
 
 This module is deliberately independent of the JAX engine (``kvjax.engine``, ``kvjax.budget_cache``,
-``kvjax.scorers``, ``kvjax.kernels``, ``kvjax.moments``): it re-implements the decoder of ``kvjax.model`` for one
+``kvjax.eviction``, ``kvjax.kernels``, ``kvjax.moments``): it re-implements the decoder of ``kvjax.model`` for one
 sequence in float64 NumPy and keeps, per (layer, KV head), a Python list of kept tokens exactly as the contract
 describes. Clarity over speed: loops are used wherever they make the semantics easier to check.
 
-Entry point: :func:`run_reference`. Lower-level pieces used by the self-tests: :class:`Reference`,
-:func:`parse_scorer`, :func:`select_kept`, :func:`keep_highest`, :func:`pool_priorities`,
-:func:`attention`, :func:`obcache_columns`, :func:`caote_priorities`, :func:`select_moment_informed`,
+Entry points: :func:`run_reference`; :func:`run_kvzip_reference` for KVzip's names (``kvzip``,
+``kvzip-head``: a repeat pass of their own, :func:`repeat_scores`). Lower-level pieces used by the
+self-tests: :class:`Reference`, :func:`parse_scorer`, :func:`select_kept`, :func:`keep_highest`,
+:func:`pool_priorities`, :func:`attention`, :func:`obcache_columns`, :func:`caote_priorities`, :func:`select_moment_informed`,
 :func:`moment_terms`, :func:`nc_correct`, :func:`full_forward`.
 
 Scorer names (the grammar of docs/eviction.md, "Modifiers"): a base (``streamingllm``, ``h2o``, ``tova``,
@@ -44,7 +45,8 @@ import numpy as np
 from kvjax.params import params_to_flat
 from kvjax.rope import inverse_frequencies
 
-BASES = ("streamingllm", "h2o", "h2o-window", "tova", "snapkv")
+BASES = ("streamingllm", "h2o", "h2o-window", "tova", "snapkv", "expected-attention")
+EA_FUTURE = 512  # Expected Attention: future positions its mean rotation averages over (kvpress's default)
 OBCACHE = ("obcache-value", "obcache-key", "obcache-joint")
 CAOTE = ("caote", "fastcaote")
 MOMENTKV = ("momentkv", "momentkv-mi", "momentkv-nc", "momentkv-zeroth")
@@ -292,6 +294,46 @@ def base_priorities(positions, states, protected, *, base: str, pool: str = "max
     if base == "snapkv":
         prio = pool_priorities(prio, pool, kernel)
     return prio
+
+
+def expected_attention_priorities(positions, keys, values, queries, protected, *, seen: int, n_sink: int,
+                                  inv_freq, aggregate: str = "mean") -> np.ndarray:
+    """Expected Attention's priorities of the unprotected tokens (in position order), as kvpress's
+    ``ExpectedAttentionPress`` computes them: queries [n, G, K] before RoPE (of the positions past the sinks)
+    give a mean and a (biased) covariance per query head; both are rotated by the mean RoPE matrix of
+    positions ``seen … seen + 511``; a key k gets the logit μ̃·k/√K + kᵀΣ̃k/(2K); a softmax over the keys past
+    the sinks; the aggregate over the G heads; times ‖v‖; returned as its logarithm (the engine's priority).
+    keys, values: [N, K] after RoPE."""
+    positions = np.asarray(positions, np.int64)
+    keys, values, queries = (np.asarray(x, np.float64) for x in (keys, values, queries))
+    K = keys.shape[-1]
+    half = K // 2
+    angles = np.arange(seen, seen + EA_FUTURE, dtype=np.float64)[:, None] * np.asarray(inv_freq, np.float64)
+    cos, sin = np.cos(np.concatenate([angles, angles], 1)), np.sin(np.concatenate([angles, angles], 1))
+    turn = np.zeros((K, K))
+    turn[half:, :half], turn[:half, half:] = np.eye(half), -np.eye(half)
+    rot = np.mean([np.diag(c) + np.diag(s_) @ turn for c, s_ in zip(cos, sin)], axis=0)
+    scored = positions >= n_sink
+    probs = []
+    for g in range(queries.shape[1]):
+        qg = queries[:, g] if len(queries) else np.zeros((1, K))
+        mean = qg.mean(0)
+        cov = (qg - mean).T @ (qg - mean) / len(qg)
+        mu, sigma = rot @ mean, rot @ cov @ rot.T
+        logits = keys @ mu / np.sqrt(K) + np.einsum("ni,ij,nj->n", keys, sigma, keys) / (2 * K)
+        z = np.where(scored, logits, -np.inf)
+        top = z.max()
+        probs.append(z - top - np.log(np.exp(z - top).sum()))  # log-softmax
+    log_p = np.stack(probs, 1)  # [N, G]
+    top = log_p.max(1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        if aggregate == "max":
+            agg = log_p.max(1)
+        else:  # log Σ_g p_g (− log G for the mean)
+            agg = (top[:, 0] + np.log(np.exp(log_p - np.where(np.isfinite(top), top, 0)).sum(1))
+                   - (np.log(log_p.shape[1]) if aggregate == "mean" else 0.0))
+        prio = agg + np.log(np.linalg.norm(values, axis=-1))
+    return prio[~np.asarray(protected, bool)]
 
 
 def caote_priorities(states, values, protected, *, base: str, fast: bool, pool: str = "max", kernel: int = 7,
@@ -553,6 +595,7 @@ class Reference:
         # Diagnostics for the tests: every query/key/value ever computed and every attention output the layer
         # used (after any NC correction), by layer and position, and a log of every eviction decision.
         self.history = [{"q": {}, "k": {}, "v": {}, "o": {}} for _ in range(L)]
+        self.raw_queries: list[list[np.ndarray]] = [[] for _ in range(L)]  # Expected Attention's, [H, K] each
         self.evictions: list[dict] = []
 
     def moments(self, layer: int, kh: int) -> Moments:
@@ -572,6 +615,9 @@ class Reference:
         x = w["embed"][tokens]
         for layer in range(cfg.n_layers):
             q, k, v = qkv(cfg, w, layer, x, positions, self.inv_freq)
+            if self.base == "expected-attention":  # its statistics: the queries before RoPE past the sinks
+                raw = qkv(cfg, w, layer, x, np.zeros_like(positions), self.inv_freq)[0]
+                self.raw_queries[layer] += [raw[t] for t, p in enumerate(positions) if p >= self.n_sink]
             for t, p in enumerate(positions):
                 self.history[layer]["q"][int(p)] = q[t].copy()
                 self.history[layer]["k"][int(p)] = k[t].copy()
@@ -596,7 +642,7 @@ class Reference:
                     else:
                         attn[:, h] = o
                     # 3. score update
-                    if scoring.any() and self.base != "streamingllm":
+                    if scoring.any() and self.base not in ("streamingllm", "expected-attention"):
                         if self.obcache:
                             col = obcache_columns(self.obcache, A[scoring], z[scoring], vals, o[scoring])
                         else:
@@ -639,6 +685,12 @@ class Reference:
         states = np.stack([s.state for s in slots])
         protected = protected_mask(positions, seen=self.seen, n_sink=self.n_sink, window=self.window)
         opts = dict(pool=self.pool, kernel=self.kernel, aggregate=aggregate)
+        if self.base == "expected-attention":
+            raw = np.asarray(self.raw_queries[layer]).reshape(-1, self.cfg.n_heads, self.cfg.head_dim)
+            return expected_attention_priorities(
+                positions, np.stack([s.key for s in slots]), np.stack([s.value for s in slots]),
+                raw[:, kh * self.G: (kh + 1) * self.G], protected, seen=self.seen, n_sink=self.n_sink,
+                inv_freq=self.inv_freq, aggregate=aggregate)
         if self.caote:
             return caote_priorities(states, np.stack([s.value for s in slots]), protected, base=self.base,
                                     fast=self.modifier == "fastcaote", **opts)
@@ -745,7 +797,7 @@ class Reference:
         return [[sorted(s.position for s in slots) for slots in layer] for layer in self.cache]
 
     def _prompt_scoring(self, positions: np.ndarray, block_end: int, prompt_len: int) -> np.ndarray:
-        if self.base == "streamingllm":
+        if self.base in ("streamingllm", "expected-attention"):
             return np.zeros(len(positions), bool)
         if self.base == "h2o":
             return np.ones(len(positions), bool)
@@ -808,3 +860,189 @@ def run_reference(params, prompt, max_new_tokens, *, scorer, budget, protocol, b
                     aggregate=aggregate, evict_every=evict_every, decode_evict=decode_evict, allocation=allocation,
                     floor=floor, chunk=chunk, floor_mode=floor_mode, decode_order=decode_order)
     return ref.run(prompt, max_new_tokens)
+
+
+# --------------------------------------------------------------------------------------------------
+# KVzip (docs/eviction.md, "KVzip"): a repeat pass sets the state; one eviction point; then nothing
+# --------------------------------------------------------------------------------------------------
+
+KVZIP_TRAIL = 8  # tokens of the previous chunk quoted before a later chunk
+KVZIP_MODIFIERS = CAOTE + MOMENTKV
+# Every KVzip name: [allocation+]kvzip[+modifier] (adakv when no allocation is named); kvzip-head.
+KVZIP_SCORERS = (("kvzip", "kvzip-head") + tuple(f"kvzip+{m}" for m in KVZIP_MODIFIERS)
+                 + tuple(f"{a}+kvzip" + (f"+{m}" if m else "") for a in ALLOCATIONS
+                         for m in ("",) + KVZIP_MODIFIERS))
+# Near ties of KVzip's decisions: the engine's float32 repeat pass differs from this float64 one
+# by up to ~5e-6 relative on the tiny test models; decisions are well posed with a wider margin.
+KVZIP_TIE_RTOL = 1e-4
+
+
+def parse_kvzip_scorer(name: str) -> tuple[str, str, str | None]:
+    """``(allocation, base, modifier)`` of a KVzip name: ``("heads", "kvzip-head", None)`` or, for
+    ``[allocation+]kvzip[+modifier]``, allocation ``adakv`` when none is named."""
+    if name not in KVZIP_SCORERS:
+        raise ValueError(f"scorer={name!r}; expected one of {KVZIP_SCORERS}")
+    if name == "kvzip-head":
+        return "heads", "kvzip-head", None
+    allocation, rest = ("adakv", name) if name.startswith("kvzip") else name.split("+", 1)
+    return allocation, "kvzip", rest.partition("+")[2] or None
+
+
+def repeat_scores(params, context, prompt, chunk: int = 2048) -> np.ndarray:
+    """KVzip's scores S [L, Hk, n] of a context of n tokens (Algorithm 1, kvzip-appendix.tex).
+
+    ``prompt`` (read only, as ``kvjax.kvzip.RepeatPrompt``): ids ``first``, ``later``, ``colon``;
+    ``skip``, ``sinks``. The context is prefilled; its tokens after the first ``skip`` are cut into
+    chunks of ``chunk``; chunk c_t is fed after the context (positions n, n + 1, …; ordinary causal
+    attention over the context and the input) as ``first + c_1`` or ``later + the 8 tokens before
+    c_t + colon + c_t``. In every layer, the softmax of each input query over [the keys of the
+    first min(sinks, start of c_t) tokens, c_t's keys, the input's keys (causal)] gives each key of
+    c_t the maximum over the input's queries and the query heads of its KV head (the sinks as
+    kvpress's ``KVzipPress._compute_cross_attention`` takes them). The first ``skip`` score 0."""
+    cfg, w = params.config, numpy_params(params)
+    inv_freq = np.asarray(inverse_frequencies(cfg), np.float64)
+    L, Hk, G = cfg.n_layers, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads
+    context = np.asarray(context)
+
+    def forward(tokens, past):
+        """Every layer's (q, k, v) of ``tokens`` fed after ``past`` ([layer] -> (k, v) of the
+        positions before them; None: from position 0)."""
+        n_past = 0 if past is None else len(past[0][0])
+        positions = n_past + np.arange(len(tokens))
+        x, out = w["embed"][np.asarray(tokens)], []
+        for layer in range(L):
+            q, k, v = qkv(cfg, w, layer, x, positions, inv_freq)
+            keys = k if past is None else np.concatenate([past[layer][0], k])
+            values = v if past is None else np.concatenate([past[layer][1], v])
+            visible = np.arange(len(keys))[None, :] <= positions[:, None]
+            attn = np.stack([attention(q[:, h], keys[:, h // G], values[:, h // G], visible)[2]
+                             for h in range(cfg.n_heads)], axis=1)
+            out.append((q, k, v))
+            x = finish_layer(cfg, w, layer, x, attn)
+        return out
+
+    n = len(context)
+    cache = [(k, v) for _, k, v in forward(context, None)]
+    scores = np.zeros((L, Hk, n))
+    for start in range(prompt.skip, n, chunk):
+        stop = min(start + chunk, n)
+        if start == prompt.skip:
+            head = tuple(prompt.first)
+        else:
+            trail = tuple(int(t) for t in context[max(0, start - KVZIP_TRAIL): start])
+            head = tuple(prompt.later) + trail + tuple(prompt.colon)
+        tokens = np.concatenate([np.asarray(head, np.int64), context[start:stop]])
+        T, sink, m = len(tokens), min(prompt.sinks, start), stop - start
+        causal = np.tril(np.ones((T, T), bool))
+        visible = np.concatenate([np.ones((T, sink + m), bool), causal], axis=1)
+        for layer, (q, k, _) in enumerate(forward(tokens, cache)):
+            keys = np.concatenate([cache[layer][0][:sink], cache[layer][0][start:stop], k])
+            for h in range(cfg.n_heads):
+                _, A, _, _ = attention(q[:, h], keys[:, h // G], keys[:, h // G], visible)
+                best = np.maximum(scores[layer, h // G, start:stop], A[:, sink: sink + m].max(0))
+                scores[layer, h // G, start:stop] = best
+    return scores
+
+
+def whole_head_budgets(head_scores, budget: int, n_sink: int, window: int,
+                       context: int) -> np.ndarray:
+    """kvzip-head's kept count [L, Hk] of every head for a context of ``context`` tokens: with s =
+    n_sink + window, the round(L·Hk·(budget − s)/(context − s)) heads of largest ``head_scores``
+    [L, Hk] (the lower flat index first among equal scores; Python's round) keep ``context``
+    tokens, the others s."""
+    scores = np.asarray(head_scores, np.float64)
+    s = n_sink + window
+    share = min(max((budget - s) / max(context - s, 1), 0.0), 1.0)
+    order = sorted(range(scores.size), key=lambda i: (-scores.flat[i], i))
+    budgets = np.full(scores.size, s)
+    budgets[order[: round(share * scores.size)]] = context
+    return budgets.reshape(scores.shape)
+
+
+class KVzipReference(Reference):
+    """KVzip's compression of one prompt, then its continuation with nothing evicted.
+
+    The prompt is prefilled with the full cache (no scoring queries); every token's state, in each
+    query head of its group, is its repeat-pass score (``kvzip``: :func:`repeat_scores`) or its
+    head's saved score (``kvzip-head``); one eviction point follows under the allocation
+    (``kvzip-head``: the counts of :func:`whole_head_budgets`); later tokens are appended. The
+    decoder, the priorities (CAOTE), MomentKV's MI and NC and the allocations are
+    :class:`Reference`'s: it runs as ``h2o`` + the modifier (no pooling, no reset) with base
+    ``kvzip``. Near ties are counted at ``tie_rtol`` (default :data:`KVZIP_TIE_RTOL`)."""
+
+    def __init__(self, params, *, scorer: str, budget: int, repeat_prompt=None, head_scores=None,
+                 n_sink: int = 4, window: int = 0, floor: float = 0.0, floor_mode: str = "adakv",
+                 aggregate: str | None = None, chunk: int = 2048, context: int | None = None,
+                 tie_rtol: float = KVZIP_TIE_RTOL):
+        allocation, base, modifier = parse_kvzip_scorer(scorer)
+        if (repeat_prompt is None, head_scores is None) != (base != "kvzip", base == "kvzip"):
+            raise ValueError("kvzip takes repeat_prompt, kvzip-head head_scores (not the other)")
+        super().__init__(params, scorer="h2o" + (f"+{modifier}" if modifier else ""), budget=budget,
+                         protocol="prefill", n_sink=n_sink, window=window, aggregate=aggregate,
+                         decode_evict=False, floor=floor, floor_mode=floor_mode,
+                         allocation="uniform" if allocation == "heads" else allocation)
+        self.params, self.scorer, self.base, self.allocation = params, scorer, base, allocation
+        self.repeat_prompt, self.head_scores, self.repeat_chunk = repeat_prompt, head_scores, chunk
+        self.context, self.tie_rtol = context, tie_rtol
+
+    def scores_of(self, prompt: list[int]) -> np.ndarray:
+        """The state [L, Hk, P] of every prompt token."""
+        if self.base == "kvzip":
+            return repeat_scores(self.params, prompt, self.repeat_prompt, self.repeat_chunk)
+        heads = np.asarray(self.head_scores, np.float64)
+        return np.broadcast_to(heads[:, :, None], heads.shape + (len(prompt),))
+
+    def _counts(self, heads: dict) -> dict:
+        if self.allocation != "heads":
+            return super()._counts(heads)
+        context = len(heads[0, 0]["positions"]) if self.context is None else self.context
+        budgets = whole_head_budgets(self.head_scores, self.budget, self.n_sink, self.window,
+                                     context)
+        return {key: min(len(h["positions"]), int(budgets[key])) for key, h in heads.items()}
+
+    def _evict_all(self, layers: list[int] | None = None):
+        global NEAR_TIE_RTOL
+        saved, NEAR_TIE_RTOL = NEAR_TIE_RTOL, self.tie_rtol
+        try:
+            super()._evict_all(layers)
+        finally:
+            NEAR_TIE_RTOL = saved
+
+    def run(self, prompt, max_new_tokens: int, question=()) -> dict:
+        prompt, question = [int(t) for t in prompt], [int(t) for t in question]
+        P, Q = len(prompt), len(question)
+        logits = self.step(prompt, np.arange(P), np.zeros(P, bool), False)
+        prefill_logits = logits[-1]
+        scores = self.scores_of(prompt)
+        for layer, heads in enumerate(self.cache):
+            for kh, slots in enumerate(heads):
+                for s in slots:
+                    s.state[:] = scores[layer, kh, s.position]
+        self._evict_all()
+        kept_after_prefill = self.kept_positions()
+        if question:
+            logits = self.step(question, P + np.arange(Q), np.zeros(Q, bool), False)
+        tokens, step_logits = [], []
+        tok = int(np.argmax(logits[-1]))
+        for _ in range(max_new_tokens):
+            tokens.append(tok)
+            step_logits.append(self.step([tok], [self.seen], [False], False)[-1])
+            tok = int(np.argmax(step_logits[-1]))
+        moments = {"count": self.count.copy(), "k_sum": self.k_sum.copy(),
+                   "v_sum": self.v_sum.copy(), "vk_sum": self.vk_sum.copy()}
+        return {"prefill_logits": prefill_logits, "scores": scores,
+                "kept_after_prefill": kept_after_prefill, "tokens": tokens,
+                "step_logits": step_logits, "moments": moments, "near_ties": self.near_ties,
+                "exact_ties": self.exact_ties}
+
+
+def run_kvzip_reference(params, prompt, max_new_tokens: int, *, scorer: str, budget: int,
+                        question=(), **options) -> dict:
+    """Compress ``prompt`` under a KVzip name (:data:`KVZIP_SCORERS`), append ``question`` and
+    greedily decode ``max_new_tokens`` tokens, nothing evicted after the compression. ``options``:
+    :class:`KVzipReference`'s (``repeat_prompt`` for kvzip, ``head_scores`` [L, Hk] for
+    kvzip-head; ``chunk``: the repeat pass's; ``context``: kvzip-head's n, in kvjax the batch's
+    longest prompt). Returns ``prefill_logits``, ``scores`` [L, Hk, P], ``kept_after_prefill``,
+    ``tokens``, ``step_logits``, ``moments``, ``near_ties``, ``exact_ties``."""
+    ref = KVzipReference(params, scorer=scorer, budget=budget, **options)
+    return ref.run(prompt, max_new_tokens, question)

@@ -24,7 +24,7 @@ def test_bad_budget_is_a_clear_error_before_loading(capsys):
 
 def test_unknown_scorer_lists_the_valid_names_before_loading(capsys):
     assert main(["generate", "--model", "no-such-model", "--chat", "hi", "--budget", "64", "--scorer", "magic"]) == 2
-    assert "scorer='magic' is unknown; valid scorers: h2o, h2o+caote" in capsys.readouterr().err
+    assert "scorer='magic' is unknown; valid scorers: expected-attention, h2o, h2o+caote" in capsys.readouterr().err
 
 
 def test_unknown_model_is_a_clear_error(capsys):

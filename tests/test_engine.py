@@ -3,15 +3,16 @@ contexts, memory, compilation, and proof on SmolLM2 that eviction really happens
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from helpers import FILLER, NEEDLE, QUESTION
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvjax
 from kvjax.decoding import Generation
-from helpers import FILLER, NEEDLE, QUESTION
 from kvjax.options import eviction_from
 from kvjax.sampling import Sampling
 
-BASES = sorted(name for name, spec in kvjax.scorers.BASES.items() if spec.scoring_pass is None)  # kvzip: test_kvzip
+BASES = sorted(name for name, spec in kvjax.eviction.BASES.items() if spec.scoring_pass is None)  # kvzip: test_kvzip
 
 
 def prompts_of(lengths, seed=0, vocab=97):
@@ -129,7 +130,7 @@ def test_same_request_shape_does_not_recompile(tiny_llama, count_compiles):
     (dict(budget=0), "budget=0 must be an integer >= 1"),
     (dict(budget=64, block_size=0), "block_size=0 must be an integer >= 1"),
     (dict(budget=64, evict_every=0), "evict_every=0 must be an integer >= 1"),
-    (dict(budget=64, scorer="magic"), r"scorer=.magic. is unknown; valid scorers: h2o, h2o\+caote, .*, tova"),
+    (dict(budget=64, scorer="magic"), r"scorer=.magic. is unknown; valid scorers: expected-attention, h2o, h2o\+caote, .*, tova"),
     (dict(budget=64, protocol="lazy"), "protocol='lazy' must be one of"),
     (dict(budget=64, pool="median"), "pool='median' must be one of"),
     (dict(budget=64, pool="max", kernel=4), "kernel=4 must be odd"),

@@ -38,6 +38,8 @@ CASES = [
     dict(scorer="snapkv", n_sink=1, window=5, obs_window=6, pool="avg", kernel=3, aggregate="max"),
     dict(scorer="h2o", n_sink=0, window=2, aggregate="sum"),
     dict(scorer="h2o-window", n_sink=2, window=4, obs_window=4),
+    dict(scorer="expected-attention", n_sink=2, window=0),
+    dict(scorer="expected-attention", n_sink=0, window=3, aggregate="sum"),
 ]
 
 
@@ -105,6 +107,7 @@ ALLOCATION_CASES = [
     dict(scorer="h2o", n_sink=2, window=3),
     dict(scorer="tova", n_sink=0, window=0),
     dict(scorer="snapkv", n_sink=2, window=4, obs_window=4, pool="max", kernel=3),
+    dict(scorer="expected-attention", n_sink=2, window=0),
 ]
 PYRAMID = dict(n_sink=0, window=0, budget=20)
 

@@ -11,7 +11,7 @@ import pytest
 import kvjax
 from kvjax.kvzip import RepeatPrompt, head_scores, kvzip_scores, load_head_scores, save_head_scores
 from kvjax.prefilled import prefill_full
-from reference_eviction import attention, finish_layer, numpy_params, qkv, shared_counts
+from reference_eviction import repeat_scores, run_kvzip_reference, shared_counts
 
 PROMPT = RepeatPrompt(first=(5, 6, 7), later=(5, 6, 8), colon=(9,))
 CHUNK = 16
@@ -26,51 +26,8 @@ def model():
 
 
 def numpy_kvzip(params, context: np.ndarray, chunk: int, prompt: RepeatPrompt = PROMPT) -> np.ndarray:
-    """Algorithm 1 as written, in float64: prefill the context; for each chunk feed its repeat input through the
-    model after the context (ordinary causal attention over context and input); in each layer, the softmax of
-    the input's queries over [the chunk's keys, the input's keys (causal)] gives each chunk key the maximum over
-    the queries and the GQA group. Returns S [L, Hk, n_c]. kvpress's form (``prompt.skip``, ``prompt.sinks``):
-    the chunks cover the context after its first ``skip`` tokens, and the softmax also takes the keys of the
-    first min(sinks, chunk start) tokens first, as ``KVzipPress._compute_cross_attention`` does."""
-    from kvjax.rope import inverse_frequencies
-
-    cfg, w = params.config, numpy_params(params)
-    inv_freq = np.asarray(inverse_frequencies(cfg), np.float64)
-    L, Hk, G = cfg.n_layers, cfg.n_kv_heads, cfg.group_size
-
-    def forward(tokens, positions, past):
-        """Run tokens at positions after ``past`` ([layer] -> (k, v) of earlier positions); returns every layer's
-        (q, k, v) of the tokens."""
-        x, out = w["embed"][tokens], []
-        for layer in range(L):
-            q, k, v = qkv(cfg, w, layer, x, positions, inv_freq)
-            keys = np.concatenate([past[layer][0], k]) if past else k
-            values = np.concatenate([past[layer][1], v]) if past else v
-            visible = np.arange(len(keys))[None, :] <= (len(keys) - len(tokens) + np.arange(len(tokens)))[:, None]
-            attn = np.stack([attention(q[:, h], keys[:, h // G], values[:, h // G], visible)[2]
-                             for h in range(cfg.n_heads)], axis=1)
-            out.append((q, k, v))
-            x = finish_layer(cfg, w, layer, x, attn)
-        return out
-
-    n = len(context)
-    cache = [(k, v) for _, k, v in forward(context, np.arange(n), None)]
-    scores = np.zeros((L, Hk, n))
-    for start in range(prompt.skip, n, chunk):
-        stop = min(start + chunk, n)
-        head = prompt.first if start == prompt.skip else (prompt.later + tuple(context[max(0, start - 8): start])
-                                                          + prompt.colon)
-        tokens = np.concatenate([np.asarray(head), context[start:stop]])
-        layers = forward(tokens, n + np.arange(len(tokens)), cache)
-        T, sink = len(tokens), min(prompt.sinks, start)
-        for layer, (q, k, _) in enumerate(layers):
-            keys = np.concatenate([cache[layer][0][:sink], cache[layer][0][start:stop], k])  # [s + m + T, Hk, K]
-            visible = np.concatenate([np.ones((T, sink + stop - start), bool), np.tril(np.ones((T, T), bool))], 1)
-            for h in range(cfg.n_heads):
-                _, A, _, _ = attention(q[:, h], keys[:, h // G], keys[:, h // G], visible)
-                scores[layer, h // G, start:stop] = np.maximum(scores[layer, h // G, start:stop],
-                                                               A[:, sink: sink + stop - start].max(axis=0))
-    return scores
+    """Algorithm 1 as written, in float64 (``reference_eviction.repeat_scores``): S [L, Hk, n_c]."""
+    return repeat_scores(params, context, prompt, chunk)
 
 
 def test_scores_equal_algorithm_1(model):
@@ -148,10 +105,11 @@ def test_compression_keeps_the_top_scores_over_each_layers_heads(model):
             best = 2 + np.argsort(-scores[layer, h, 2:], kind="stable")[: counts[h] - 2]
             assert sorted(p for p in kept[layer, h] if p >= 0) == sorted([0, 1] + best.tolist())
     assert uneven
-    question = np.arange(10, 16, dtype=np.int32)
+    question = np.arange(10, 16, dtype=np.int32)  # decode (evict=True) appends, as the reference
+    ref = run_kvzip_reference(model, context, 4, scorer="kvzip", budget=12, question=question,
+                              repeat_prompt=PROMPT, n_sink=2)
     answer = kvjax.decode(model, compressed, question, 4, stop_ids=())
-    appended = kvjax.decode(model, compressed, question, 4, evict=False, stop_ids=())
-    np.testing.assert_array_equal(answer, appended)
+    np.testing.assert_array_equal(answer, ref["tokens"])
 
 
 def test_head_level_mode_keeps_whole_heads(model, tmp_path):

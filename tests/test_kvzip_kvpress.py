@@ -46,7 +46,7 @@ def test_kept_positions_equal_kvpress(smollm2, smollm2_tokenizer, record):
 def test_kvpress_prompt_is_kvpress_wording_inside_the_assistant_turn(smollm2_tokenizer):
     """kvpress's repeat prompt: its wording, then the end of the user turn and the assistant header; the chat
     template's head (what precedes the user's text) is skipped; 4 sinks."""
-    from kvjax.kvzip import kvzip_prompt
+    from kvjax.eviction import kvzip_prompt
     from kvjax.loading import chat_parts
 
     tok, p = smollm2_tokenizer, kvzip_prompt(smollm2_tokenizer, "kvpress")

@@ -33,7 +33,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_readme_lists_every_scorer_name():
-    from kvjax.scorers import SCORERS, scorer_table
+    from kvjax.eviction import SCORERS, scorer_table
 
     readme = (ROOT / "README.md").read_text()
     assert all(f"| `{name}` |" in readme for name in SCORERS)
@@ -41,7 +41,7 @@ def test_readme_lists_every_scorer_name():
 
 
 def test_readme_lists_every_eviction_keyword_and_allocation():
-    from kvjax.allocation import allocation_table
+    from kvjax.eviction import allocation_table
     from kvjax.options import options_table
 
     readme = (ROOT / "README.md").read_text()
@@ -58,3 +58,63 @@ def test_kernels_import_nothing_of_kvjax_outside_kvjax_kernels():
                 imported += [(path.name, alias.name) for alias in node.names]
     outside = [(f, m) for f, m in imported if m.split(".")[0] == "kvjax" and not m.startswith("kvjax.kernels")]
     assert imported and not outside, outside
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of kvjax (kernels/ as kvjax.kernels) by dotted name."""
+    mods = {}
+    for base, pkg in ((ROOT / "kvjax", "kvjax"), (ROOT / "kernels", "kvjax.kernels")):
+        for path in base.rglob("*.py"):
+            parts = [pkg, *path.relative_to(base).with_suffix("").parts]
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return mods
+
+
+def _imports(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the kvjax modules it imports anywhere (top level, in functions, under TYPE_CHECKING);
+    ``from package import submodule`` points at the submodule."""
+    edges = {m: set() for m in mods}
+    for m, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvjax"):
+                subs = {f"{node.module}.{a.name}" for a in node.names} & mods.keys()
+                edges[m] |= subs | ({node.module} if len(subs) < len(node.names) else set())
+            elif isinstance(node, ast.Import):
+                edges[m] |= {a.name for a in node.names if a.name.startswith("kvjax")}
+        edges[m] = (edges[m] & mods.keys()) - {m}
+    return edges
+
+
+def test_no_import_circles():
+    edges = _imports(_modules())
+    done, path = set(), []
+
+    def visit(m):
+        if m in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(m):] + [m]))
+        if m not in done:
+            path.append(m)
+            for n in sorted(edges[m]):
+                visit(n)
+            path.pop()
+            done.add(m)
+
+    for m in sorted(edges):
+        visit(m)
+
+
+def test_no_module_imports_private_names_of_another_package():
+    """``from a.b import _x`` or ``from a._b import x`` only within the package that holds the name."""
+    reached = []
+    for m, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvjax")):
+                continue
+            parts = node.module.split(".")
+            names = [a.name for a in node.names]
+            for i, part in enumerate(parts + names):
+                if part.startswith("_") and not part.startswith("__"):
+                    owner = ".".join(parts[: min(i, len(parts))])  # the package holding the private name
+                    if not m.startswith(owner + ".") and m != owner:
+                        reached.append((m, node.module, part))
+    assert not reached, reached

@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import kvjax
 from helpers import covering, moments_of, own_pass, scorer_requirements
 from kvjax.kernels import attention_with_scores, corrected_attention
-from kvjax.priorities import caote
-from kvjax.scorers import SCORERS
+
+import kvjax
+from kvjax.eviction import SCORERS
+from kvjax.eviction.priority import caote
 
 S, W, K, G = 24, 6, 16, 3  # slots, perturbation window, head dim, query heads per KV head
 

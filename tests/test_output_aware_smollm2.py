@@ -88,7 +88,7 @@ def test_every_scorer_name_answers_on_smollm2(smollm2, smollm2_tokenizer, tmp_pa
     and SnapKV-based names lose the answer under the block-wise protocol, so this checks that every name runs
     and keeps what matters at a moderate budget, not which name is best.)"""
     import kvjax
-    from kvjax.scorers import ALIASES, SCORERS, split_name
+    from kvjax.eviction import ALIASES, SCORERS, split_name
 
     from kvjax.kvzip import save_head_scores
 

@@ -1,14 +1,16 @@
 """One full prefill, many compressions: ``kvjax.prefill_full(...).compress(...)`` equals
 ``kvjax.prefill(..., protocol="prefill")`` for every base, modifier and alias by default and every scorer name
-with --runslow; appending without eviction (``kvjax.decode(..., evict=False)``) keeps the whole question and
-answer."""
+with --runslow (KVzip's names, which ``kvjax.prefill`` compresses with ``compress`` itself: the
+NumPy reference's ``run_kvzip_reference``); appending without eviction (``kvjax.decode(...,
+evict=False)``) keeps the whole question and answer."""
 
 import numpy as np
 import pytest
 
 import kvjax
-from helpers import covering, distinct_prompts, scorer_requirements
-from kvjax.scorers import SCORERS
+from helpers import covering, distinct_prompts, kept_positions, own_pass, scorer_requirements
+from kvjax.eviction import SCORERS
+from reference_eviction import run_kvzip_reference
 
 BUDGET = 14
 
@@ -27,12 +29,30 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("name", list(SCORERS) if metafunc.config.getoption("--runslow") else covering(SCORERS))
 
 
+def kvzip_reference(model, prompts, settings: dict, new: int) -> list[dict]:
+    """The NumPy reference of a KVzip name (``settings``: the compression's keywords) for each
+    prompt, without near ties; kvzip-head's file of head scores read as plain JSON."""
+    import json
+
+    options = {k: v for k, v in settings.items() if k != "obs_window"}
+    if "head_scores" in options:
+        with open(options["head_scores"]) as f:
+            options |= dict(head_scores=np.asarray(json.load(f)["scores"]),
+                            context=max(len(p) for p in prompts))
+    refs = [run_kvzip_reference(model, p, new, **options) for p in prompts]
+    assert all(r["near_ties"] == r["exact_ties"] for r in refs)
+    return refs
+
+
 def test_compress_equals_the_prefill_protocol(tiny_llama, prefilled, name, tiny_head_scores):
     settings = dict(budget=BUDGET, scorer=name, obs_window=4, n_sink=1)
     if not name.startswith(("streamingllm", "tova")):
         settings["window"] = 3
     settings |= scorer_requirements(name, tiny_head_scores)
     shared = prefilled.compress(**settings)
+    if own_pass(name):  # kvjax.prefill runs this very compress: the reference instead
+        check_kvzip_compress(tiny_llama, shared, name, settings)
+        return
     direct = kvjax.prefill(tiny_llama, distinct_prompts(), protocol="prefill", block_size=8, **settings)
     np.testing.assert_array_equal(kept(shared), kept(direct))
     np.testing.assert_allclose(np.asarray(shared.logits), np.asarray(direct.logits), atol=1e-4)
@@ -46,6 +66,22 @@ def test_compress_equals_the_prefill_protocol(tiny_llama, prefilled, name, tiny_
     for a, b in zip(kvjax.decode(tiny_llama, shared, max_new_tokens=5, stop_ids=()),
                     kvjax.decode(tiny_llama, direct, max_new_tokens=5, stop_ids=()), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def check_kvzip_compress(model, shared, name, settings):
+    """``test_compress_equals_the_prefill_protocol``'s checks, for a KVzip name: the reference."""
+    refs = kvzip_reference(model, distinct_prompts(), settings, 5)
+    pos, moments = np.asarray(shared.cache.sorted_pos), shared.cache.moments
+    for row, ref in enumerate(refs):
+        assert kept_positions(pos, row) == ref["kept_after_prefill"]
+        np.testing.assert_allclose(np.asarray(shared.logits[row]), ref["prefill_logits"], atol=1e-4)
+        for field in ("count", "k_sum", "v_sum", "vk_sum"):
+            got = np.asarray(getattr(moments, field)[:, row])
+            np.testing.assert_allclose(got, ref["moments"][field], atol=1e-3)
+    evicted = np.stack([r["moments"]["count"] for r in refs])
+    assert (evicted.max() if name == "kvzip-head" else evicted.min()) > 0  # as the test above
+    answers = kvjax.decode(model, shared, max_new_tokens=5, stop_ids=())
+    assert [a.tolist() for a in answers] == [r["tokens"] for r in refs]
 
 
 def test_compressing_a_prefix_equals_prefilling_the_prefix(tiny_llama, prefilled):
@@ -116,6 +152,11 @@ def test_compress_when_one_head_may_keep_more_than_the_prompt(tiny_llama, name, 
     settings = dict(budget=40, scorer=name, obs_window=4, n_sink=1, window=3)
     settings |= scorer_requirements(name, tiny_head_scores)
     shared = kvjax.prefill_full(tiny_llama, prompt, room=0).compress(**settings)
+    if own_pass(name):  # kvjax.prefill runs this very compress: the reference instead
+        ref = kvzip_reference(tiny_llama, [prompt], settings, 0)[0]
+        assert kept_positions(np.asarray(shared.cache.sorted_pos), 0) == ref["kept_after_prefill"]
+        assert ref["moments"]["count"].sum() > 0  # something was evicted
+        return
     direct = kvjax.prefill(tiny_llama, prompt, protocol="prefill", block_size=8, **settings)
     np.testing.assert_array_equal(kept(shared), kept(direct))
     assert int(np.asarray(direct.cache.moments.count).sum()) > 0  # something was evicted

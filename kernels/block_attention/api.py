@@ -5,11 +5,11 @@ the Mosaic-TPU kernels on TPU, the Triton kernels on CUDA GPUs. The choice is ma
 lowered for its platform, never from ``jax.default_backend()`` at trace time, so one traced function
 serves every platform (``jax.export`` for ``platforms=["tpu"]`` keeps only the TPU kernels). All branches
 are traced, so the Pallas branches must (and do) trace on a CPU-only machine; only the chosen branch is
-lowered. A platform whose kernel does not take the head dim (``tpu.supports`` / ``gpu.supports``) runs the
-reference there. One limitation of jax 0.10.2: exporting one module for several platforms at once
-(``platforms=["cpu", "tpu", "cuda"]``) fails, because each ``pallas_call`` inside a branch is still lowered
-for every platform of the module and Pallas has no CPU lowering outside interpret mode; export one
-platform at a time.
+lowered. A platform whose kernel does not take the head dim (``tpu_common.supports`` /
+``gpu_common.supports``) runs the reference there. One limitation of jax 0.10.2: exporting one
+module for several platforms at once (``platforms=["cpu", "tpu", "cuda"]``) fails, because each
+``pallas_call`` inside a branch is still lowered for every platform of the module and Pallas has no
+CPU lowering outside interpret mode; export one platform at a time.
 
 impl="xla": the reference everywhere. impl="pallas": the Pallas kernel of the platform — on CPU the
 TPU-style kernels under the Pallas interpreter (slow; for checking). impl="pallas_tpu" / "pallas_gpu":
@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from kvjax.kernels import gpu_common, tpu_common
 from kvjax.kernels._shared import check_impl, check_score, check_shapes
 from kvjax.kernels.block_attention import gpu, reference, tpu
 
@@ -34,9 +35,9 @@ def by_platform(args, impl: str | None, head_dim: int, xla, tpu_kernel, gpu_kern
         return tpu_kernel(*args)
     if impl == "pallas_gpu":
         return gpu_kernel(*args)
-    on_tpu = tpu_kernel if tpu.supports(head_dim) else xla
-    on_gpu = gpu_kernel if gpu.supports(head_dim) else xla
-    on_cpu = interpreted if impl == "pallas" and tpu.supports(head_dim) else xla
+    on_tpu = tpu_kernel if tpu_common.supports(head_dim) else xla
+    on_gpu = gpu_kernel if gpu_common.supports(head_dim) else xla
+    on_cpu = interpreted if impl == "pallas" and tpu_common.supports(head_dim) else xla
     return jax.lax.platform_dependent(*args, cpu=on_cpu, tpu=on_tpu, cuda=on_gpu, default=on_cpu)
 
 

@@ -29,30 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from kvjax.kernels._shared import (
-    NN_DIMS,
-    NT_DIMS,
-    check_score,
-    check_shapes,
-    pad_axis,
-    round_up,
-)
-from kvjax.kernels.block_attention.tpu import (
-    ARBITRARY,
-    DEFAULT_BLOCK_K,
-    LANES,
-    MAX,
-    PARALLEL,
-    SUM,
-    _lanes,
-    _precision,
-    _row_sums,
-    check_head_dim,
-    masked_logits,
-    pack,
-    pick_row,
-    real_rows,
-)
+from kvjax.kernels import tpu_common as common
+from kvjax.kernels._shared import check_score, check_shapes, round_up
 from kvjax.kernels.decode_attention.reference import check_decode
 
 
@@ -61,69 +39,29 @@ def _decode_kernel(qpos_ref, q_ref, k_ref, v_ref, spos_ref, o_ref, stats_ref, *r
     col_ref = rest[0] if score is not None else None
     m_sc, l_sc, acc_sc = rest[-3:]
     b, phase, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    head_dim = q_ref.shape[1]
     bk = k_ref.shape[0]
-
-    @pl.when((phase == 0) & (j == 0))
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-
-    q = q_ref[...]
-    z = jax.lax.dot_general(q, k_ref[...].astype(q.dtype), NT_DIMS, preferred_element_type=jnp.float32,
-                            precision=precision) / scale  # [Gp, bk]
-    logits, visible = masked_logits(z, spos_ref[...], qpos_ref[b], j * bk, n_slots)
-    v = real_rows(v_ref[...], j * bk, n_slots)
+    pl.when((phase == 0) & (j == 0))(functools.partial(common.reset_softmax, m_sc, l_sc, acc_sc))
+    tile = common.key_tile(q_ref, k_ref, v_ref, spos_ref, qpos_ref[b], first_slot=j * bk,
+                           n_slots=n_slots, scale=scale, precision=precision)
 
     @pl.when(phase == 0)
     def _softmax():
-        m_prev = m_sc[...]
-        m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
-        p = jnp.exp(logits - _lanes(m_next, bk))
-        alpha = jnp.exp(m_prev - m_next)
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        m_sc[...] = m_next
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32,
-                                 precision=_precision(v.dtype))
-        acc_sc[...] = _lanes(alpha, head_dim) * acc_sc[...] + pv
+        common.online_softmax(tile.logits, tile.values(), m_sc, l_sc, acc_sc)
 
         @pl.when(j == pl.num_programs(3) - 1)
         def _finish():
-            o = acc_sc[...] / _lanes(l_sc[...], head_dim)
+            o = acc_sc[...] / common.lane_broadcast(l_sc[...], acc_sc.shape[1])
             acc_sc[...] = o  # phase 1 reads the normalised output from here
             o_ref[...] = o
-            stats_ref[...] = pack(jnp.zeros(stats_ref.shape, jnp.float32), {MAX: m_sc[...], SUM: l_sc[...]})
+            stats = {common.MAX: m_sc[...], common.SUM: l_sc[...]}
+            stats_ref[...] = common.pack(jnp.zeros(stats_ref.shape, jnp.float32), stats)
 
     if score is None:
         return
 
     @pl.when(phase == 1)
     def _scores():
-        a = jnp.exp(logits - _lanes(m_sc[...], bk)) / _lanes(l_sc[...], bk)  # [Gp, bk]
-        if score == "attn":
-            col_ref[...] = a
-            return
-        vf = v.astype(jnp.float32)
-        a2 = a * a
-        total = jnp.zeros(a.shape, jnp.float32)
-        if score in ("obcache-value", "obcache-joint"):
-            total = a2 * _row_sums(vf * vf)
-        if score in ("obcache-key", "obcache-joint"):
-            z0 = jnp.where(visible, z, 0.0)
-            o = acc_sc[...]
-            row = jax.lax.broadcasted_iota(jnp.int32, a.shape, 0)
-            dist = jnp.zeros(a.shape, jnp.float32)
-            dots = jnp.zeros(a.shape, jnp.float32)
-            for g in range(n_heads):
-                diff = vf - pick_row(o, g)  # v_s − o_g, formed explicitly
-                dist = jnp.where(row == g, _row_sums(diff * diff), dist)
-                if score == "obcache-joint":
-                    dots = jnp.where(row == g, _row_sums(vf * diff), dots)
-            total = total + a2 * z0 * z0 * dist
-            if score == "obcache-joint":
-                total = total + 2.0 * a2 * z0 * dots
-        col_ref[...] = total
+        col_ref[...] = common.head_scores(score, tile, m_sc, l_sc, acc_sc, n_heads)
 
 
 def decode_attention_tpu(q, k, v, slot_pos, query_pos, query_weights=None, score: str = "attn", *,
@@ -135,20 +73,19 @@ def decode_attention_tpu(q, k, v, slot_pos, query_pos, query_weights=None, score
     check_decode(q)
     B, _, H, Hk, S, K = check_shapes(q, k, v, slot_pos, query_pos, query_weights)
     G = H // Hk
-    check_head_dim(K)
-    gp = round_up(G, 8 if jnp.dtype(q.dtype).itemsize == 4 else 16)
-    bk = round_up(block_k or DEFAULT_BLOCK_K, LANES)
+    common.check_head_dim(K)
+    rows, gp = common.decode_rows(q, Hk)
+    bk = round_up(block_k or common.DEFAULT_BLOCK_K, common.LANES)
     bk = min(S, bk)  # one tile equal to the whole (short) slot axis is always a legal block
     nk = -(-S // bk)  # the last key tile may be ragged
     scoring = query_weights is not None
     kernel_score = score if scoring else None
 
-    rows = pad_axis(q.reshape(B, Hk, G, K), 2, gp)  # T = 1: [B, 1, Hk·G, K] is [B, Hk, G, K]
     spos = slot_pos.astype(jnp.int32)[:, :, None, :]  # [B, Hk, 1, S]
     qpos = query_pos.astype(jnp.int32).reshape(B)
 
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, p, j, *_: (b, h, 0, 0))
-    stats_spec = pl.BlockSpec((None, None, gp, LANES), lambda b, h, p, j, *_: (b, h, 0, 0))
+    stats_spec = pl.BlockSpec((None, None, gp, common.LANES), lambda b, h, p, j, *_: (b, h, 0, 0))
     kv_spec = pl.BlockSpec((None, None, bk, K), lambda b, h, p, j, *_: (b, h, j, 0))
     if score == "attn":  # phase 1 does not read V: keep its last tile, so it is not fetched again
         v_spec = pl.BlockSpec((None, None, bk, K), lambda b, h, p, j, *_: (b, h, j + p * (nk - 1 - j), 0))
@@ -156,29 +93,26 @@ def decode_attention_tpu(q, k, v, slot_pos, query_pos, query_weights=None, score
         v_spec = kv_spec
     out_specs = [head_spec, stats_spec]
     out_shape = [jax.ShapeDtypeStruct((B, Hk, gp, K), jnp.float32),
-                 jax.ShapeDtypeStruct((B, Hk, gp, LANES), jnp.float32)]
+                 jax.ShapeDtypeStruct((B, Hk, gp, common.LANES), jnp.float32)]
     if scoring:
         out_specs.append(pl.BlockSpec((None, None, gp, bk), lambda b, h, p, j, *_: (b, h, 0, p * j)))
         out_shape.append(jax.ShapeDtypeStruct((B, Hk, gp, S), jnp.float32))
     results = pl.pallas_call(
         functools.partial(_decode_kernel, score=kernel_score, n_heads=G, n_slots=S, scale=math.sqrt(K),
-                          precision=_precision(q.dtype)),
+                          precision=common.mxu_precision(q.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(B, Hk, 2 if scoring else 1, nk),
             in_specs=[head_spec, kv_spec, v_spec,
                       pl.BlockSpec((None, None, 1, bk), lambda b, h, p, j, *_: (b, h, 0, j))],
             out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((gp, LANES), jnp.float32), pltpu.VMEM((gp, LANES), jnp.float32),
-                            pltpu.VMEM((gp, K), jnp.float32)]),
+            scratch_shapes=common.softmax_scratch(gp, K)),
         out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, ARBITRARY, ARBITRARY)),
+        compiler_params=common.compiler_params(2),
         interpret=interpret,
         name="decode_attention_with_scores",
     )(qpos, rows, k, v, spos)
-    o, stats = results[:2]
-    out = o[:, :, :G].reshape(B, 1, H, K)
-    lse = (stats[:, :, :G, MAX] + jnp.log(stats[:, :, :G, SUM])).reshape(B, 1, H)
+    out, lse, _, _ = common.decode_outputs(*results[:2], G)
     if not scoring:
         return out, lse, None
     col = results[2][:, :, :G] * query_weights.astype(jnp.float32).reshape(B, 1, 1, 1)

@@ -38,41 +38,23 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from kvjax.kernels._shared import NN_DIMS, NT_DIMS, check_score, pad_axis, round_up
-from kvjax.kernels.block_attention import tpu as block_tpu
-from kvjax.kernels.block_attention.tpu import (
-    ARBITRARY,
-    CHUNK,
-    LANES,
-    MAX,
-    PARALLEL,
-    POS,
-    ROW_ALIGN,
-    SUM,
-    WEIGHT,
-    _lanes,
-    _logits,
-    _precision,
-    _row_sums,
-    lane,
-    pack,
-    pick_row,
-)
+from kvjax.kernels import tpu_common as common
+from kvjax.kernels._shared import KEY_KINDS, check_score, round_up
 from kvjax.kernels.decode_attention.reference import check_decode
 from kvjax.kernels.paged_attention.reference import check_paged_shapes, fill_unused_pages, with_unread_slots
 
-DEFAULT_BLOCK_K = 128
 PAGE_ALIGN = 16  # rows of a bfloat16 sublane tile (float32 needs 8)
 
 
 def supports(head_dim: int, page_size: int) -> bool:
     """Whether the Mosaic-TPU paged kernels take this head dim and page size (see the module docstring)."""
-    fits = page_size % PAGE_ALIGN == 0 and (LANES % page_size == 0 or page_size % LANES == 0)
-    return block_tpu.supports(head_dim) and fits
+    lanes = common.LANES
+    fits = page_size % PAGE_ALIGN == 0 and (lanes % page_size == 0 or page_size % lanes == 0)
+    return common.supports(head_dim) and fits
 
 
 def check_supported(head_dim: int, page_size: int) -> None:
-    block_tpu.check_head_dim(head_dim)
+    common.check_head_dim(head_dim)
     if not supports(head_dim, page_size):
         raise ValueError(f"page size {page_size} must be 16, 32, 64 or a multiple of 128 for the TPU kernel")
 
@@ -80,8 +62,9 @@ def check_supported(head_dim: int, page_size: int) -> None:
 def key_blocks(n_table: int, page_size: int, block_k: int | None) -> tuple[int, int, int]:
     """(bk, pages_per_block, n_blocks): block_k rounded up to whole pages and 128-lane tiles, at most the M·P
     logical slots rounded so (the last block may run past them); all M·P slots when fewer than 128."""
-    slots, unit = n_table * page_size, max(page_size, LANES)
-    bk = slots if slots < LANES else min(round_up(block_k or DEFAULT_BLOCK_K, unit), round_up(slots, unit))
+    slots, unit = n_table * page_size, max(page_size, common.LANES)
+    bk = min(round_up(block_k or common.DEFAULT_BLOCK_K, unit), round_up(slots, unit))
+    bk = slots if slots < common.LANES else bk
     return bk, bk // page_size, -(-slots // bk)
 
 
@@ -138,51 +121,28 @@ def block_index(pages_per_block: int, n_heads: int):
     return index
 
 
-def used_rows(x, first_slot, n_slots):
-    """x [bk, K] with the rows of slots ≥ n_slots (pages not copied: stale buffer rows) zeroed."""
-    slot = first_slot + jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
-    return jnp.where(slot < n_slots, x, jnp.zeros((), x.dtype))
-
-
-def online_softmax(logits, v, m_sc, l_sc, acc_sc):
-    """One key block of the online softmax: logits [rows, bk] float32, v [bk, K]; m, l [rows, 128]
-    lane-broadcast and the unnormalised output [rows, K] in VMEM scratch."""
-    m_prev = m_sc[...]
-    m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
-    p = jnp.exp(logits - _lanes(m_next, logits.shape[1]))  # a used block starts with a used slot: finite
-    alpha = jnp.exp(m_prev - m_next)
-    l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-    m_sc[...] = m_next
-    pv = jax.lax.dot_general(p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32,
-                             precision=_precision(v.dtype))
-    acc_sc[...] = _lanes(alpha, acc_sc.shape[1]) * acc_sc[...] + pv
-
-
 def _stats_kernel(table_ref, n_ref, q_ref, k_pool, v_pool, spos_ref, row_ref, o_ref, row_out_ref, k_buf, v_buf,
                   sems, m_sc, l_sc, acc_sc, *, pages, scale: float, precision):
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(3)  # key block: innermost, sequential
     head = HeadPages(table_ref, n_ref, b, h, **pages)
     bk = k_buf.shape[1]
-
-    @pl.when(j == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    pl.when(j == 0)(functools.partial(common.reset_softmax, m_sc, l_sc, acc_sc))
 
     @pl.when(j < head.n_blocks)
     def _block():
         slot = jax.lax.rem(j, 2)
         head.stream(j, slot, ((k_pool, k_buf, sems), (v_pool, v_buf, sems)), first=j == 0)
-        logits, _, _ = _logits(q_ref, k_buf.at[slot], spos_ref, lane(row_ref[...], POS), first_slot=j * bk,
-                               n_slots=head.n_slots, scale=scale, precision=precision)
-        online_softmax(logits, used_rows(v_buf[slot], j * bk, head.n_slots), m_sc, l_sc, acc_sc)
+        qpos = common.lane(row_ref[...], common.POS)
+        tile = common.key_tile(q_ref, k_buf.at[slot], v_buf.at[slot], spos_ref, qpos,
+                               first_slot=j * bk, n_slots=head.n_slots, scale=scale,
+                               precision=precision)
+        common.online_softmax(tile.logits, tile.values(), m_sc, l_sc, acc_sc)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
         m, l, alpha = with_unread_slots(m_sc[...], l_sc[...], head.n_unread)
-        o_ref[...] = acc_sc[...] * _lanes(alpha / l, acc_sc.shape[1])
-        row_out_ref[...] = pack(row_ref[...], {MAX: m, SUM: l})
+        o_ref[...] = acc_sc[...] * common.lane_broadcast(alpha / l, acc_sc.shape[1])
+        row_out_ref[...] = common.pack(row_ref[...], {common.MAX: m, common.SUM: l})
 
 
 def _scores_kernel(table_ref, n_ref, tile_nz, chunk_nz, *refs, score: str, pages, head_rows: int,
@@ -190,7 +150,7 @@ def _scores_kernel(table_ref, n_ref, tile_nz, chunk_nz, *refs, score: str, pages
     it = iter(refs)
     q_ref, k_pool, spos_ref, row_ref = (next(it) for _ in range(4))
     v_pool = next(it) if score != "attn" else None
-    o_ref = next(it) if score in ("obcache-key", "obcache-joint") else None
+    o_ref = next(it) if score in KEY_KINDS else None
     col_ref = next(it)  # [Gp, bk], resident across the row tiles
     k_buf = next(it)
     v_buf = next(it) if score != "attn" else None
@@ -199,7 +159,6 @@ def _scores_kernel(table_ref, n_ref, tile_nz, chunk_nz, *refs, score: str, pages
     b, h, j, r = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     head = HeadPages(table_ref, n_ref, b, h, **pages)
     br, bk = q_ref.shape[0], k_buf.shape[1]
-    gp = col_ref.shape[0]
     slot = jax.lax.rem(j, 2)
     used = j < head.n_blocks
     pools = ((k_pool, k_buf, sems),) + (((v_pool, v_buf, sems),) if score != "attn" else ())
@@ -212,54 +171,16 @@ def _scores_kernel(table_ref, n_ref, tile_nz, chunk_nz, *refs, score: str, pages
     @pl.when(used & (tile_nz[b * n_row_tiles + r] != 0))
     def _tile():
         rows = row_ref[...]
-        logits, visible, z = _logits(q_ref, k_buf.at[slot], spos_ref, lane(rows, POS), first_slot=j * bk,
-                                     n_slots=head.n_slots, scale=scale, precision=precision)
-        a = jnp.exp(logits - lane(rows, MAX)) / lane(rows, SUM)
-        wa = lane(rows, WEIGHT) * a
-        # head of each row of the tile, as a one-hot [Gp, br]: rows g·Tp .. (g+1)·Tp − 1 belong to head g
-        row_id = r * br + jax.lax.broadcasted_iota(jnp.int32, (gp, br), 1)
-        head_start = jax.lax.broadcasted_iota(jnp.int32, (gp, br), 0) * head_rows
-        one_hot = ((row_id >= head_start) & (row_id < head_start + head_rows)).astype(jnp.float32)
+        v_ref = None if v_buf is None else v_buf.at[slot]
+        qpos = common.lane(rows, common.POS)
+        tile = common.key_tile(q_ref, k_buf.at[slot], v_ref, spos_ref, qpos, first_slot=j * bk,
+                               n_slots=head.n_slots, scale=scale, precision=precision)
 
-        def add_per_head(c):  # [br, bk] -> col rows: Σ over the rows of each head
-            col_ref[...] += jax.lax.dot_general(one_hot, c, NN_DIMS, preferred_element_type=jnp.float32,
-                                                precision=jax.lax.Precision.HIGHEST)
+        def chunk_scored(c):
+            return chunk_nz[(b * n_row_tiles + r) * (br // common.CHUNK) + c] != 0
 
-        if score == "attn":
-            add_per_head(wa)
-            return
-        vf = used_rows(v_buf[slot].astype(jnp.float32), j * bk, head.n_slots)
-        a2 = wa * a
-        if score in ("obcache-value", "obcache-joint"):
-            add_per_head(a2 * _row_sums(vf * vf))
-        if score == "obcache-value":
-            return
-        z0 = jnp.where(visible, z, 0.0)
-        c_dist_sc = scratch[0]
-        c_dist_sc[...] = a2 * z0 * z0
-        if score == "obcache-joint":
-            scratch[1][...] = 2.0 * a2 * z0
-        query_head = jax.lax.broadcasted_iota(jnp.int32, (gp, 1), 0)
-
-        def chunk(c, carry):
-            @pl.when(chunk_nz[(b * n_row_tiles + r) * (br // CHUNK) + c] != 0)
-            def _rows():
-                start = pl.multiple_of(c * CHUNK, CHUNK)
-                o_c = o_ref[pl.ds(start, CHUNK), :]  # [8, K] float32
-                c_dist = c_dist_sc[pl.ds(start, CHUNK), :]  # [8, bk]
-                c_dot = scratch[1][pl.ds(start, CHUNK), :] if score == "obcache-joint" else None
-                g = jax.lax.div(r * br + start, head_rows)  # the chunk's query head (lax.div: see block_attention.tpu)
-                acc = jnp.zeros((1, bk), jnp.float32)
-                for i in range(CHUNK):
-                    diff = vf - pick_row(o_c, i)  # [bk, K]: v_s − o_t, formed explicitly
-                    acc = acc + pick_row(c_dist, i) * _row_sums(diff * diff)
-                    if c_dot is not None:
-                        acc = acc + pick_row(c_dot, i) * _row_sums(vf * diff)
-                col_ref[...] += jnp.where(query_head == g, acc, 0.0)
-
-            return carry
-
-        jax.lax.fori_loop(0, br // CHUNK, chunk, 0)
+        row_tile = common.RowTile(rows, r * br, head_rows, o_ref, chunk_scored)
+        common.add_row_scores(score, tile, row_tile, col_ref, scratch)
 
 
 def paged_block_attention_tpu(q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights=None,
@@ -278,22 +199,13 @@ def paged_block_attention_tpu(q, k_pages, v_pages, page_table, n_pages, slot_pos
     check_supported(K, P)
     bk, per_block, nb = key_blocks(M, P, block_k)
     pages = {"n_heads": Hk, "n_table": M, "page_size": P, "pages_per_block": per_block}
-    Tp = round_up(T, ROW_ALIGN)
-    br = min(round_up(block_q or block_tpu.DEFAULT_BLOCK_ROWS, ROW_ALIGN), G * Tp)
-    n_rows = round_up(G * Tp, br)  # rows past G·Tp belong to no head (position -1, weight 0)
+    Tp, br, n_rows = common.row_tiles(T, G, block_q)
     nr = n_rows // br
     gp = round_up(G, 8)
     scale = math.sqrt(K)
-    precision = _precision(q.dtype)
-
-    per_head = pad_axis(jnp.transpose(q.reshape(B, T, Hk, G, K), (0, 2, 3, 1, 4)), 3, Tp)  # [B, Hk, G, Tp, K]
-    rows = pad_axis(per_head.reshape(B, Hk, G * Tp, K), 2, n_rows)
+    precision = common.mxu_precision(q.dtype)
     spos = slot_pos.astype(jnp.int32)[:, :, None, :]  # [B, Hk, 1, M·P], logical order
-    qpos = pad_axis(jnp.tile(pad_axis(query_pos.astype(jnp.float32), 1, Tp, -1.0), (1, G)), 1, n_rows, -1.0)
-    w = jnp.zeros((B, T), jnp.float32) if query_weights is None else query_weights.astype(jnp.float32)
-    w = pad_axis(jnp.tile(pad_axis(w, 1, Tp), (1, G)), 1, n_rows)  # [B, n_rows]
-    ids = jnp.arange(LANES)
-    row_vec = jnp.where(ids == POS, qpos[..., None], jnp.where(ids == WEIGHT, w[..., None], 0.0))  # [B, n_rows, 128]
+    rows, w, row_vec = common.query_rows(q, query_pos, query_weights, Hk, Tp, n_rows)
     table = page_table.astype(jnp.int32).reshape(-1)
     n = n_pages.astype(jnp.int32).reshape(-1)
     key_block = block_index(per_block, Hk)
@@ -309,38 +221,35 @@ def paged_block_attention_tpu(q, k_pages, v_pages, page_table, n_pages, slot_pos
             grid=(B, Hk, nr, nb),
             in_specs=[row_spec, pool, pool,
                       pl.BlockSpec((None, None, 1, bk), lambda b, h, r, j, t, n: (b, h, 0, key_block(j, b, h, n))),
-                      pl.BlockSpec((None, br, LANES), lambda b, h, r, j, *_: (b, r, 0))],
-            out_specs=[row_spec, pl.BlockSpec((None, None, br, LANES), lambda b, h, r, j, *_: (b, h, r, 0))],
-            scratch_shapes=buffers + [pltpu.VMEM((br, LANES), jnp.float32), pltpu.VMEM((br, LANES), jnp.float32),
-                                      pltpu.VMEM((br, K), jnp.float32)]),
+                      pl.BlockSpec((None, br, common.LANES), lambda b, h, r, j, *_: (b, r, 0))],
+            out_specs=[row_spec, pl.BlockSpec((None, None, br, common.LANES),
+                                              lambda b, h, r, j, *_: (b, h, r, 0))],
+            scratch_shapes=buffers + common.softmax_scratch(br, K)),
         out_shape=[jax.ShapeDtypeStruct((B, Hk, n_rows, K), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hk, n_rows, LANES), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY)),
+                   jax.ShapeDtypeStruct((B, Hk, n_rows, common.LANES), jnp.float32)],
+        compiler_params=common.compiler_params(3),
         interpret=interpret,
         name="paged_block_attention_stats",
     )(table, n, rows, k_pages, v_pages, spos, row_vec)
 
-    heads = lambda x: x[:, :, :G * Tp].reshape(B, Hk, G, Tp, x.shape[-1])[:, :, :, :T]  # noqa: E731
-    out = jnp.transpose(heads(o), (0, 3, 1, 2, 4)).reshape(B, T, H, K).astype(q.dtype)
-    stats = heads(row_stats)
-    lse = jnp.transpose(stats[..., MAX] + jnp.log(stats[..., SUM]), (0, 3, 1, 2)).reshape(B, T, H)
+    out, lse, stats = common.from_rows(o, row_stats, T, G, q.dtype)
     if query_weights is None:
         return out, lse, None
 
-    tile_nz = jnp.any(w.reshape(B * nr, br) != 0, axis=1).astype(jnp.int32)
-    chunk_nz = jnp.any(w.reshape(B * n_rows // CHUNK, CHUNK) != 0, axis=1).astype(jnp.int32)
+    tile_nz, chunk_nz = common.scored_rows(w, br)
     # grid (b, h, j, r): the key block and the column block stay in VMEM while the row tiles stream past;
     # j is sequential too (the next block's pages are prefetched during block j's row tiles).
     row_spec = pl.BlockSpec((None, None, br, K), lambda b, h, j, r, *_: (b, h, r, 0))
     key_spec = lambda height: pl.BlockSpec((None, None, height, bk),  # noqa: E731
                                          lambda b, h, j, r, t, n, *_: (b, h, 0, key_block(j, b, h, n)))
-    in_specs = [row_spec, pool, key_spec(1), pl.BlockSpec((None, None, br, LANES), lambda b, h, j, r, *_: (b, h, r, 0))]
+    in_specs = [row_spec, pool, key_spec(1),
+                pl.BlockSpec((None, None, br, common.LANES), lambda b, h, j, r, *_: (b, h, r, 0))]
     args = [rows, k_pages, spos, row_stats]
     scratch = buffers[:1] + ([buffers[1]] if score != "attn" else []) + buffers[2:]
     if score != "attn":
         in_specs.append(pool)
         args.append(v_pages)
-    if score in ("obcache-key", "obcache-joint"):
+    if score in KEY_KINDS:
         in_specs.append(row_spec)
         args.append(o)
         scratch += [pltpu.VMEM((br, bk), jnp.float32)] * (2 if score == "obcache-joint" else 1)
@@ -354,12 +263,12 @@ def paged_block_attention_tpu(q, k_pages, v_pages, page_table, n_pages, slot_pos
             out_specs=key_spec(gp),
             scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct((B, Hk, gp, M * P), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, ARBITRARY, ARBITRARY)),
+        compiler_params=common.compiler_params(2),
         interpret=interpret,
         name="paged_block_attention_scores",
     )(table, n, tile_nz, chunk_nz, *args)
-    return out, lse, fill_unused_pages(col[:, :, :G], n_pages, P, score, stats[..., MAX], stats[..., SUM],
-                                       query_weights)
+    m, l = stats[..., common.MAX], stats[..., common.SUM]
+    return out, lse, fill_unused_pages(col[:, :, :G], n_pages, P, score, m, l, query_weights)
 
 
 def _decode_kernel(qpos_ref, table_ref, n_ref, q_ref, k_pool, v_pool, spos_ref, o_ref, stats_ref, *rest,
@@ -373,67 +282,38 @@ def _decode_kernel(qpos_ref, table_ref, n_ref, q_ref, k_pool, v_pool, spos_ref, 
     kv = ((k_pool, k_buf, sems), (v_pool, v_buf, sems))
     phase_pools = (kv, kv[:1] if score == "attn" else kv)  # the attn scores do not read V
 
-    @pl.when((phase == 0) & (j == 0))
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    pl.when((phase == 0) & (j == 0))(functools.partial(common.reset_softmax, m_sc, l_sc, acc_sc))
 
-    def block(p):
-        """Fetch key block j of phase p (the chain runs through both phases) -> (buffer slot, z, logits, visible)."""
+    def block(p) -> common.KeyTile:
+        """Fetch key block j of phase p (the chain runs through both phases) -> its ``KeyTile``."""
         slot = jax.lax.rem(p * head.n_blocks + j, 2)
         head.stream(j, slot, phase_pools[p], first=(p == 0) & (j == 0))
         if p == 0 and score is not None:  # the last softmax block prefetches the first block of the scores
             head.start(0, 1 - slot, phase_pools[1], when=j + 1 == head.n_blocks)
-        q = q_ref[...]
-        z = jax.lax.dot_general(q, k_buf[slot].astype(q.dtype), NT_DIMS, preferred_element_type=jnp.float32,
-                                precision=precision) / scale  # [Gp, bk]
-        logits, visible = block_tpu.masked_logits(z, spos_ref[...], qpos_ref[b], j * bk, head.n_slots)
-        return slot, z, logits, visible
+        return common.key_tile(q_ref, k_buf.at[slot], v_buf.at[slot], spos_ref, qpos_ref[b],
+                               first_slot=j * bk, n_slots=head.n_slots, scale=scale,
+                               precision=precision)
 
     @pl.when((phase == 0) & (j < head.n_blocks))
     def _softmax():
-        slot, _, logits, _ = block(0)
-        online_softmax(logits, used_rows(v_buf[slot], j * bk, head.n_slots), m_sc, l_sc, acc_sc)
+        tile = block(0)
+        common.online_softmax(tile.logits, tile.values(), m_sc, l_sc, acc_sc)
 
     @pl.when((phase == 0) & (j == pl.num_programs(3) - 1))
     def _finish():
         m, l, alpha = with_unread_slots(m_sc[...], l_sc[...], head.n_unread)
-        o = acc_sc[...] * _lanes(alpha / l, head_dim)
+        o = acc_sc[...] * common.lane_broadcast(alpha / l, head_dim)
         m_sc[...], l_sc[...], acc_sc[...] = m, l, o  # the final statistics, for phase 1
         o_ref[...] = o
-        stats_ref[...] = pack(jnp.zeros(stats_ref.shape, jnp.float32), {MAX: m, SUM: l})
+        stats = {common.MAX: m, common.SUM: l}
+        stats_ref[...] = common.pack(jnp.zeros(stats_ref.shape, jnp.float32), stats)
 
     if score is None:
         return
 
     @pl.when((phase == 1) & (j < head.n_blocks))
     def _scores():
-        slot, z, logits, visible = block(1)
-        a = jnp.exp(logits - _lanes(m_sc[...], bk)) / _lanes(l_sc[...], bk)  # [Gp, bk]
-        if score == "attn":
-            col_ref[...] = a
-            return
-        vf = used_rows(v_buf[slot].astype(jnp.float32), j * bk, head.n_slots)
-        a2 = a * a
-        total = jnp.zeros(a.shape, jnp.float32)
-        if score in ("obcache-value", "obcache-joint"):
-            total = a2 * _row_sums(vf * vf)
-        if score in ("obcache-key", "obcache-joint"):
-            z0 = jnp.where(visible, z, 0.0)
-            o = acc_sc[...]
-            row = jax.lax.broadcasted_iota(jnp.int32, a.shape, 0)
-            dist = jnp.zeros(a.shape, jnp.float32)
-            dots = jnp.zeros(a.shape, jnp.float32)
-            for g in range(n_heads):
-                diff = vf - pick_row(o, g)  # v_s − o_g, formed explicitly
-                dist = jnp.where(row == g, _row_sums(diff * diff), dist)
-                if score == "obcache-joint":
-                    dots = jnp.where(row == g, _row_sums(vf * diff), dots)
-            total = total + a2 * z0 * z0 * dist
-            if score == "obcache-joint":
-                total = total + 2.0 * a2 * z0 * dots
-        col_ref[...] = total
+        col_ref[...] = common.head_scores(score, block(1), m_sc, l_sc, acc_sc, n_heads)
 
 
 def paged_decode_attention_tpu(q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights=None,
@@ -448,26 +328,25 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, page_table, n_pages, slot_po
                                               query_weights)
     G = H // Hk
     check_supported(K, P)
-    gp = round_up(G, 8 if jnp.dtype(q.dtype).itemsize == 4 else 16)
+    rows, gp = common.decode_rows(q, Hk)
     bk, per_block, nb = key_blocks(M, P, block_k)
     pages = {"n_heads": Hk, "n_table": M, "page_size": P, "pages_per_block": per_block}
     scoring = query_weights is not None
     key_block = block_index(per_block, Hk)
 
-    rows = pad_axis(q.reshape(B, Hk, G, K), 2, gp)  # T = 1: [B, 1, Hk·G, K] is [B, Hk, G, K]
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, p, j, *_: (b, h, 0, 0))
-    stats_spec = pl.BlockSpec((None, None, gp, LANES), lambda b, h, p, j, *_: (b, h, 0, 0))
+    stats_spec = pl.BlockSpec((None, None, gp, common.LANES), lambda b, h, p, j, *_: (b, h, 0, 0))
     pool = pl.BlockSpec(memory_space=pl.ANY)
     out_specs = [head_spec, stats_spec]
     out_shape = [jax.ShapeDtypeStruct((B, Hk, gp, K), jnp.float32),
-                 jax.ShapeDtypeStruct((B, Hk, gp, LANES), jnp.float32)]
+                 jax.ShapeDtypeStruct((B, Hk, gp, common.LANES), jnp.float32)]
     if scoring:  # stays on block 0 through phase 0, written back after phase 1 has filled it
         out_specs.append(pl.BlockSpec((None, None, gp, bk),
                                       lambda b, h, p, j, qp, t, n: (b, h, 0, p * key_block(j, b, h, n))))
         out_shape.append(jax.ShapeDtypeStruct((B, Hk, gp, M * P), jnp.float32))
     results = pl.pallas_call(
         functools.partial(_decode_kernel, score=score if scoring else None, n_heads=G, pages=pages,
-                          scale=math.sqrt(K), precision=_precision(q.dtype)),
+                          scale=math.sqrt(K), precision=common.mxu_precision(q.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(B, Hk, 2 if scoring else 1, nb),
@@ -475,18 +354,14 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, page_table, n_pages, slot_po
                       pl.BlockSpec((None, None, 1, bk), lambda b, h, p, j, qp, t, n: (b, h, 0, key_block(j, b, h, n)))],
             out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((2, bk, K), k_pages.dtype), pltpu.VMEM((2, bk, K), v_pages.dtype),
-                            pltpu.SemaphoreType.DMA((2,)), pltpu.VMEM((gp, LANES), jnp.float32),
-                            pltpu.VMEM((gp, LANES), jnp.float32), pltpu.VMEM((gp, K), jnp.float32)]),
+                            pltpu.SemaphoreType.DMA((2,))] + common.softmax_scratch(gp, K)),
         out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=(PARALLEL, PARALLEL, ARBITRARY, ARBITRARY)),
+        compiler_params=common.compiler_params(2),
         interpret=interpret,
         name="paged_decode_attention_with_scores",
     )(query_pos.astype(jnp.int32).reshape(B), page_table.astype(jnp.int32).reshape(-1),
       n_pages.astype(jnp.int32).reshape(-1), rows, k_pages, v_pages, slot_pos.astype(jnp.int32)[:, :, None, :])
-    o, stats = results[:2]
-    out = o[:, :, :G].reshape(B, 1, H, K)
-    m, l = stats[:, :, :G, MAX], stats[:, :, :G, SUM]
-    lse = (m + jnp.log(l)).reshape(B, 1, H)
+    out, lse, m, l = common.decode_outputs(*results[:2], G)
     if not scoring:
         return out, lse, None
     col = results[2][:, :, :G] * query_weights.astype(jnp.float32).reshape(B, 1, 1, 1)

@@ -14,7 +14,7 @@ from kvjax.config import ModelConfig
 _PERMUTED = {"llama"}
 
 
-def _field(reader, key, default=None):
+def field(reader, key, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
@@ -31,13 +31,13 @@ def open_gguf(path: str):
 
 
 def gguf_config(reader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
         raise CheckpointError(f"GGUF general.architecture={arch!r} is not supported (llama, qwen2, qwen3)")
-    get = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    get = lambda k, d=None: field(reader, f"{arch}.{k}", d)  # noqa: E731
     n_heads, d_model = get("attention.head_count"), get("embedding_length")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    pad = _field(reader, "tokenizer.ggml.padding_token_id", eos)
+    eos = field(reader, "tokenizer.ggml.eos_token_id")
+    pad = field(reader, "tokenizer.ggml.padding_token_id", eos)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return ModelConfig(
         arch=arch,
@@ -54,7 +54,7 @@ def gguf_config(reader) -> ModelConfig:
         tie_embeddings="output.weight" not in {t.name for t in reader.tensors},
         qkv_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         pad_token_id=int(pad) if pad is not None else 0,
     )

@@ -9,7 +9,7 @@ compares them).
 
 from __future__ import annotations
 
-from kvjax.checkpoint.gguf_file import _field, open_gguf
+from kvjax.checkpoint.gguf_file import field, open_gguf
 
 # the special tokens a GGUF names by id, as transformers' tokenizer keywords
 SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
@@ -23,7 +23,7 @@ def gguf_tokenizer(path: str):
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
     reader = open_gguf(path)
-    grouped = {group: {name: _field(reader, f"tokenizer.{key}") for key, name in renames.items()
+    grouped = {group: {name: field(reader, f"tokenizer.{key}") for key, name in renames.items()
                        if f"tokenizer.{key}" in reader.fields}
                for group, renames in GGUF_TOKENIZER_MAPPING.items()}
     tokenizer_dict, config = grouped["tokenizer"], grouped["tokenizer_config"]
@@ -31,7 +31,7 @@ def gguf_tokenizer(path: str):
         config.setdefault("add_bos_token", True)  # llama.cpp's rule for sentencepiece files that do not say
     tokens = tokenizer_dict["tokens"]
     for name, key in SPECIAL_TOKENS.items():
-        token_id = _field(reader, f"tokenizer.ggml.{key}")
+        token_id = field(reader, f"tokenizer.ggml.{key}")
         config[name] = tokens[token_id] if token_id is not None else None
-    backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), tokenizer_dict)
+    backend, extra = convert_gguf_tokenizer(field(reader, "general.architecture"), tokenizer_dict)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)

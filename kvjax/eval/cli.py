@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -56,7 +57,8 @@ OBCACHE_BASES = {"h2o-window": dict(obs_window=16, n_sink=0), "tova": dict(n_sin
 PRESETS = {
     # The standard sweep behind docs/results.md (MomentKV with its batched eviction: see README).
     "standard": dict(scorers=["streamingllm", "h2o", "tova", "snapkv", "snapkv+obcache-value", "snapkv+obcache-key",
-                              "snapkv+obcache-joint", "snapkv+caote", "snapkv+fastcaote", "momentkv"],
+                              "snapkv+obcache-joint", "snapkv+caote", "snapkv+fastcaote", "momentkv",
+                              "kvzip", "expected-attention"],
                      budgets=[64, 128, 256, 512, 1024], lengths=[1024, 2048, 4096], samples=1,
                      protocols=["prefill"], mi_batch=128, **RELIABLE),
     # A few minutes: everything runs, the full cache answers, the budgets bite.
@@ -123,7 +125,7 @@ def estimate(methods: list, lengths, settings, per_length: int) -> tuple[int, fl
     """(answers, seconds by ``COST``) of a sweep of ``methods`` over ``per_length`` samples at each length in
     every setting (the full cache once per sample; budgets that hold the prompt skipped, as ``sweep.run``)."""
     from kvjax.eval.sweep import FULL
-    from kvjax.scorers import BASES, MODIFIERS, split_name
+    from kvjax.eviction import BASES, MODIFIERS, split_name
 
     def cost(m, length: int) -> float:
         modifier = split_name(m.scorer)[2]
@@ -155,9 +157,9 @@ def estimate_seconds(args) -> float:
 
 def parse_eval(argv: list[str]):
     """The parsed arguments of ``python -m kvjax eval <argv>``."""
-    from kvjax.cli import build_parser
-
-    return build_parser().parse_args(["eval", *argv])
+    parser = argparse.ArgumentParser(prog="python -m kvjax")
+    add_eval_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["eval", *argv])
 
 
 def _shared_options(args, preset: dict | None = None) -> dict:
@@ -314,4 +316,38 @@ def add_eval_parser(sub) -> None:
     d.add_argument("--parts", nargs="+", metavar="PART", help=f"run only these (default: all, in order: "
                                                              f"{' '.join(seeds.PARTS)})")
     d.add_argument("--dry-run", action="store_true", help="print each part's time estimate and stop")
-    d.set_defaults(run=seeds.run)
+    d.set_defaults(run=_seeds)
+
+
+def _seeds(args) -> int:
+    """``eval seeds``: run (or, with ``--dry-run``, estimate) the chosen parts of ``kvjax.eval.seeds`` in order."""
+    from kvjax.eval import seeds
+
+    names = args.parts or list(seeds.PARTS)
+    unknown = [n for n in names if n not in seeds.PARTS]
+    if unknown:
+        raise ValueError(f"--parts: unknown {unknown}; the parts are {list(seeds.PARTS)}")
+    if args.dry_run:
+        total = 0.0
+        for name in names:
+            seconds = estimate_seconds(parse_eval(seeds.part_argv(name, args.out, args.model, args.dtype)))
+            total += seconds
+            print(f"{name:26s} about {seconds / 60:4.0f} min")
+        print(f"{'all':26s} about {total / 60:4.0f} min by kvjax.eval.cli.COST; nothing run")
+        return 0
+    start = time.perf_counter()
+    for name in names:
+        part = parse_eval(seeds.part_argv(name, args.out, args.model, args.dtype))
+        done = seeds.OUTPUT.get(part.evaluation)
+        if done and os.path.exists(os.path.join(part.out, done)):
+            print(f"[{name}: {part.out}/{done} exists, skipped]", file=sys.stderr)
+            continue
+        print(f"[{name}: python -m kvjax eval {' '.join(seeds.PARTS[name])} --out {part.out}]", file=sys.stderr)
+        part_start = time.perf_counter()
+        status = part.run(part)
+        if status:
+            return status
+        print(f"[{name}: {time.perf_counter() - part_start:.0f}s]", file=sys.stderr)
+    print(f"[seeds: {time.perf_counter() - start:.0f}s for {', '.join(names)}; results in {args.out}/]",
+          file=sys.stderr)
+    return 0

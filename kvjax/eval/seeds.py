@@ -17,8 +17,6 @@ JSON exists.
 from __future__ import annotations
 
 import os
-import sys
-import time
 
 CAOTE_SCORERS = [f"{base}{m}" for base in ("h2o", "tova", "snapkv") for m in ("", "+caote", "+fastcaote")]
 MOMENTKV_VARIANTS = ("", "+momentkv-mi", "+momentkv-nc", "+momentkv", "+momentkv-zeroth")
@@ -40,37 +38,3 @@ OUTPUT = {"ppl": "ppl.json", "fidelity": "fidelity.json"}  # the file whose pres
 def part_argv(name: str, out: str, model: str, dtype: str) -> list[str]:
     """The ``eval`` arguments of part ``name`` writing under ``out``."""
     return PARTS[name] + ["--out", os.path.join(out, name), "--model", model, "--dtype", dtype]
-
-
-def run(args) -> int:
-    """Run (or, with ``--dry-run``, estimate) the chosen parts in order."""
-    from kvjax.eval.cli import estimate_seconds, parse_eval
-
-    names = args.parts or list(PARTS)
-    unknown = [n for n in names if n not in PARTS]
-    if unknown:
-        raise ValueError(f"--parts: unknown {unknown}; the parts are {list(PARTS)}")
-    if args.dry_run:
-        total = 0.0
-        for name in names:
-            seconds = estimate_seconds(parse_eval(part_argv(name, args.out, args.model, args.dtype)))
-            total += seconds
-            print(f"{name:26s} about {seconds / 60:4.0f} min")
-        print(f"{'all':26s} about {total / 60:4.0f} min by kvjax.eval.cli.COST; nothing run")
-        return 0
-    start = time.perf_counter()
-    for name in names:
-        part = parse_eval(part_argv(name, args.out, args.model, args.dtype))
-        done = OUTPUT.get(part.evaluation)
-        if done and os.path.exists(os.path.join(part.out, done)):
-            print(f"[{name}: {part.out}/{done} exists, skipped]", file=sys.stderr)
-            continue
-        print(f"[{name}: python -m kvjax eval {' '.join(PARTS[name])} --out {part.out}]", file=sys.stderr)
-        part_start = time.perf_counter()
-        status = part.run(part)
-        if status:
-            return status
-        print(f"[{name}: {time.perf_counter() - part_start:.0f}s]", file=sys.stderr)
-    print(f"[seeds: {time.perf_counter() - start:.0f}s for {', '.join(names)}; results in {args.out}/]",
-          file=sys.stderr)
-    return 0

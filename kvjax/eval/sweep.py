@@ -24,9 +24,9 @@ import jax
 
 import kvjax
 from kvjax.eval.niah import Sample, score
+from kvjax.eviction import MODIFIERS, split_name
 from kvjax.options import with_tokenizer
 from kvjax.params import Params
-from kvjax.scorers import MODIFIERS, split_name
 
 SETTINGS = ("query-aware", "query-agnostic")
 FULL = "full"  # the uncompressed baseline's scorer name

@@ -5,7 +5,8 @@ state with its own position, token limit, stop ids and sampling settings, and th
   engine's eviction (``kvjax.decoding.prefill_budget_cache``, as ``kvjax.generate`` does), or into a full
   cache of a capacity fixed per engine;
 - ``insert(prefix, state, slot) -> state``: the prefix written into row ``slot`` (the state donated);
-- ``generate(params, state) -> (state, tokens)``: ``steps`` decode steps of every slot (the state donated).
+- ``generate(params, state) -> (state, tokens)``: ``steps`` decode steps of every slot (the state
+  donated), each ``kvjax.decoding.decode_step`` (as ``kvjax.generate``) by each slot's settings.
 
 Budget, scorer, allocation and the other eviction keywords are fixed per engine. Every shape is fixed by the
 engine (slots, buckets up to ``max_prompt``, the cache), so after ``Engine.warmup`` nothing compiles. Decoding
@@ -25,10 +26,9 @@ from flax import struct
 from jax.sharding import Mesh
 
 from kvjax.cache import FullCache
-from kvjax.decoding import prefill_budget_cache, prefill_full_cache
-from kvjax.engine import Eviction, decode_segment, step
+from kvjax.decoding import decode_step, prefill_budget_cache, prefill_full_cache
+from kvjax.engine import Eviction
 from kvjax.inputs import check_max_new, check_tokens, pad_rows, prompt_bucket, round_capacity
-from kvjax.model import logits_from_hidden
 from kvjax.options import eviction_from
 from kvjax.params import Params
 from kvjax.sampling import Sampling
@@ -43,8 +43,7 @@ class Settings:
     """What a request asks for, one row per request (R = 1 in a prefix, the slot count in the state).
 
     max_new: [R] int32 token limit; stop: [R, MAX_STOP_IDS] int32 stop ids (-1 = none); temperature,
-    top_p: [R] float32; top_k: [R] int32 (temperature 0 = greedy; top_k 0 and top_p 1 = off); key: [R] PRNG
-    keys (typed), split once per decode step of the row.
+    top_p: [R] float32; top_k: [R] int32 (temperature 0 = greedy; top_k 0 and top_p 1 = off).
     """
 
     max_new: jax.Array
@@ -52,9 +51,9 @@ class Settings:
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
-    key: jax.Array
 
-    AXES = dict(max_new=(None,), stop=(None, None), temperature=(None,), top_k=(None,), top_p=(None,), key=(None,))
+    AXES = dict(max_new=(None,), stop=(None, None), temperature=(None,), top_k=(None,),
+                top_p=(None,))
 
 
 @struct.dataclass
@@ -75,11 +74,13 @@ class Inputs:
 @struct.dataclass
 class Prefix:
     """A prefilled prompt, ready for ``insert``: cache (batch 1, the engine's decode layout); logits [1, V]
-    float32 next-token logits; length [1] int32 prompt tokens; settings: its ``Settings`` (R = 1)."""
+    float32 next-token logits; length [1] int32 prompt tokens; key: [1] PRNG key (typed, from the
+    request's seed); settings: its ``Settings`` (R = 1)."""
 
     cache: object
     logits: jax.Array
     length: jax.Array
+    key: jax.Array
     settings: Settings
 
 
@@ -87,6 +88,7 @@ class Prefix:
 class Slots:
     """The decode state of every slot (S rows). cache: the engine's cache with batch S; logits: [S, V] float32;
     lengths: [S] tokens seen (the next position); n_new: [S] tokens generated; done: [S] (a free slot is done);
+    key: [S] PRNG keys (typed), each split once per decode step of its slot; step: decode steps run;
     settings: ``Settings`` with R = S."""
 
     cache: object
@@ -94,9 +96,12 @@ class Slots:
     lengths: jax.Array
     n_new: jax.Array
     done: jax.Array
+    key: jax.Array
+    step: jax.Array
     settings: Settings
 
-    AXES = dict(logits=("batch", "vocab"), lengths=(None,), n_new=(None,), done=(None,))
+    AXES = dict(logits=("batch", "vocab"), lengths=(None,), n_new=(None,), done=(None,),
+                key=(None,), step=())
 
 
 def _cache_batch_axes(cache):
@@ -113,72 +118,45 @@ def _cache_batch_axes(cache):
 
 def _settings(inputs: Inputs) -> Settings:
     return Settings(max_new=inputs.max_new, stop=inputs.stop, temperature=inputs.temperature, top_k=inputs.top_k,
-                    top_p=inputs.top_p, key=jax.vmap(jax.random.key)(inputs.seed))
+                    top_p=inputs.top_p)
 
 
 @functools.partial(jax.jit, static_argnames=("ev", "capacity", "decode_spare"))
 def prefill(params: Params, inputs: Inputs, ev: Eviction | None, capacity: int, decode_spare: int) -> Prefix:
     """Prefill one prompt (``inputs.tokens`` [1, bucket]): under ``ev`` into a budget cache with
     ``decode_spare`` spare slots per head, or (ev=None) into a full cache of ``capacity`` slots."""
-    key = jax.random.key(0)  # unused: the request's key is in its settings
+    key = jax.random.key(0)  # unused: the request's key comes from its seed
     if ev is None:
         state = prefill_full_cache(params, inputs.tokens, inputs.length, key, capacity=capacity, out_width=1)
     else:
         state = prefill_budget_cache(params, None, inputs.tokens, jnp.zeros(1, jnp.int32), inputs.length, key,
                                      ev=ev, out_width=1, decode_spare=decode_spare)
-    return Prefix(cache=state.cache, logits=state.logits, length=state.lengths, settings=_settings(inputs))
+    return Prefix(cache=state.cache, logits=state.logits, length=state.lengths,
+                  key=jax.vmap(jax.random.key)(inputs.seed), settings=_settings(inputs))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def insert(prefix: Prefix, state: Slots, slot: jax.Array) -> Slots:
     """The state with row ``slot`` (an int32 scalar) replaced by the prefix: its cache row along each leaf's
-    "batch" axis, its logits, length and settings, nothing generated yet."""
+    "batch" axis, its logits, length, key and settings, nothing generated yet."""
     put = lambda full, row, axis=0: jax.lax.dynamic_update_slice_in_dim(full, row, slot, axis)  # noqa: E731
-    rest = lambda s: s.replace(cache=None)  # noqa: E731
+    rest = lambda s: s.replace(cache=None, step=None)  # noqa: E731
     row = Slots(cache=None, logits=prefix.logits, lengths=prefix.length, n_new=jnp.zeros(1, jnp.int32),
-                done=jnp.zeros(1, bool), settings=prefix.settings)
+                done=jnp.zeros(1, bool), key=prefix.key, step=None, settings=prefix.settings)
     cache = jax.tree.map(put, state.cache, prefix.cache, _cache_batch_axes(state.cache))
-    return constrain(jax.tree.map(put, rest(state), row).replace(cache=cache))
-
-
-def sample_rows(logits: jax.Array, keys: jax.Array, s: Settings) -> jax.Array:
-    """logits [S, V] float32 -> token ids [S] int32, each row by its own settings and key: greedy at
-    temperature 0, else temperature with top-k then top-p truncation (``kvjax.sampling.sample`` per row)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sampled():
-        scaled = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-        values, ids = jax.lax.top_k(scaled, scaled.shape[-1])  # every row sorted descending
-        rank = jnp.arange(scaled.shape[-1])
-        keep = rank < jnp.where(s.top_k > 0, s.top_k, scaled.shape[-1])[:, None]
-        probs = jax.nn.softmax(jnp.where(keep, values, -jnp.inf), axis=-1)
-        keep &= jnp.cumsum(probs, axis=-1) - probs < s.top_p[:, None]  # keeps at least the top token
-        keep = jnp.zeros_like(keep).at[jnp.arange(keep.shape[0])[:, None], ids].set(keep)  # vocabulary order
-        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf))
-        return jnp.where(s.temperature > 0, choice.astype(jnp.int32), greedy)
-
-    return jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda: greedy)
+    return constrain(jax.tree.map(put, rest(state), row).replace(cache=cache, step=state.step))
 
 
 @functools.partial(jax.jit, static_argnames=("ev", "steps"), donate_argnames=("state",))
 def generate(params: Params, state: Slots, ev: Eviction | None, steps: int) -> tuple[Slots, jax.Array]:
-    """``steps`` decode steps of every slot (``ev``: the engine's decoding ``Eviction``, None for the full
-    cache). Returns the state and tokens [S, steps] int32: each active slot's new token per step, -1 where the
-    slot was done (free, finished by a stop id or its token limit)."""
-    pad = params.config.pad_token_id
+    """``steps`` decode steps of every slot (``decode_step``, each slot by its own settings; ``ev``:
+    the engine's decoding ``Eviction``, None for the full cache). Returns the state and tokens
+    [S, steps] int32: each active slot's new token per step, -1 where the slot was done (free,
+    finished by a stop id or its token limit)."""
 
     def body(s: Slots, _):
-        split = jax.vmap(jax.random.split)(s.settings.key)
-        active = ~s.done
-        tok = jnp.where(active, sample_rows(s.logits, split[:, 1], s.settings), pad)
-        n_new = s.n_new + active
-        stopped = (tok[:, None] == s.settings.stop).any(-1)
-        done = s.done | stopped | (n_new >= s.settings.max_new)
-        seg = decode_segment(ev, jnp.zeros((), jnp.int32), s.lengths, active)  # evict_every=1: no schedule
-        hidden, cache = step(params, tok[:, None], s.cache, seg)
-        s = s.replace(cache=cache, logits=logits_from_hidden(params, hidden[:, 0]), lengths=s.lengths + active,
-                      n_new=n_new, done=done, settings=s.settings.replace(key=split[:, 0]))
-        return constrain(s), jnp.where(active, tok, -1)
+        s, tokens = decode_step(params, s, s.settings, s.settings.stop, s.settings.max_new, ev)
+        return constrain(s), tokens
 
     state, tokens = jax.lax.scan(body, state, None, length=steps)
     return state, tokens.T
@@ -209,7 +187,7 @@ class Engine:
         if isinstance(eviction.get("budget"), float):
             raise ValueError(f"budget={eviction['budget']!r}: an engine's budget is fixed, give a token count")
         ev = eviction_from(**eviction)
-        if ev is not None and ev.policy.base_spec.scoring_pass is not None:
+        if ev is not None and ev.policy.scorer.scoring_pass is not None:
             raise ValueError(f"scorer={eviction.get('scorer')!r} scores a whole prompt in a pass of its own; the "
                              "serving engine runs the scorers that evict as they prefill")
         if ev is not None and ev.decode_evict and ev.evict_every != 1:
@@ -294,7 +272,9 @@ def _init_state(cfg, dtype, slots: int, ev: Eviction | None, capacity: int, spar
     cache = FullCache.init(cfg, slots, capacity, dtype) if ev is None else ev.empty_cache(cfg, slots, spare, dtype)
     settings = Settings(max_new=jnp.zeros(slots, jnp.int32), stop=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
                         temperature=jnp.zeros(slots, jnp.float32), top_k=jnp.zeros(slots, jnp.int32),
-                        top_p=jnp.ones(slots, jnp.float32), key=jax.vmap(jax.random.key)(jnp.zeros(slots, jnp.int32)))
+                        top_p=jnp.ones(slots, jnp.float32))
+    keys = jax.vmap(jax.random.key)(jnp.zeros(slots, jnp.int32))
     return constrain(Slots(cache=cache, logits=jnp.zeros((slots, cfg.vocab_size), jnp.float32),
                            lengths=jnp.zeros(slots, jnp.int32), n_new=jnp.zeros(slots, jnp.int32),
-                           done=jnp.ones(slots, bool), settings=settings))
+                           done=jnp.ones(slots, bool), key=keys, step=jnp.zeros((), jnp.int32),
+                           settings=settings))

@@ -1,9 +1,6 @@
-"""Priorities: what a scorer computes from the attention statistics, per (row, KV head) of one layer.
-
-``query_weights`` marks a step's scoring queries, ``update_state`` folds their per-slot column into the state,
-and at an eviction point ``priority`` turns the state into the priority of every slot (higher = kept): the
-group aggregate, SnapKV's pooling and CAOTE's meta-score. Which of these a scorer uses is in its
-``kvjax.scorers.Policy``; the semantics are in ``docs/eviction.md``.
+"""The math scorers share, per (row, KV head) of one layer: the aggregate over query heads, pooling along
+positions, chunk means, CAOTE's meta-score, and ``eviction_keys`` (protected and empty slots around the
+scorer's priority). The semantics are in ``docs/eviction.md``.
 """
 
 from __future__ import annotations
@@ -13,37 +10,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.scorers import Policy
 from kvjax.slots import set_slots
 
-
-def query_weights(policy: Policy, positions: jax.Array, valid: jax.Array, end: jax.Array) -> jax.Array | None:
-    """[B, T] float32 weights of the scoring queries among a step's tokens, or None if the scorer has none.
-
-    positions, valid: [B, T]; end: [B] one past the last position of the scoring span.
-    """
-    kind = policy.base_spec.queries
-    if kind == "none":
-        return None
-    if kind == "all":
-        chosen = valid
-    elif kind == "last":
-        chosen = valid & (positions == end[:, None] - 1)
-    else:
-        chosen = valid & (positions >= end[:, None] - policy.obs_window)
-    return chosen.astype(jnp.float32)
+AGGREGATES = ("sum", "mean", "max", "layer")  # "layer": mean over all query heads of the layer
+POOLS = ("none", "max", "avg")
 
 
-def update_state(policy: Policy, state: jax.Array, col: jax.Array | None, has_query: jax.Array) -> jax.Array:
-    """state, col: [B, Hk, G, S]; has_query: [B] whether the row had a scoring query this step."""
-    if col is None:
-        return state
-    if policy.base_spec.update == "replace":
-        return jnp.where(has_query[:, None, None, None], col, state)
-    return state + col
-
-
-def _pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.Array) -> jax.Array:
+def pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.Array) -> jax.Array:
     """1-D pooling of x [B, Hk, ..., S] along positions, among the ``present`` [B, Hk, S] slots.
 
     ``order`` [B, Hk, S] lists the slots by position. In that order the present (unprotected) slots are one
@@ -86,14 +59,15 @@ def _chunk_mean(x: jax.Array, present: jax.Array, pos: jax.Array, order: jax.Arr
     return jnp.take_along_axis(mean, rank, -1)
 
 
-def _aggregate(policy: Policy, per_head: jax.Array) -> jax.Array:
-    """[B, Hk, G, S] -> [B, Hk, S]. "layer" averages every query head of the layer (TOVA's and kvpress's
-    choice) and gives the mean to every KV head: their slots hold the same positions (equal priorities
-    make equal choices from the first eviction on), so every KV head keeps the same tokens."""
-    if policy.aggregate == "layer":
+def aggregate(how: str, per_head: jax.Array) -> jax.Array:
+    """[B, Hk, G, S] -> [B, Hk, S] by ``how`` (``AGGREGATES``). "layer" averages every query head of the
+    layer (TOVA's and kvpress's choice) and gives the mean to every KV head: their slots hold the same
+    positions (equal priorities make equal choices from the first eviction on), so every KV head keeps the
+    same tokens."""
+    if how == "layer":
         B, Hk, _, S = per_head.shape
         return jnp.broadcast_to(jnp.mean(per_head, axis=(1, 2))[:, None], (B, Hk, S))
-    return {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max}[policy.aggregate](per_head, axis=2)
+    return {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max}[how](per_head, axis=2)
 
 
 def caote(h: jax.Array, v: jax.Array, valid: jax.Array, fast: bool) -> jax.Array:
@@ -115,38 +89,16 @@ def caote(h: jax.Array, v: jax.Array, valid: jax.Array, fast: bool) -> jax.Array
     return h / jnp.maximum(1.0 - h, 1e-12) * dist
 
 
-def priority(policy: Policy, state: jax.Array, pos: jax.Array, unprotected: jax.Array, v: jax.Array,
-             order: jax.Array) -> jax.Array:
-    """[B, Hk, S] float32 priority (higher = kept) of the unprotected valid slots.
-
-    state: [B, Hk, G, S]; pos: [B, Hk, S] (-1 = empty); unprotected: [B, Hk, S] valid and evictable;
-    v: [B, Hk, S, K] cached values (for CAOTE); order: [B, Hk, S] the slots by position (for pooling).
-    Plain scores aggregate the query heads, then pool; CAOTE pools and scores per query head, then
-    aggregates (its normalisation is per attention distribution).
-    """
-    if policy.base == "streamingllm":
-        return pos.astype(jnp.float32)
-    if policy.meta is not None:
-        per_head = state
-        if policy.pool != "none":
-            per_head = _pool(per_head, unprotected, policy.pool, policy.kernel, order)
-        return _aggregate(policy, caote(per_head, v, pos >= 0, fast=policy.meta == "fastcaote"))
-    agg = _aggregate(policy, state)
-    if policy.pool != "none":
-        agg = _pool(agg, unprotected, policy.pool, policy.kernel, order)
-    return agg
-
-
-def eviction_keys(policy: Policy, state: jax.Array, pos: jax.Array, v: jax.Array, order: jax.Array,
-                  seen: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def eviction_keys(policy, state: jax.Array, pos: jax.Array, k: jax.Array | None, v: jax.Array | None,
+                  order: jax.Array, stats, seen: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's eviction keys [B, Hk, S]: +inf for protected slots (the ``n_sink`` first and ``window``
-    most recent positions), -inf for empty ones, else the priority (with ``chunk`` > 1, the mean over the
-    slot's chunk). Also returns the priority and the unprotected mask [B, Hk, S]. Arguments as ``priority``;
-    seen: [B] one past the newest position."""
+    most recent positions), -inf for empty ones, else the scorer's priority (with ``chunk`` > 1, the mean
+    over the slot's chunk). Also returns the priority and the unprotected mask [B, Hk, S]. Arguments as
+    ``kvjax.eviction.base.Base.priority``."""
     valid = pos >= 0
     protected = valid & ((pos < policy.n_sink) | (pos >= seen[:, None, None] - policy.window))
     unprotected = valid & ~protected
-    prio = priority(policy, state, pos, unprotected, v, order)
+    prio = policy.scorer.priority(policy, state, pos, unprotected, k, v, order, stats, seen)
     if policy.chunk > 1:
         prio = _chunk_mean(prio, unprotected, pos, order, policy.chunk)
     return jnp.where(unprotected, prio, jnp.where(protected, jnp.inf, -jnp.inf)), prio, unprotected

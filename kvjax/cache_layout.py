@@ -1,0 +1,93 @@
+"""The budget caches' one interface (``EvictingCache``) and the layout that makes one from the eviction
+settings: ``Dense`` (``BudgetCache``, one block of slots per head) under a uniform allocation, ``Paged``
+(``PagedCache``, pages from a pool per row) when heads keep different counts. Callers ask the layout for
+an empty cache, a refit, or a compressed full cache, and never branch on which it is."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.budget_cache import BudgetCache
+from kvjax.moments import Moments
+from kvjax.paged_cache import PagedCache, pool_pages
+
+
+class EvictingCache(Protocol):
+    """What the engine, the model's layers and the serving slots use of a budget cache.
+
+    pos: [L, B, Hk, S] original positions (-1 = empty);
+    state: [L, B, Hk, G, S] the scorer's per-slot state;
+    order: [L, B, Hk, S] the slots by position;
+    moments: ``Moments`` of the evicted tokens;
+    stats: the base scorer's own statistics, or None.
+    """
+
+    pos: jax.Array
+    state: jax.Array
+    order: jax.Array
+    moments: Moments
+    stats: object
+
+    @property
+    def kv(self) -> tuple[jax.Array, jax.Array]: ...
+
+    @property
+    def sorted_pos(self) -> jax.Array: ...
+
+    def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+               seg) -> tuple[jax.Array, EvictingCache]: ...
+
+    def evict(self, policy, seen: jax.Array) -> EvictingCache: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """``BudgetCache``: budget + spare slots per (layer, row, KV head)."""
+
+    def empty(self, cfg, policy, batch: int, spare: int, dtype) -> BudgetCache:
+        return BudgetCache.init(cfg, batch, policy.budget + spare, dtype)
+
+    def fit(self, cache: BudgetCache, cfg, policy, spare: int) -> BudgetCache:
+        return cache.resize(policy.budget + spare)
+
+    def compress(self, policy, k, v, pos, state, stats, seen) -> BudgetCache:
+        """The full cache k, v [L, B, Hk, S, K] (positions pos [L, B, Hk, S], scorer state state
+        [L, B, Hk, G, S] and statistics stats) after one eviction point; seen: [B]."""
+        L, B, Hk, S, K = k.shape
+        order = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), pos.shape)
+        full = BudgetCache(k=k, v=v, pos=pos, state=state, order=order, moments=Moments.zeros((L, B, Hk), K),
+                           stats=stats)
+        return full.evict(policy, seen)
+
+
+@dataclasses.dataclass(frozen=True)
+class Paged:
+    """``PagedCache`` with pages of ``page_size`` tokens."""
+
+    page_size: int
+
+    def geometry(self, cfg, policy, spare: int) -> tuple[int, int]:
+        """Pages per head and pool pages for ``spare`` new tokens per head."""
+        L, Hk, P = cfg.n_layers, cfg.n_kv_heads, self.page_size
+        return (-(-(policy.head_capacity(L, Hk) + spare) // P),
+                pool_pages(policy.total_budget(L, Hk), spare, L, Hk, P))
+
+    def empty(self, cfg, policy, batch: int, spare: int, dtype) -> PagedCache:
+        pages_per_head, n_pool = self.geometry(cfg, policy, spare)
+        return PagedCache.init(cfg, batch, pages_per_head, self.page_size, n_pool, dtype)
+
+    def fit(self, cache: PagedCache, cfg, policy, spare: int) -> PagedCache:
+        return cache.resize(*self.geometry(cfg, policy, spare))
+
+    def compress(self, policy, k, v, pos, state, stats, seen) -> PagedCache:
+        full = PagedCache.from_dense(k, v, pos, state, self.page_size).replace(stats=stats)
+        return full.evict(policy, seen, max_evict=k.shape[3])  # a head may lose every token of the prompt
+
+
+def cache_layout(page_size: int | None) -> Dense | Paged:
+    """The layout of the eviction settings' ``page_size`` (None: dense)."""
+    return Dense() if page_size is None else Paged(page_size)

@@ -1,0 +1,194 @@
+"""``Policy``: everything static about which tokens a cache keeps, and ``make_policy``, the one place where
+eviction settings are validated and the scorers' defaults filled in."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.eviction.allocations import ALLOCATIONS, FLOOR_MODES, floor_count, head_capacity, layer_budgets
+from kvjax.eviction.base import Base
+from kvjax.eviction.kvzip import RepeatPrompt
+from kvjax.eviction.modifiers import MODIFIERS, NO_MODIFIER, Modifier
+from kvjax.eviction.names import BASES, split_name
+from kvjax.eviction.priority import AGGREGATES, POOLS
+from kvjax.kernels import IMPLS
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Everything static about which tokens a cache keeps: the scorer, the budget and the protected slots.
+
+    base, modifier: the scorer by name (``BASES``, ``MODIFIERS``; modifier "" = none); budget: slots kept per (layer,
+    row, KV head); n_sink: first tokens never evicted; window: most recent tokens never evicted; obs_window:
+    scoring queries of "window" bases; pool/kernel: 1-D pooling of the priorities along positions;
+    aggregate: how the G query heads of a KV head combine ("layer": every query head of the layer, the same
+    tokens kept in every KV head); mi_batch: tokens MomentKV's moment-informed eviction removes per
+    statistics update (1 = Algorithm 1's exact rule); impl: how attention with scores runs
+    (``kvjax.kernels``: None = per platform, XLA on CPU; "xla"; "pallas"; "pallas_tpu" / "pallas_gpu");
+    allocation: how many slots each (layer, KV head) keeps (``kvjax.eviction.allocations.ALLOCATIONS``); floor: the
+    fraction of the budget every head keeps at least under a shared allocation; chunk: tokens of ``chunk``
+    consecutive positions share the mean of their priorities (1 = each token by itself); repeat_prompt:
+    KVzip's repeat prompt (``kvjax.kvzip.RepeatPrompt``); head_scores: the file of ``kvzip-head``'s saved head
+    scores; cap: the most tokens one head keeps, when the allocation's own rule does not apply (``kvzip-head``,
+    whose whole heads hold the context); head_budgets: the "heads" allocation's budget of every (layer, KV
+    head), flattened (set when a prompt is compressed); floor_mode: how the floor counts the protected tokens
+    (``kvjax.eviction.allocations.FLOOR_MODES``).
+    """
+
+    base: str
+    budget: int
+    n_sink: int
+    window: int
+    obs_window: int
+    pool: str
+    kernel: int
+    aggregate: str
+    modifier: str = ""
+    mi_batch: int = 1
+    impl: str | None = None
+    allocation: str = "uniform"
+    floor: float = 0.0
+    chunk: int = 1
+    repeat_prompt: RepeatPrompt | None = None
+    head_scores: str | None = None
+    cap: int | None = None
+    head_budgets: tuple[int, ...] | None = None
+    floor_mode: str = "adakv"
+
+    @property
+    def scorer(self) -> Base:
+        """The base scorer (``kvjax.eviction.names.BASES``)."""
+        return BASES[self.base]
+
+    def query_weights(self, positions, valid, end):
+        """[B, T] float32 weights of a step's scoring queries, or None (``Base.scoring_weights``)."""
+        return self.scorer.scoring_weights(positions, valid, end, self.obs_window)
+
+    @property
+    def modifier_spec(self) -> Modifier:
+        return MODIFIERS[self.modifier] if self.modifier else NO_MODIFIER
+
+    @property
+    def name(self) -> str:
+        return f"{self.base}+{self.modifier}" if self.modifier else self.base
+
+    @property
+    def score_kind(self) -> str:
+        return self.modifier_spec.score_kind
+
+    @property
+    def meta(self) -> str | None:
+        return self.modifier_spec.meta
+
+    @property
+    def moment_eviction(self) -> bool:
+        return self.modifier_spec.mi
+
+    @property
+    def moment_correction(self) -> bool:
+        return self.modifier_spec.nc
+
+    @property
+    def zeroth_order(self) -> bool:
+        return self.modifier_spec.zeroth
+
+    @property
+    def paged(self) -> bool:
+        """Per-head budgets differ: the cache is paged so that memory follows the total budget."""
+        return ALLOCATIONS[self.allocation].paged
+
+    def layer_budgets(self, n_layers: int) -> tuple[int, ...]:
+        """Each layer's budget per KV head (the average under a shared allocation)."""
+        return layer_budgets(self.allocation, self.budget, self.window, n_layers)
+
+    def head_capacity(self, n_layers: int, n_kv_heads: int) -> int:
+        """The most tokens one (layer, row, KV head) keeps after an eviction point."""
+        if self.cap is not None:
+            return self.cap
+        return head_capacity(self.allocation, self.budget, self.window, n_layers, n_kv_heads)
+
+    def floor_count(self) -> int:
+        return floor_count(self.floor, self.budget, self.n_sink + self.window, self.floor_mode)
+
+    def total_budget(self, n_layers: int, n_kv_heads: int) -> int:
+        """Tokens kept over every layer and KV head of a row after an eviction point."""
+        if self.head_budgets is not None:
+            return sum(self.head_budgets)
+        return n_kv_heads * sum(self.layer_budgets(n_layers))
+
+    def check_model(self, n_layers: int) -> None:
+        """Errors that depend on the model: every layer's budget must exceed the protected slots."""
+        low = min(self.layer_budgets(n_layers))
+        if low <= self.n_sink + self.window:
+            raise ValueError(f"budget={self.budget} with allocation={self.allocation!r} gives layer "
+                             f"{self.layer_budgets(n_layers).index(low)} a budget of {low}, which must be larger "
+                             f"than n_sink + window = {self.n_sink} + {self.window}")
+
+
+def make_policy(scorer: str, budget: int, *, n_sink: int, window: int | None, obs_window: int, pool: str | None,
+                kernel: int, aggregate: str | None, mi_batch: int, impl: str | None, allocation: str | None,
+                floor: float | None, chunk: int, repeat_prompt: RepeatPrompt | None, head_scores: str | None,
+                floor_mode: str) -> Policy:
+    """The validated ``Policy`` of the eviction keywords (``kvjax.options.EvictionOptions``, which holds their
+    defaults), with the scorer's own settings for what is left as None: window and pool the base's;
+    aggregate ``sum`` for OBCache as in its App. B.5, else ``mean`` as kvpress (the two rank identically);
+    allocation the name's prefix, else the base's (uniform but for KVzip); floor the base's, else the
+    allocation's."""
+    named, base, modifier = split_name(scorer)
+    spec = BASES[base]
+    if allocation is not None and named is not None and allocation != named:
+        raise ValueError(f"allocation={allocation!r} contradicts scorer={scorer!r}")
+    allocation = allocation or named or spec.default_allocation
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation={allocation!r} must be one of {tuple(ALLOCATIONS)}")
+    if (allocation == "heads") != (base == "kvzip-head"):
+        raise ValueError(f"allocation='heads' belongs to scorer 'kvzip-head' (got allocation={allocation!r} with "
+                         f"scorer={scorer!r})")
+    if floor is None:
+        own = spec.default_floor is not None and allocation == spec.default_allocation
+        floor = spec.default_floor if own else ALLOCATIONS[allocation].default_floor
+    if not (isinstance(floor, (int, float)) and 0 <= floor <= 1):
+        raise ValueError(f"floor={floor!r} must be a fraction of the budget in [0, 1]")
+    if floor_mode not in FLOOR_MODES:
+        raise ValueError(f"floor_mode={floor_mode!r} must be one of {FLOOR_MODES}")
+    if not (isinstance(chunk, int) and chunk >= 1):
+        raise ValueError(f"chunk={chunk!r} must be an integer >= 1")
+    if (repeat_prompt is not None) != (spec.scoring_pass == "kvzip"):
+        raise ValueError("scorer='kvzip' needs repeat_prompt=kvjax.kvzip_prompt(tokenizer) (the repeat prompt's "
+                         "token ids)" if repeat_prompt is None else f"repeat_prompt is KVzip's; scorer={scorer!r}")
+    if (head_scores is not None) != (spec.scoring_pass == "heads"):
+        raise ValueError("scorer='kvzip-head' needs head_scores=<file of kvjax.kvzip.save_head_scores>"
+                         if head_scores is None else f"head_scores is kvzip-head's; scorer={scorer!r}")
+    mod = MODIFIERS[modifier] if modifier else NO_MODIFIER
+    for name, value in (("budget", budget), ("obs_window", obs_window), ("kernel", kernel), ("mi_batch", mi_batch)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    if not (isinstance(n_sink, int) and n_sink >= 0):
+        raise ValueError(f"n_sink={n_sink!r} must be an integer >= 0")
+    if window is None:
+        window = spec.default_window(budget, obs_window)
+    if not (isinstance(window, int) and window >= 0):
+        raise ValueError(f"window={window!r} must be an integer >= 0")
+    if budget <= n_sink + window:
+        raise ValueError(f"budget={budget} must be larger than n_sink + window = {n_sink} + {window}")
+    pool = spec.default_pool if pool is None else pool
+    if pool not in POOLS:
+        raise ValueError(f"pool={pool!r} must be one of {POOLS}")
+    if pool != "none" and kernel % 2 == 0:
+        raise ValueError(f"kernel={kernel} must be odd (pooling is centred on each token)")
+    aggregate = aggregate or ("mean" if mod.score_kind == "attn" else "sum")
+    if aggregate not in AGGREGATES:
+        raise ValueError(f"aggregate={aggregate!r} must be one of {AGGREGATES}")
+    if aggregate == "layer" and mod.mi:
+        raise ValueError(f"aggregate='layer' cannot be combined with {modifier!r}: its moment-informed eviction "
+                         "scores every KV head by its own statistics, so the heads' kept tokens diverge")
+    if mi_batch > 1 and not mod.mi:
+        raise ValueError(f"mi_batch={mi_batch} only applies to MomentKV's moment-informed eviction (scorers "
+                         f"ending in {', '.join('+' + m for m, s in MODIFIERS.items() if s.mi)})")
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    if aggregate == "layer" and ALLOCATIONS[allocation].shared is not None:
+        raise ValueError(f"aggregate='layer' keeps the same tokens in every KV head, which allocation="
+                         f"{allocation!r} shares unevenly among them")
+    return Policy(base, budget, n_sink, window, obs_window, pool, kernel, aggregate, modifier, mi_batch, impl,
+                  allocation, float(floor), chunk, repeat_prompt, head_scores, floor_mode=floor_mode)

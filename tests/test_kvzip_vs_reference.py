@@ -1,0 +1,128 @@
+"""KVzip end to end against the NumPy reference (tests/reference_eviction.py, run_kvzip_reference):
+the kept positions of every (layer, row, KV head) after ``kvjax.prefill``, its logits and moment
+statistics, and the greedy tokens of ``kvjax.decode(..., evict=False)`` after a question and of
+``kvjax.generate``; KVzip's names with GQA, a right-padded batch, both forms of the repeat prompt,
+contexts of several repeat chunks and budgets at the prompt's length."""
+
+import json
+
+import numpy as np
+import pytest
+
+import kvjax
+import kvjax.kvzip
+from helpers import distinct_prompts
+from helpers import kept_positions as kept
+from kvjax.kvzip import RepeatPrompt
+from reference_eviction import full_forward, run_kvzip_reference
+
+PROMPTS = distinct_prompts((37, 20))  # a right-padded batch
+QUESTIONS = distinct_prompts((6, 3), seed=1)
+PAPER = RepeatPrompt(first=(5, 6, 7), later=(5, 6, 8), colon=(9,), form="paper")
+# kvpress's form: a 5-token template head neither repeated nor scored, 4 sinks in every softmax
+KVPRESS = RepeatPrompt(first=(5, 6, 7, 11, 12), later=(5, 6, 8), colon=(11, 12), skip=5, sinks=4,
+                       form="kvpress")
+CHUNK = 16  # repeat chunks: 3 and 2 of the rows under the paper's form, 2 and 1 under kvpress's
+BUDGET = 14
+NEW = 5
+LOGITS = dict(atol=1e-4, rtol=1e-4)  # float32 against float64, as tests/test_engine_vs_reference.py
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Repeat chunks of CHUNK tokens in kvjax (``kvzip_scores`` binds kvjax.kvzip.CHUNK as its
+    default when it is defined: patching CHUNK would change nothing)."""
+    monkeypatch.setattr(kvjax.kvzip.kvzip_scores, "__defaults__", (CHUNK,))
+
+
+def check(model, settings: dict, *, generate: bool = False, head_scores=None) -> list[dict]:
+    """The engine against the reference, row by row: kept positions, prefill logits and moments
+    of ``kvjax.prefill``; tokens of ``kvjax.decode`` (a question, no eviction) and ``generate``."""
+    options = {k: v for k, v in settings.items() if k != "head_scores"}
+    if head_scores is not None:
+        options |= dict(head_scores=head_scores, context=max(len(p) for p in PROMPTS))
+    refs = [run_kvzip_reference(model, p, NEW, question=q, chunk=CHUNK, **options)
+            for p, q in zip(PROMPTS, QUESTIONS, strict=True)]
+    # exact agreement is only well posed away from near ties (exact ones follow the tie rule)
+    assert [r["near_ties"] - r["exact_ties"] for r in refs] == [0, 0]
+    context = kvjax.prefill(model, PROMPTS, **settings)
+    pos, moments = np.asarray(context.cache.sorted_pos), context.cache.moments
+    for row, ref in enumerate(refs):
+        assert kept(pos, row) == ref["kept_after_prefill"], f"row {row}"
+        logits, count = np.asarray(context.logits[row]), np.asarray(moments.count[:, row])
+        np.testing.assert_allclose(logits, ref["prefill_logits"], **LOGITS)
+        np.testing.assert_array_equal(count, ref["moments"]["count"])
+        for name in ("k_sum", "v_sum", "vk_sum"):
+            expected = ref["moments"][name]
+            np.testing.assert_allclose(np.asarray(getattr(moments, name)[:, row]), expected,
+                                       atol=1e-5 * max(1.0, np.abs(expected).max()), rtol=1e-4)
+    answers = kvjax.decode(model, context, QUESTIONS, NEW, evict=False, stop_ids=())
+    assert [a.tolist() for a in answers] == [r["tokens"] for r in refs]
+    if generate:
+        plain = [run_kvzip_reference(model, p, NEW, chunk=CHUNK, **options)["tokens"]
+                 for p in PROMPTS]
+        got = kvjax.generate(model, PROMPTS, NEW, stop_ids=(), **settings)
+        assert [a.tolist() for a in got] == plain
+    return refs
+
+
+# Left out for time (each NC scorer compiles its own decoding, ~5 s): kvzip+momentkv-nc (kvzip's
+# choice, momentkv's correction) and kvzip+momentkv-zeroth; tests/test_prefilled.py checks them
+# against the reference with --runslow.
+CASES = [
+    dict(scorer="kvzip", repeat_prompt=PAPER, n_sink=2),
+    dict(scorer="kvzip", repeat_prompt=KVPRESS),  # its default n_sink=4, the sinks of the softmax
+    dict(scorer="kvzip+caote", repeat_prompt=PAPER, n_sink=1, window=2),
+    dict(scorer="kvzip+fastcaote", repeat_prompt=KVPRESS, n_sink=2),
+    dict(scorer="kvzip+momentkv", repeat_prompt=PAPER, n_sink=1),
+    dict(scorer="kvzip+momentkv-mi", repeat_prompt=KVPRESS, n_sink=2),
+    dict(scorer="uniform+kvzip", repeat_prompt=PAPER, n_sink=2),
+    dict(scorer="global+kvzip", repeat_prompt=KVPRESS, n_sink=2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c["scorer"] + "-" + c["repeat_prompt"].form)
+def test_kvzip_matches_reference(tiny_llama, case):
+    generate = case["scorer"] == "kvzip" and case["repeat_prompt"] is PAPER  # kvjax.generate too
+    refs = check(tiny_llama, case | dict(budget=BUDGET), generate=generate)
+    assert all(r["moments"]["count"].sum() > 0 for r in refs)  # both rows lost tokens
+
+
+def test_kvzip_head_matches_reference(tiny_llama, tiny_head_scores):
+    """Whole heads by the saved scores: round(4 · (20 − 4)/(37 − 4)) = 2 heads keep the context (n:
+    the batch's longest prompt), the others their sink and window."""
+    with open(tiny_head_scores) as f:
+        heads = np.asarray(json.load(f)["scores"])
+    refs = check(tiny_llama, dict(scorer="kvzip-head", budget=20, n_sink=1, window=3,
+                                  head_scores=tiny_head_scores), generate=True, head_scores=heads)
+    sizes = sorted(len(h) for layer in refs[0]["kept_after_prefill"] for h in layer)
+    assert sizes == [4, 4, 37, 37]
+
+
+@pytest.mark.parametrize("scorer, budget", [("kvzip", 37), ("kvzip", 36), ("kvzip-head", 37)])
+def test_budget_at_the_prompt_length(tiny_llama, tiny_head_scores, scorer, budget):
+    """A budget of the longest prompt keeps every token, and the reference's continuation is then a
+    plain full causal pass's; one less evicts from the longest row only."""
+    with open(tiny_head_scores) as f:
+        heads = np.asarray(json.load(f)["scores"])
+    head = scorer == "kvzip-head"
+    needs = dict(head_scores=tiny_head_scores) if head else dict(repeat_prompt=KVPRESS)
+    refs = check(tiny_llama, dict(scorer=scorer, budget=budget, n_sink=2, window=1) | needs,
+                 head_scores=heads if head else None)
+    lost = [int(r["moments"]["count"].sum()) for r in refs]
+    assert lost == ([2 + 2, 0] if budget == 36 else [0, 0])  # each layer: 2 × 36 slots for 2 × 37
+    if budget == 37:
+        for prompt, question, ref in zip(PROMPTS, QUESTIONS, refs, strict=True):
+            tokens = [*prompt, *question]
+            for _ in range(NEW):
+                tokens.append(int(np.argmax(full_forward(tiny_llama, tokens)[-1])))
+            assert ref["tokens"] == tokens[-NEW:]
+
+
+def test_repeat_chunks_change_what_is_kept(tiny_llama):
+    """The chunking the tests above run (CHUNK tokens) keeps other positions than one chunk would,
+    so their agreement checks the engine's chunks."""
+    settings = dict(scorer="kvzip", budget=BUDGET, repeat_prompt=PAPER, n_sink=2)
+    short, whole = (run_kvzip_reference(tiny_llama, PROMPTS[0], 0, chunk=c, **settings)
+                    for c in (CHUNK, 2048))
+    assert short["kept_after_prefill"] != whole["kept_after_prefill"]
