@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from kvjax.cache import cache_bytes
-from kvjax.decoding import Generation, decode_steps
-from kvjax.options import eviction_from
-from kvjax.sampling import Sampling
+from kvjax.cache.full import cache_bytes
+from kvjax.runtime.decoding import Generation, decode_steps
+from kvjax.runtime.options import eviction_from
+from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import to_host
 
 MODEL = "smollm2-135m-instruct"

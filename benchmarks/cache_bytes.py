@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 import kvjax
-from kvjax.cache import FullCache
-from kvjax.options import eviction_from
+from kvjax.cache.full import FullCache
+from kvjax.runtime.options import eviction_from
 
 SMOLLM2 = kvjax.ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                             head_dim=64, d_ff=1536, max_seq_len=8192)

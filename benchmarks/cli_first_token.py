@@ -4,7 +4,7 @@
 
 Runs ``python -m kvjax generate`` (SmolLM2, already converted) as a fresh process: first with an empty
 compilation cache directory (every program compiled), then ``--repeats`` times with the cache it filled
-(``KVJAX_COMPILATION_CACHE``; ``kvjax.compilation_cache``), and once with the cache off. Reports the seconds
+(``KVJAX_COMPILATION_CACHE``; ``kvjax.runtime.compilation_cache``), and once with the cache off. Reports the seconds
 until the first byte of the answer reaches stdout and until the process exits.
 """
 

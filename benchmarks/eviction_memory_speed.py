@@ -29,12 +29,12 @@ def measure(mode: str, length: int, args) -> dict:
     import numpy as np
 
     import kvjax
-    from kvjax.cache import FullCache
-    from kvjax.engine import round_capacity
-    from kvjax.decoding import Generation
-    from kvjax.inputs import prompt_bucket
-    from kvjax.options import eviction_from
-    from kvjax.sampling import Sampling
+    from kvjax.cache.full import FullCache
+    from kvjax.runtime.decoding import Generation
+    from kvjax.runtime.inputs import prompt_bucket
+    from kvjax.runtime.options import eviction_from
+    from kvjax.runtime.protocol import round_capacity
+    from kvjax.runtime.sampling import Sampling
 
     params = kvjax.load(MODEL)
     cfg = params.config

@@ -29,8 +29,8 @@ import numpy as np
 
 import kvjax
 from kvjax.checkpoint.registry import REGISTRY
-from kvjax.decoding import Generation
-from kvjax.sampling import Sampling
+from kvjax.runtime.decoding import Generation
+from kvjax.runtime.sampling import Sampling
 
 MODEL = "smollm2-135m-instruct"
 PREFILL_TARGET = 1.0  # kvjax prefill no slower than transformers

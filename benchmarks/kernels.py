@@ -37,7 +37,6 @@ import numpy as np
 from kvjax.kernels import block_attention_with_scores, decode_attention_with_scores
 from kvjax.kernels._shared import next_pow2, round_up
 from kvjax.kernels.block_attention import tpu as block_tpu
-
 from kvjax.kernels.block_attention.reference import RESIDUAL_CHUNK
 
 HK, G, K = 3, 3, 64  # SmolLM2-135M

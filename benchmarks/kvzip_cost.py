@@ -19,7 +19,7 @@ import numpy as np
 
 import kvjax
 from kvjax.eval.haystack import pydoc_prose
-from kvjax.kvzip import kvzip_scores
+from kvjax.runtime.kvzip_pass import kvzip_scores
 
 
 def best(fn, repeats: int) -> float:

@@ -22,7 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from kvjax.eval.fidelity import compressed_outputs, full_outputs, kl_per_token, layer_errors
+from kvjax.eval.fidelity import (
+    compressed_outputs,
+    full_outputs,
+    kl_per_token,
+    layer_errors,
+)
 from kvjax.eval.haystack import pydoc_prose
 
 CONTINUATION = 64

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+from momentkv_batched import compress
 
 import kvjax
 from kvjax.eval.haystack import pydoc_prose
-from momentkv_batched import compress
 
 
 def main() -> None:

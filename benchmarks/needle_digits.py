@@ -16,7 +16,7 @@ pydoc or filler haystack, question inside the compressed prompt) this script
    (its first digit run starts with the needle's first k >= 2 digits, then differs or stops), or *wrong*;
 2. reads which of the needle's digit tokens every layer and KV head kept (``context.cache.pos``);
 3. prefills the prompt a second time through its own recording cache (a ``FullCache`` wrapper passed to
-   ``kvjax.model.decode_hidden``) that stores each layer's attention of the last ``obs_window`` queries:
+   ``kvjax.model.decoder.decode_hidden``) that stores each layer's attention of the last ``obs_window`` queries:
    SnapKV's raw scores. From them it recomputes SnapKV's selection (checked equal to the engine's) and the
    score profile over the needle (raw and max-pooled, relative to the budget's cut);
 4. feeds the full-cache answer teacher-forced through a masked full cache (``MaskedCache``: prompt slots
@@ -47,9 +47,10 @@ import numpy as np
 from flax import struct
 
 import kvjax
-from kvjax.cache import FullCache, Segment
+from kvjax.cache.full import FullCache
 from kvjax.eval.niah import make_sample
-from kvjax.model import decode_hidden, logits_from_hidden
+from kvjax.model.decoder import decode_hidden, logits_from_hidden
+from kvjax.model.segment import Segment
 
 NEG_INF = -1e30
 SCORERS = ["snapkv", "tova", "h2o", "snapkv+obcache-joint"]

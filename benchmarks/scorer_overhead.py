@@ -23,10 +23,10 @@ import jax
 import numpy as np
 
 import kvjax
-from kvjax.decoding import Generation
 from kvjax.eviction import SCORERS
-from kvjax.options import eviction_from
-from kvjax.sampling import Sampling
+from kvjax.runtime.decoding import Generation
+from kvjax.runtime.options import eviction_from
+from kvjax.runtime.sampling import Sampling
 
 DEFAULT = ["snapkv", "h2o", "tova", "streamingllm", "snapkv+obcache-value", "snapkv+obcache-key",
            "snapkv+obcache-joint", "h2o+obcache-value", "snapkv+caote", "snapkv+fastcaote", "momentkv",

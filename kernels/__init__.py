@@ -25,5 +25,5 @@ from kvjax.kernels.block_attention.reference import attention_with_scores
 from kvjax.kernels.decode_attention import decode_attention_with_scores
 from kvjax.kernels.decode_attention.reference import corrected_attention
 
-__all__ = ["IMPLS", "NEG_INF", "SCORE_KINDS", "attention_with_scores", "block_attention_with_scores", "corrected_attention",
-           "decode_attention_with_scores"]
+__all__ = ["IMPLS", "NEG_INF", "SCORE_KINDS", "attention_with_scores", "block_attention_with_scores",
+           "corrected_attention", "decode_attention_with_scores"]

@@ -21,7 +21,7 @@ import numpy as np
 from kvjax.checkpoint import hub, store
 from kvjax.checkpoint.errors import CheckpointError
 from kvjax.checkpoint.registry import REGISTRY
-from kvjax.params import Params
+from kvjax.model.params import Params
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 CONVERTER_VERSION = 1  # bump when conversion changes, so stale conversions are redone

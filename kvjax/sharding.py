@@ -1,6 +1,6 @@
 """Sharding over a device mesh: one table from logical axes to mesh axes, for params, caches and decode state.
 
-Every array declares its logical axes once: the parameters in ``kvjax.params.param_specs``, every cache and
+Every array declares its logical axes once: the parameters in ``kvjax.model.params.param_specs``, every cache and
 the decode state in their class's ``AXES`` (field -> axes). ``RULES`` maps logical axes to the mesh axes
 ``data`` and ``model``; a dimension that its mesh axis does not divide stays replicated — so a model with
 fewer KV heads than the model axis (SmolLM2 has 3) keeps its KV heads whole on every device, as large
@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvjax.params import Params, param_specs, params_from_flat
+from kvjax.model.params import Params, param_specs, params_from_flat
 
 DATA, MODEL = "data", "model"
 RULES = {"batch": DATA, "heads": MODEL, "kv_heads": MODEL, "ffw": MODEL, "vocab": MODEL}

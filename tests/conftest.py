@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 SMOLLM2 = "smollm2-135m-instruct"
-# The CLI turns JAX's persistent compilation cache on (kvjax.compilation_cache); tests that call it in-process
+# The CLI turns JAX's persistent compilation cache on (kvjax.runtime.compilation_cache); tests that call it in-process
 # must not write to the user's cache nor count its hits as compilations. test_compilation_cache turns it on.
 os.environ["KVJAX_COMPILATION_CACHE"] = "off"
 
@@ -99,7 +99,7 @@ def no_eviction(params, prompt):
 @pytest.fixture(scope="session")
 def tiny_head_scores(tiny_llama, tmp_path_factory):
     """A file of (made-up) kvzip-head scores for the tiny Llama."""
-    from kvjax.kvzip import save_head_scores
+    from kvjax.runtime.kvzip_pass import save_head_scores
 
     cfg = tiny_llama.config
     path = str(tmp_path_factory.mktemp("kvzip") / "heads.json")

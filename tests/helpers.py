@@ -6,7 +6,7 @@ import torch
 import transformers
 from reference_eviction import parse_scorer
 
-from kvjax.moments import Moments
+from kvjax.eviction.moments import Moments
 
 # --- real-model prompts: a needle in repetitive filler (SmolLM2 tests)
 NEEDLE = "The special magic number is 7341295. "
@@ -35,8 +35,7 @@ def scorer_requirements(name: str, head_scores: str, tiny: bool = True) -> dict:
     """What a scorer name needs beyond the common options, for tests that run every name: KVzip's repeat
     prompt (any token ids do), kvzip-head's file of head scores (``head_scores``), and for PyramidKV on the
     tiny models of two or three layers (``tiny``) nothing protected (its last layer keeps m/20 tokens)."""
-    from kvjax.eviction import BASES, split_name
-    from kvjax.kvzip import RepeatPrompt
+    from kvjax.eviction import BASES, RepeatPrompt, split_name
 
     allocation, base, _ = split_name(name)
     needs = {"kvzip": dict(repeat_prompt=RepeatPrompt((5, 6, 7), (5, 6, 8), (9,))),

@@ -17,9 +17,9 @@ import pytest
 from jax.sharding import AxisType
 
 import kvjax
-from kvjax.decoding import Generation, decode_steps
-from kvjax.options import eviction_from
-from kvjax.sampling import Sampling
+from kvjax.runtime.decoding import Generation, decode_steps
+from kvjax.runtime.options import eviction_from
+from kvjax.runtime.sampling import Sampling
 from kvjax.serving import Engine
 from kvjax.sharding import make_mesh, shard
 

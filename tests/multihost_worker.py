@@ -16,8 +16,9 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 process, processes, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=processes, process_id=process)
 
-import kvjax  # noqa: E402
 from multihost_model import PROMPTS, SETTINGS, model  # noqa: E402
+
+import kvjax  # noqa: E402
 
 mesh = kvjax.make_mesh("data=2,model=2")
 params = kvjax.shard(model(), mesh)

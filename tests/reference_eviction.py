@@ -1,7 +1,7 @@
 """Plain-NumPy (float64) reference of the eviction semantics of ``docs/eviction.md``.
 
-This module is deliberately independent of the JAX engine (``kvjax.engine``, ``kvjax.budget_cache``,
-``kvjax.eviction``, ``kvjax.kernels``, ``kvjax.moments``): it re-implements the decoder of ``kvjax.model`` for one
+This module is deliberately independent of the JAX engine (``kvjax.runtime.protocol``, ``kvjax.cache.dense``,
+``kvjax.eviction``, ``kvjax.kernels``): it re-implements the decoder of ``kvjax.model.decoder`` for one
 sequence in float64 NumPy and keeps, per (layer, KV head), a Python list of kept tokens exactly as the contract
 describes. Clarity over speed: loops are used wherever they make the semantics easier to check.
 
@@ -42,8 +42,8 @@ import dataclasses
 
 import numpy as np
 
-from kvjax.params import params_to_flat
-from kvjax.rope import inverse_frequencies
+from kvjax.model.params import params_to_flat
+from kvjax.model.rope import inverse_frequencies
 
 BASES = ("streamingllm", "h2o", "h2o-window", "tova", "snapkv", "expected-attention")
 EA_FUTURE = 512  # Expected Attention: future positions its mean rotation averages over (kvpress's default)
@@ -891,7 +891,7 @@ def parse_kvzip_scorer(name: str) -> tuple[str, str, str | None]:
 def repeat_scores(params, context, prompt, chunk: int = 2048) -> np.ndarray:
     """KVzip's scores S [L, Hk, n] of a context of n tokens (Algorithm 1, kvzip-appendix.tex).
 
-    ``prompt`` (read only, as ``kvjax.kvzip.RepeatPrompt``): ids ``first``, ``later``, ``colon``;
+    ``prompt`` (read only, as ``kvjax.eviction.RepeatPrompt``): ids ``first``, ``later``, ``colon``;
     ``skip``, ``sinks``. The context is prefilled; its tokens after the first ``skip`` are cut into
     chunks of ``chunk``; chunk c_t is fed after the context (positions n, n + 1, …; ordinary causal
     attention over the context and the input) as ``first + c_1`` or ``later + the 8 tokens before

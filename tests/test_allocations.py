@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from reference_eviction import shared_counts
 
 import kvjax
-from kvjax.decoding import Generation
 from kvjax.eviction.allocations import FLOOR_MODES, floor_count, targets
-from kvjax.options import eviction_from
-from kvjax.sampling import Sampling
+from kvjax.runtime.decoding import Generation
+from kvjax.runtime.options import eviction_from
+from kvjax.runtime.sampling import Sampling
 
 SMOLLM2 = kvjax.ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                             head_dim=64, d_ff=1536, max_seq_len=8192)

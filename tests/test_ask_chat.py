@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.ask_chat_cli import read_text
-from kvjax.cli import main
-from kvjax.conversation import Conversation
+from kvjax.cli.ask_chat import read_text
+from kvjax.cli.main import main
 from kvjax.eval.haystack import pydoc_prose
 from kvjax.loading import chat_parts
-from kvjax.saved_context import META_FILE, load_context
+from kvjax.runtime.conversation import Conversation
+from kvjax.runtime.saved_context import META_FILE, load_context
 
 ASK = dict(budget=96, scorer="snapkv", obs_window=8)
 QUESTIONS = ["What is the passcode of the blue door?", "Which colour is the door?"]
@@ -92,7 +92,7 @@ def test_ask_compresses_once_and_each_answer_equals_decode(smollm2, smollm2_toke
 @pytest.mark.smollm2
 def test_saved_context_is_checked_on_load(smollm2, smollm2_tokenizer, tiny_llama, tmp_path, capsys):
     from kvjax.checkpoint.errors import CheckpointError
-    from kvjax.saved_context import save_context
+    from kvjax.runtime.saved_context import save_context
 
     context = kvjax.prefill(smollm2, list(range(1, 200)), budget=64, scorer="tova")
     save_context(str(tmp_path / "c"), context, smollm2)
@@ -136,7 +136,7 @@ def test_chat_through_standard_input_keeps_the_budget_and_remembers_turn_one(mon
     calls = []
     real_prefill = kvjax.prefill
     monkeypatch.setattr(kvjax, "prefill", lambda *a, **k: calls.append(1) or real_prefill(*a, **k))
-    monkeypatch.setattr("kvjax.conversation.prefill", kvjax.prefill)
+    monkeypatch.setattr("kvjax.runtime.conversation.prefill", kvjax.prefill)
     script = ("Remember this: the secret word is banana.\n/stats\nName three colours.\n/stats\n"
               "What is the secret word?\n/stats\n/reset\n/stats\n")
     monkeypatch.setattr("sys.stdin", io.StringIO(script))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvjax.cli import main
+from kvjax.cli.main import main
 
 
 def test_help_lists_every_option(capsys):

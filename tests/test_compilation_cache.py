@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-# Runs ``kvjax.cli.main`` and reports what the persistent cache did: compilations that asked it, and hits.
+# Runs ``kvjax.cli.main.main`` and reports what the persistent cache did: compilations that asked it, and hits.
 SCRIPT = """
 import json, sys
 from jax import monitoring
-from kvjax.cli import main
+from kvjax.cli.main import main
 counts = {"requests": 0, "hits": 0}
 names = {"/jax/compilation_cache/compile_requests_use_cache": "requests", "/jax/compilation_cache/cache_hits": "hits"}
 monitoring.register_event_listener(lambda event, **kw: event in names and counts.__setitem__(names[event], counts[names[event]] + 1))
@@ -43,7 +43,7 @@ def test_second_run_compiles_nothing(tmp_path):
 
 
 def test_cache_dir_default_override_and_off(tmp_path, monkeypatch):
-    from kvjax import compilation_cache
+    from kvjax.runtime import compilation_cache
 
     monkeypatch.setenv("KVJAX_CHECKPOINTS", str(tmp_path / "ckpt"))
     monkeypatch.delenv("KVJAX_COMPILATION_CACHE")

@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax.decoding import Generation
-from kvjax.options import eviction_from
-from kvjax.sampling import Sampling
+from kvjax.runtime.decoding import Generation
+from kvjax.runtime.options import eviction_from
+from kvjax.runtime.sampling import Sampling
 
 BASES = sorted(name for name, spec in kvjax.eviction.BASES.items() if spec.scoring_pass is None)  # kvzip: test_kvzip
 

@@ -6,15 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import kvjax
 from helpers import distinct_prompts as prompts_of
 from helpers import kept_positions as kept
-from kvjax.decoding import Generation, prefill_budget_cache
-from kvjax.inputs import pad_rows, prompt_bucket, round_capacity
-from kvjax.options import eviction_from
-from kvjax.sampling import Sampling
 from reference_eviction import run_reference
+
+import kvjax
+from kvjax.runtime.decoding import Generation, prefill_budget_cache
+from kvjax.runtime.inputs import pad_rows, prompt_bucket, round_capacity
+from kvjax.runtime.options import eviction_from
+from kvjax.runtime.sampling import Sampling
 
 LENGTHS = (37, 20)  # a right-padded batch: row 1 ends two blocks earlier
 NEW_TOKENS = 7

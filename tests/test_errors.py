@@ -5,10 +5,10 @@ import os
 
 import numpy as np
 import pytest
+from helpers import HF_CASES, make_hf_model
 
 import kvjax
 from kvjax.checkpoint import store
-from helpers import HF_CASES, make_hf_model
 
 
 @pytest.fixture
@@ -70,7 +70,8 @@ def test_shape_mismatch_lists_every_tensor(hf_dir, checkpoint_root):
 
 def test_missing_tensor_is_reported(hf_dir, checkpoint_root, tmp_path):
     import safetensors.numpy as stn
-    from kvjax.checkpoint.hf_dir import read_safetensors_index, _read_tensor
+
+    from kvjax.checkpoint.hf_dir import _read_tensor, read_safetensors_index
 
     index = read_safetensors_index(str(hf_dir / "model.safetensors"))
     tensors = {k: _read_tensor(*v) for k, v in index.items() if k != "model.layers.1.self_attn.k_proj.weight"}

@@ -11,8 +11,13 @@ from kvjax.eval import report, sweep
 from kvjax.eval.fidelity import run_fidelity
 from kvjax.eval.haystack import licenses_prose, pydoc_prose, sentences
 from kvjax.eval.niah import TASKS, make_sample, make_samples, score
-from kvjax.eval.perplexity import evicting_nll, full_cache_nll, run_perplexity, text_tokens
-from kvjax.options import eviction_from
+from kvjax.eval.perplexity import (
+    evicting_nll,
+    full_cache_nll,
+    run_perplexity,
+    text_tokens,
+)
+from kvjax.runtime.options import eviction_from
 
 
 @pytest.fixture(scope="module")

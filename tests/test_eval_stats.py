@@ -9,10 +9,10 @@ import math
 import pytest
 
 import kvjax
-from kvjax.cli import main
+from kvjax.cli.main import main
 from kvjax.eval import cli, report, seeds, sweep
 from kvjax.eval.stats import paired, sign_test, wilson
-from kvjax.options import eviction_from, with_tokenizer
+from kvjax.runtime.options import eviction_from, with_tokenizer
 
 SEEDS = ("seeds-obcache", "seeds-caote", "seeds-momentkv", "seeds-kvzip")
 

@@ -7,10 +7,16 @@ memory mappings; see conftest.py.)"""
 import jax
 import numpy as np
 import pytest
+from reference_eviction import run_reference
+from test_engine_vs_reference import (
+    BLOCK,
+    BUDGET,
+    NEW_TOKENS,
+    check_against_reference,
+    distinct_prompts,
+)
 
 import kvjax
-from reference_eviction import run_reference
-from test_engine_vs_reference import BLOCK, BUDGET, NEW_TOKENS, check_against_reference, distinct_prompts
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.decoding import Generation
-from kvjax.sampling import Sampling, sample
+from kvjax.runtime.decoding import Generation
+from kvjax.runtime.sampling import Sampling, sample
 
 
 def random_prompt(n, seed, vocab=97):
@@ -109,7 +109,7 @@ def test_smollm2_batch_of_chats_equals_alone(smollm2, smollm2_tokenizer):
 
 
 def test_bfloat16_batch_generates(tiny_llama):
-    from kvjax.params import cast_params
+    from kvjax.model.params import cast_params
 
     prompts = [random_prompt(7, 1), random_prompt(12, 2)]
     out = kvjax.generate(cast_params(tiny_llama, "bfloat16"), prompts, max_new_tokens=4, stop_ids=())

@@ -40,7 +40,7 @@ from kvjax.kernels.block_attention import reference as block_ref
 from kvjax.kernels.block_attention import tpu as block_tpu
 from kvjax.kernels.decode_attention import reference as decode_ref
 
-from kvjax.moments import Moments
+from kvjax.eviction.moments import Moments
 
 SCORES = ("attn", "obcache-value", "obcache-key", "obcache-joint")
 TOLERANCE = {  # dtype -> output -> (atol, rtol); atol is a fraction of max |reference| except for lse

@@ -2,9 +2,10 @@
 interpreter on CPU) generates the XLA path's tokens, with a budget small enough that the chat prompt is
 evicted block by block and every decode step evicts; and ``impl`` is validated."""
 
-import kvjax
 import numpy as np
 import pytest
+
+import kvjax
 
 PROMPT = "Name the three primary colours and say which two of them make green when mixed."
 EVICTION = dict(budget=32, block_size=16, obs_window=8)  # window 8 + 4 sinks: 20 slots scored per step

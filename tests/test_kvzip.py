@@ -7,11 +7,17 @@ import json
 import jax
 import numpy as np
 import pytest
+from reference_eviction import repeat_scores, run_kvzip_reference, shared_counts
 
 import kvjax
-from kvjax.kvzip import RepeatPrompt, head_scores, kvzip_scores, load_head_scores, save_head_scores
-from kvjax.prefilled import prefill_full
-from reference_eviction import repeat_scores, run_kvzip_reference, shared_counts
+from kvjax.runtime.kvzip_pass import (
+    RepeatPrompt,
+    head_scores,
+    kvzip_scores,
+    load_head_scores,
+    save_head_scores,
+)
+from kvjax.runtime.prefilled import prefill_full
 
 PROMPT = RepeatPrompt(first=(5, 6, 7), later=(5, 6, 8), colon=(9,))
 CHUNK = 16
@@ -64,7 +70,7 @@ def test_kvpress_form_scores_equal_its_reference(model):
 def test_contexts_shorter_than_a_chunk_are_fed_at_their_length(model, monkeypatch):
     """Contexts of 300 and 40 tokens under the paper's 2K chunk: one repeat input of 512 slots (300 rounded up to
     WIDTH_STEP), not 2,048, with Algorithm 1's scores; the same as when padded to the whole chunk."""
-    import kvjax.kvzip as kvzip
+    import kvjax.runtime.kvzip_pass as kvzip
 
     rng = np.random.default_rng(1)
     contexts = [rng.integers(10, 97, 300).astype(np.int32), rng.integers(10, 97, 40).astype(np.int32)]
@@ -155,7 +161,7 @@ def test_kvzip_needs_its_inputs_and_the_prefill_protocol(model):
 
 def test_repeat_option_errors():
     """An unknown form, or a repeat prompt made in another form than ``repeat`` asks, is an error naming both."""
-    from kvjax.options import eviction_from
+    from kvjax.runtime.options import eviction_from
 
     with pytest.raises(ValueError, match=r"repeat='verbatim' must be one of \('paper', 'kvpress'\)"):
         eviction_from(scorer="kvzip", budget=8, repeat="verbatim", repeat_prompt=PROMPT)
@@ -167,8 +173,8 @@ def test_repeat_option_errors():
 
 def test_repeat_prompt_survives_a_saved_context():
     """A saved context's eviction settings (JSON) bring back the repeat prompt whole: ids, skip, sinks, form."""
-    from kvjax.options import eviction_from
-    from kvjax.saved_context import _eviction_from_json, _eviction_to_json
+    from kvjax.runtime.options import eviction_from
+    from kvjax.runtime.saved_context import _eviction_from_json, _eviction_to_json
 
     prompt = RepeatPrompt(first=(5, 6), later=(7,), colon=(8, 9), skip=3, sinks=4, form="kvpress")
     ev = eviction_from(scorer="kvzip", budget=8, repeat_prompt=prompt)

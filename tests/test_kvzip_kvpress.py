@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.options import with_tokenizer
+from kvjax.runtime.options import with_tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "kvpress_kvzip_kept.json.gz")
 with gzip.open(DATA, "rt") as _f:

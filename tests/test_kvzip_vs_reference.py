@@ -8,13 +8,13 @@ import json
 
 import numpy as np
 import pytest
-
-import kvjax
-import kvjax.kvzip
 from helpers import distinct_prompts
 from helpers import kept_positions as kept
-from kvjax.kvzip import RepeatPrompt
 from reference_eviction import full_forward, run_kvzip_reference
+
+import kvjax
+import kvjax.runtime.kvzip_pass
+from kvjax.eviction import RepeatPrompt
 
 PROMPTS = distinct_prompts((37, 20))  # a right-padded batch
 QUESTIONS = distinct_prompts((6, 3), seed=1)
@@ -30,9 +30,9 @@ LOGITS = dict(atol=1e-4, rtol=1e-4)  # float32 against float64, as tests/test_en
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    """Repeat chunks of CHUNK tokens in kvjax (``kvzip_scores`` binds kvjax.kvzip.CHUNK as its
+    """Repeat chunks of CHUNK tokens in kvjax (``kvzip_scores`` binds kvjax.runtime.kvzip_pass.CHUNK as its
     default when it is defined: patching CHUNK would change nothing)."""
-    monkeypatch.setattr(kvjax.kvzip.kvzip_scores, "__defaults__", (CHUNK,))
+    monkeypatch.setattr(kvjax.runtime.kvzip_pass.kvzip_scores, "__defaults__", (CHUNK,))
 
 
 def check(model, settings: dict, *, generate: bool = False, head_scores=None) -> list[dict]:

@@ -42,7 +42,7 @@ def test_readme_lists_every_scorer_name():
 
 def test_readme_lists_every_eviction_keyword_and_allocation():
     from kvjax.eviction import allocation_table
-    from kvjax.options import options_table
+    from kvjax.runtime.options import options_table
 
     readme = (ROOT / "README.md").read_text()
     assert options_table() in readme and allocation_table() in readme
@@ -118,3 +118,30 @@ def test_no_module_imports_private_names_of_another_package():
                     if not m.startswith(owner + ".") and m != owner:
                         reached.append((m, node.module, part))
     assert not reached, reached
+
+
+# The layers of kvjax, bottom first: a module imports only its own layer and the ones below (no back arrows).
+LAYERS = (
+    ("kvjax.kernels",),
+    ("kvjax.slots", "kvjax.extras", "kvjax.model"),
+    ("kvjax.checkpoint", "kvjax.loading", "kvjax.sharding", "kvjax.eviction"),
+    ("kvjax.cache",),
+    ("kvjax.runtime",),
+    ("kvjax",),  # the public API (kvjax/__init__.py), which the interfaces use
+    ("kvjax.serving", "kvjax.eval", "kvjax.cli"),
+    ("kvjax.__main__",),
+)
+
+
+def _layer(module: str) -> int:
+    """The index in ``LAYERS`` of a module's most specific (longest) prefix."""
+    found = [(len(p), i) for i, names in enumerate(LAYERS) for p in names
+             if module == p or module.startswith(p + ".")]
+    assert found, f"{module} is in no layer"
+    return max(found)[1]
+
+
+def test_imports_point_down_the_layers():
+    edges = _imports(_modules())
+    back = [(m, n) for m, targets in edges.items() for n in targets if _layer(n) > _layer(m)]
+    assert not back, back

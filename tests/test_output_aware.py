@@ -187,7 +187,7 @@ def test_moment_eviction_scores_a_rounding_apart_tie():
     """Two equal tokens under equal priorities tie; read at other slots their scores can round apart (here the
     later one is made lower by 2e-7 relative, and float32 keeps it lower). The exact loop calls that a tie and
     evicts the earlier position, as the float64 reference does on the equal tokens."""
-    from kvjax.moments import Moments, moment_informed_eviction
+    from kvjax.eviction.moments import Moments, moment_informed_eviction
 
     r = np.random.default_rng(7)
     N = 6
@@ -209,7 +209,7 @@ def test_moment_eviction_finds_a_copy_of_the_evicted_token():
     """With one token evicted, a copy of its value is predicted exactly (v̄ = v_e, S̃ = 0: r = 0) and goes next.
     The scalars' cancelling sum leaves rounding noise on its score above the other candidates' scores (priority
     1e-5): screened by that sum rather than its lower bound (``FLOOR`` = 0), the copy is missed."""
-    from kvjax.moments import moment_informed_eviction
+    from kvjax.eviction.moments import moment_informed_eviction
 
     r = np.random.default_rng(11)
     N = 10
@@ -231,7 +231,7 @@ def test_moment_eviction_finds_a_copy_of_the_evicted_token():
 
 @pytest.mark.parametrize("batch", [1, 3, 50])
 def test_batched_moment_eviction_matches_its_numpy_reference(batch):
-    from kvjax.moments import moment_informed_eviction
+    from kvjax.eviction.moments import moment_informed_eviction
 
     r = np.random.default_rng(batch)
     B, Hk, N = 1, 2, 30

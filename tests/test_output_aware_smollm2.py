@@ -7,11 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import struct
-
-from kvjax.cache import Segment
-from kvjax.model import decode_hidden
+from helpers import (
+    FILLER,
+    NEEDLE,
+    QUESTION,
+    covering,
+    moments_of,
+    own_pass,
+    scorer_requirements,
+)
 from kvjax.kernels import attention_with_scores, corrected_attention
-from helpers import FILLER, NEEDLE, QUESTION, covering, moments_of, own_pass, scorer_requirements
+
+from kvjax.model.decoder import decode_hidden
+from kvjax.model.segment import Segment
 
 pytestmark = pytest.mark.smollm2
 
@@ -89,8 +97,7 @@ def test_every_scorer_name_answers_on_smollm2(smollm2, smollm2_tokenizer, tmp_pa
     and keeps what matters at a moderate budget, not which name is best.)"""
     import kvjax
     from kvjax.eviction import ALIASES, SCORERS, split_name
-
-    from kvjax.kvzip import save_head_scores
+    from kvjax.runtime.kvzip_pass import save_head_scores
 
     ids = kvjax.chat_tokens(smollm2_tokenizer, FILLER[:900] + "\n\nWhat is the capital of France?")
     assert len(ids) > 192 + 64  # evictions in prefill (either protocol) and in every decode step

@@ -14,7 +14,7 @@ import pytest
 import kvjax
 from kvjax import loading
 from kvjax.checkpoint.registry import REGISTRY
-from kvjax.saved_context import context_path
+from kvjax.runtime.saved_context import context_path
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -131,7 +131,7 @@ def hub_cache(root: Path, tokenizer) -> Path:
 @pytest.mark.smollm2
 def test_a_model_is_loaded_by_its_hugging_face_id_from_the_local_cache(smollm2_tokenizer, tmp_path, monkeypatch,
                                                                        capsys, checkpoint_root):
-    from kvjax.cli import main
+    from kvjax.cli.main import main
 
     snapshot = hub_cache(tmp_path / "hub", smollm2_tokenizer)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -157,7 +157,7 @@ def test_a_model_is_loaded_by_its_hugging_face_id_from_the_local_cache(smollm2_t
 
 
 def test_a_path_that_needs_a_missing_extra_names_it(monkeypatch, capsys):
-    from kvjax.cli import main
+    from kvjax.cli.main import main
 
     monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed: importing it raises ImportError
     assert main(["serve", "--model", "no-such-model"]) == 2

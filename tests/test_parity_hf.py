@@ -4,9 +4,9 @@ loaded through kvjax's Hugging Face directory reader."""
 import numpy as np
 import pytest
 import torch
+from helpers import BASE, HF_CASES, make_hf_model
 
 import kvjax
-from helpers import BASE, HF_CASES, make_hf_model
 
 
 @pytest.mark.parametrize("case", sorted(HF_CASES))

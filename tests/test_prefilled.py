@@ -6,11 +6,17 @@ evict=False)``) keeps the whole question and answer."""
 
 import numpy as np
 import pytest
+from helpers import (
+    covering,
+    distinct_prompts,
+    kept_positions,
+    own_pass,
+    scorer_requirements,
+)
+from reference_eviction import run_kvzip_reference
 
 import kvjax
-from helpers import covering, distinct_prompts, kept_positions, own_pass, scorer_requirements
 from kvjax.eviction import SCORERS
-from reference_eviction import run_kvzip_reference
 
 BUDGET = 14
 
@@ -105,9 +111,9 @@ def test_appending_without_eviction_keeps_the_question_and_the_answer(tiny_llama
     context and nothing leaves it."""
     import jax
 
-    from kvjax.decoding import Generation, prefill_budget_cache
-    from kvjax.inputs import pad_rows, prompt_bucket
-    from kvjax.sampling import Sampling
+    from kvjax.runtime.decoding import Generation, prefill_budget_cache
+    from kvjax.runtime.inputs import pad_rows, prompt_bucket
+    from kvjax.runtime.sampling import Sampling
 
     context = prefilled.compress(budget=BUDGET, scorer="snapkv", obs_window=4, upto=[30, 15])
     questions = [np.arange(60, 66, dtype=np.int32), np.arange(70, 73, dtype=np.int32)]

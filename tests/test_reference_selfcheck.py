@@ -5,11 +5,19 @@ import itertools
 import jax
 import numpy as np
 import pytest
+from helpers import N, P, defaults
+from reference_eviction import (
+    BASES,
+    SCORERS,
+    Reference,
+    full_forward,
+    pool_priorities,
+    run_reference,
+    select_kept,
+    softmax,
+)
 
 import kvjax
-from helpers import N, P, defaults
-from reference_eviction import (BASES, SCORERS, Reference, full_forward, pool_priorities,
-                                run_reference, select_kept, softmax)
 
 PROTOCOLS = ("blockwise", "prefill")
 

@@ -8,13 +8,22 @@ import itertools
 
 import numpy as np
 import pytest
-
-from reference_eviction import (MODIFIERS, SCORERS, Moments, Reference, caote_priorities, nc_correct,
-                                obcache_columns, parse_scorer, pool_priorities, protected_mask,
-                                select_kept, select_moment_informed)
 import reference_eviction
-
 from helpers import N, P, defaults
+from reference_eviction import (
+    MODIFIERS,
+    SCORERS,
+    Moments,
+    Reference,
+    caote_priorities,
+    nc_correct,
+    obcache_columns,
+    parse_scorer,
+    pool_priorities,
+    protected_mask,
+    select_kept,
+    select_moment_informed,
+)
 
 
 def plain_attention(q, keys, values):

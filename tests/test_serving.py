@@ -348,7 +348,7 @@ def test_a_client_that_disconnects_frees_its_slot(tiny, smollm2_tokenizer):
 
 
 def test_cli_serve_help_and_early_errors(capsys):
-    from kvjax.cli import main
+    from kvjax.cli.main import main
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
@@ -370,7 +370,7 @@ def test_cli_serve_finishes_requests_in_flight_on_sigterm(tiny, smollm2_tokenize
     """``python -m kvjax serve`` on a saved tiny checkpoint: SIGTERM while a 100-token stream is in flight; the
     stream still ends with all its tokens and [DONE], then the process exits with 0."""
     from kvjax.checkpoint.store import write_checkpoint
-    from kvjax.params import params_to_flat
+    from kvjax.model.params import params_to_flat
 
     model = tmp_path / "tiny-serve"
     write_checkpoint(str(model), tiny.config, params_to_flat(tiny), tokenizer=smollm2_tokenizer)

@@ -25,12 +25,18 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from kvjax.kernels import SCORE_KINDS, block_attention_with_scores, decode_attention_with_scores
-from kvjax.kernels.paged_attention import paged_block_attention_with_scores, paged_decode_attention_with_scores
-from kvjax.moments import Moments
-
 from common import Compiler, Deadline, Results, guarded, log, median_seconds
+from kvjax.kernels import (
+    SCORE_KINDS,
+    block_attention_with_scores,
+    decode_attention_with_scores,
+)
+from kvjax.kernels.paged_attention import (
+    paged_block_attention_with_scores,
+    paged_decode_attention_with_scores,
+)
+
+from kvjax.eviction.moments import Moments
 
 SHAPES = {"smollm2": (3, 3, 64), "llama8b": (8, 4, 128)}  # (KV heads, query heads per KV head, head dim)
 # METHOD.md: TF32-level float32 dots land near 3e-4, bfloat16 operands between 1e-3 and 1e-2

@@ -5,7 +5,7 @@ Prefill: tokens/s of one 4K- and one 32K-token prompt (random ids) into the full
 128, evicting after each) into budgets of 1024 and 256 (SnapKV; AdaKV on the paged cache). The first call of each
 compiled program is its warm-up; the figure is the median of the timed calls after it.
 
-Decode: ms per step of ``kvjax.decoding.decode_steps`` (the loop ``kvjax.generate`` runs: greedy sampling, every
+Decode: ms per step of ``kvjax.runtime.decoding.decode_steps`` (the loop ``kvjax.generate`` runs: greedy sampling, every
 step evicting one token per row and KV head) at batch 1, 8, 32 and 64, from the prefilled state of one prompt
 repeated over the batch (every row holds the same cache; the prefill above made it). MomentKV decodes from
 SnapKV's prefilled cache (the same layout; its moment sums start empty): its step is what is timed. Beside each
@@ -28,17 +28,30 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import (
+    Ceilings,
+    Compiler,
+    Deadline,
+    Results,
+    error_text,
+    guarded,
+    log,
+    memory_stats,
+)
 
 import kvjax
-from kvjax.cache import cache_bytes
-from kvjax.config import ModelConfig
-from kvjax.decoding import DecodeState, decode_steps, prefill_budget_cache, prefill_full_cache
-from kvjax.inputs import round_capacity
-from kvjax.options import eviction_from
-from kvjax.sampling import Sampling
+from kvjax.cache.full import cache_bytes
+from kvjax.model.config import ModelConfig
+from kvjax.runtime.decoding import (
+    DecodeState,
+    decode_steps,
+    prefill_budget_cache,
+    prefill_full_cache,
+)
+from kvjax.runtime.inputs import round_capacity
+from kvjax.runtime.options import eviction_from
+from kvjax.runtime.sampling import Sampling
 from kvjax.serving.engine import _cache_batch_axes
-
-from common import Ceilings, Compiler, Deadline, Results, error_text, guarded, log, memory_stats
 
 LLAMA_8B = ModelConfig(
     arch="llama", vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336,

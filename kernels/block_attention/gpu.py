@@ -35,7 +35,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from kvjax.kernels import gpu_common as common
-from kvjax.kernels._shared import check_score, check_shapes, next_pow2, pad_axis, round_up
+from kvjax.kernels._shared import (
+    check_score,
+    check_shapes,
+    next_pow2,
+    pad_axis,
+    round_up,
+)
 
 
 def _scores_kernel(q_ref, k_ref, v_ref, spos_ref, qpos_ref, w_ref, o_ref, m_ref, l_ref, col_ref, *, score: str,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 from kvjax.kernels._shared import NEG_INF, SCORE_KINDS, check_score, check_shapes
 
 

@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels import tpu_common as common
 from kvjax.kernels._shared import KEY_KINDS, check_score, check_shapes, round_up
+
 # the tiling constants, also read as block_attention.tpu's by benchmarks/kernels.py
 from kvjax.kernels.tpu_common import DEFAULT_BLOCK_K, DEFAULT_BLOCK_ROWS, ROW_ALIGN  # noqa: F401
 

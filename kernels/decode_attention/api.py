@@ -41,7 +41,7 @@ def decode_attention_with_scores(q, k, v, slot_pos, query_pos, query_weights=Non
 
     q [B, 1, H, K]; k, v [B, Hk, S, K]; slot_pos [B, Hk, S] int32 (-1 = empty); query_pos [B, 1] int32;
     query_weights [B, 1] float32 or None; score as ``block_attention_with_scores``; moments: one layer's
-    ``kvjax.budget_cache.Moments`` (count [B, Hk], k_sum, v_sum [B, Hk, K], vk_sum [B, Hk, K, K]) or None;
+    ``kvjax.cache.dense.Moments`` (count [B, Hk], k_sum, v_sum [B, Hk, K], vk_sum [B, Hk, K, K]) or None;
     zeroth: the zeroth-order correction (estimate v̄ only). Returns (out [B, 1, H, K] in q's dtype, lse
     [B, 1, H] float32 of the kept slots, col [B, Hk, G, S] float32 or None). impl / interpret / block_k as
     ``block_attention_with_scores``.

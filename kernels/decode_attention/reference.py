@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 from kvjax.kernels.block_attention.reference import block_attention_with_scores
 
 CLAMP = 1e-6  # entries of S̃ below this magnitude are set to zero (MomentKV App. C.2)
@@ -62,7 +61,7 @@ def check_decode(q) -> None:
 def decode_attention_with_scores(q, k, v, slot_pos, query_pos, query_weights=None, score: str = "attn",
                                  moments=None, zeroth: bool = False):
     """q [B, 1, H, K]; k, v [B, Hk, S, K]; slot_pos [B, Hk, S]; query_pos [B, 1]; query_weights [B, 1] or
-    None; moments: one layer's ``kvjax.budget_cache.Moments`` ([B, Hk, ...]) or None. Returns (out
+    None; moments: one layer's ``kvjax.cache.dense.Moments`` ([B, Hk, ...]) or None. Returns (out
     [B, 1, H, K] — corrected when ``moments`` is given —, lse [B, 1, H], col [B, Hk, G, S] or None)."""
     check_decode(q)
     out, lse, col = block_attention_with_scores(q, k, v, slot_pos, query_pos, query_weights, score)

@@ -82,7 +82,7 @@ def paged_decode_attention_with_scores(q, k_pages, v_pages, page_table, n_pages,
 
     q [B, 1, H, K]; the paged cache as ``paged_block_attention_with_scores``; query_pos [B, 1];
     query_weights [B, 1] float32 or None; moments: one layer's count [B, Hk], k_sum, v_sum [B, Hk, K],
-    vk_sum [B, Hk, K, K] (``kvjax.budget_cache.Moments``) or None; zeroth: the zeroth-order correction.
+    vk_sum [B, Hk, K, K] (``kvjax.cache.dense.Moments``) or None; zeroth: the zeroth-order correction.
     Returns (out [B, 1, H, K] in q's dtype, lse [B, 1, H] float32 of the kept slots, col [B, Hk, G, M·P]
     float32 or None). impl / interpret / block_k as ``paged_block_attention_with_scores``.
     """

@@ -34,7 +34,11 @@ from jax.experimental.pallas import triton as plgpu
 from kvjax.kernels import gpu_common as common
 from kvjax.kernels._shared import check_score, next_pow2, pad_axis, round_up
 from kvjax.kernels.decode_attention.reference import check_decode
-from kvjax.kernels.paged_attention.reference import check_paged_shapes, fill_unused_pages, with_unread_slots
+from kvjax.kernels.paged_attention.reference import (
+    check_paged_shapes,
+    fill_unused_pages,
+    with_unread_slots,
+)
 
 
 def supports(head_dim: int, page_size: int) -> bool:

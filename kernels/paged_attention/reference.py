@@ -21,7 +21,10 @@ import jax
 import jax.numpy as jnp
 from kvjax.kernels._shared import NEG_INF, check_score, check_shapes
 from kvjax.kernels.block_attention.reference import block_attention_with_scores
-from kvjax.kernels.decode_attention.reference import check_decode, decode_attention_with_scores
+from kvjax.kernels.decode_attention.reference import (
+    check_decode,
+    decode_attention_with_scores,
+)
 
 
 def check_paged_shapes(q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos,

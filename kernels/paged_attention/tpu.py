@@ -41,7 +41,11 @@ from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels import tpu_common as common
 from kvjax.kernels._shared import KEY_KINDS, check_score, round_up
 from kvjax.kernels.decode_attention.reference import check_decode
-from kvjax.kernels.paged_attention.reference import check_paged_shapes, fill_unused_pages, with_unread_slots
+from kvjax.kernels.paged_attention.reference import (
+    check_paged_shapes,
+    fill_unused_pages,
+    with_unread_slots,
+)
 
 PAGE_ALIGN = 16  # rows of a bfloat16 sublane tile (float32 needs 8)
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from kvjax.checkpoint.errors import CheckpointError
 from kvjax.checkpoint.layout import GGUF, convert
-from kvjax.config import ModelConfig
+from kvjax.model.config import ModelConfig
 
 # llama.cpp's converter interleaves the rotary halves of q/k rows for the llama architecture only.
 _PERMUTED = {"llama"}

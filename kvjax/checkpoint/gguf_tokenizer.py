@@ -20,7 +20,10 @@ def gguf_tokenizer(path: str):
     """The ``transformers`` fast tokenizer a GGUF file describes (vocabulary, merges, special tokens, chat
     template), built without torch."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
 
     reader = open_gguf(path)
     grouped = {group: {name: field(reader, f"tokenizer.{key}") for key, name in renames.items()

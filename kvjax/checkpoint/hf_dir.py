@@ -11,7 +11,7 @@ import numpy as np
 
 from kvjax.checkpoint.errors import CheckpointError
 from kvjax.checkpoint.layout import HF, convert
-from kvjax.config import ModelConfig
+from kvjax.model.config import ModelConfig
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 

@@ -9,8 +9,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kvjax.checkpoint.errors import CheckpointError
-from kvjax.config import ModelConfig
-from kvjax.params import param_specs
+from kvjax.model.config import ModelConfig
+from kvjax.model.params import param_specs
 
 
 def _heads_in(n_heads: Callable[[ModelConfig], int]):

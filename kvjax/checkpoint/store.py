@@ -16,8 +16,8 @@ import jax
 import numpy as np
 
 from kvjax.checkpoint.errors import CheckpointError
-from kvjax.config import ModelConfig
-from kvjax.params import Params, abstract_flat, params_from_flat, shape_mismatches
+from kvjax.model.config import ModelConfig
+from kvjax.model.params import Params, abstract_flat, params_from_flat, shape_mismatches
 
 CONFIG_FILE = "kvjax_config.json"
 SOURCE_FILE = "source.json"

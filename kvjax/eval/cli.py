@@ -12,7 +12,7 @@ from kvjax.eval.haystack import HAYSTACKS
 from kvjax.eval.niah import TASKS
 from kvjax.eval.sweep import SETTINGS
 from kvjax.extras import require
-from kvjax.options import DEFAULTS, NAMES, add_arguments, from_arguments
+from kvjax.runtime.options import DEFAULTS, NAMES, add_arguments, from_arguments
 
 SWEPT = ("budget", "scorer", "protocol")  # the evaluations sweep these (--budgets, --scorers, --protocols)
 SHARED = tuple(name for name in NAMES if name not in SWEPT)  # the eviction keywords every run shares
@@ -170,7 +170,7 @@ def _shared_options(args, preset: dict | None = None) -> dict:
 def _niah_plan(args) -> dict:
     """What ``eval niah`` will run: the preset's settings overridden by the command line's, checked."""
     from kvjax.eval import sweep
-    from kvjax.options import eviction_from, with_tokenizer
+    from kvjax.runtime.options import eviction_from, with_tokenizer
 
     preset = PRESETS[args.preset] if args.preset else {}
     pick = lambda name, default: getattr(args, name) or preset.get(name, default)  # noqa: E731

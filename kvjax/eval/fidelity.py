@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.cache import FullCache, Segment
-from kvjax.engine import Eviction
+from kvjax.cache.full import FullCache
 from kvjax.eval.haystack import pydoc_prose
 from kvjax.eval.sweep import scorer_options
-from kvjax.model import decode_hidden, logits_from_hidden
-from kvjax.params import Params
+from kvjax.model.decoder import decode_hidden, logits_from_hidden
+from kvjax.model.params import Params
+from kvjax.model.segment import Segment
+from kvjax.runtime.protocol import Eviction
 
 
 @struct.dataclass

@@ -12,12 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import FullCache, Segment
-from kvjax.engine import Eviction, decode_segment, step
+from kvjax.cache.full import FullCache
 from kvjax.eval.haystack import pydoc_prose
-from kvjax.model import decode_hidden, logits_from_hidden
-from kvjax.options import eviction_from
-from kvjax.params import Params
+from kvjax.model.decoder import decode_hidden, logits_from_hidden
+from kvjax.model.params import Params
+from kvjax.model.segment import Segment
+from kvjax.runtime.options import eviction_from
+from kvjax.runtime.protocol import Eviction, decode_segment, step
 
 LOGIT_CHUNK = 256  # positions per logits computation of the full-cache pass
 

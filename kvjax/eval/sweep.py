@@ -25,8 +25,8 @@ import jax
 import kvjax
 from kvjax.eval.niah import Sample, score
 from kvjax.eviction import MODIFIERS, split_name
-from kvjax.options import with_tokenizer
-from kvjax.params import Params
+from kvjax.model.params import Params
+from kvjax.runtime.options import with_tokenizer
 
 SETTINGS = ("query-aware", "query-agnostic")
 FULL = "full"  # the uncompressed baseline's scorer name

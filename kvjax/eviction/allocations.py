@@ -3,7 +3,7 @@
 One table, ``ALLOCATIONS``. An allocation turns the eviction keys of every slot (``+inf`` protected, ``-inf``
 empty, else the scorer's priority) into a kept count per (layer, row, KV head), ``targets``; which slots a
 head then keeps is the scorer's business (its highest keys, or MomentKV's moment-informed eviction down to
-the count). Allocations whose per-head counts differ run on the paged cache (``kvjax.paged_cache``), whose
+the count). Allocations whose per-head counts differ run on the paged cache (``kvjax.cache.paged``), whose
 memory follows the total budget. Semantics: ``docs/eviction.md`` ("Allocations").
 """
 

@@ -22,7 +22,7 @@ from flax import struct
 
 from kvjax.eviction.base import Base
 from kvjax.eviction.priority import pool
-from kvjax.rope import apply_rope, inverse_frequencies
+from kvjax.model.rope import apply_rope, inverse_frequencies
 
 
 @struct.dataclass

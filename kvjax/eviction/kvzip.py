@@ -1,6 +1,6 @@
 """KVzip's scorers: ``kvzip`` (a repeat pass scores every context token) and its repeat prompt.
 
-The pass itself runs the model and lives in ``kvjax.kvzip``; this module holds what the scorer is: its
+The pass itself runs the model and lives in ``kvjax.runtime.kvzip_pass``; this module holds what the scorer is: its
 engine settings, its repeat prompt (``RepeatPrompt``, ``kvzip_prompt``) and their forms.
 """
 

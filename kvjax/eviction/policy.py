@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.eviction.allocations import ALLOCATIONS, FLOOR_MODES, floor_count, head_capacity, layer_budgets
+from kvjax.eviction.allocations import (
+    ALLOCATIONS,
+    FLOOR_MODES,
+    floor_count,
+    head_capacity,
+    layer_budgets,
+)
 from kvjax.eviction.base import Base
 from kvjax.eviction.kvzip import RepeatPrompt
 from kvjax.eviction.modifiers import MODIFIERS, NO_MODIFIER, Modifier
@@ -28,7 +34,7 @@ class Policy:
     allocation: how many slots each (layer, KV head) keeps (``kvjax.eviction.allocations.ALLOCATIONS``); floor: the
     fraction of the budget every head keeps at least under a shared allocation; chunk: tokens of ``chunk``
     consecutive positions share the mean of their priorities (1 = each token by itself); repeat_prompt:
-    KVzip's repeat prompt (``kvjax.kvzip.RepeatPrompt``); head_scores: the file of ``kvzip-head``'s saved head
+    KVzip's repeat prompt (``kvjax.eviction.RepeatPrompt``); head_scores: the file of ``kvzip-head``'s saved head
     scores; cap: the most tokens one head keeps, when the allocation's own rule does not apply (``kvzip-head``,
     whose whole heads hold the context); head_budgets: the "heads" allocation's budget of every (layer, KV
     head), flattened (set when a prompt is compressed); floor_mode: how the floor counts the protected tokens
@@ -129,7 +135,7 @@ def make_policy(scorer: str, budget: int, *, n_sink: int, window: int | None, ob
                 kernel: int, aggregate: str | None, mi_batch: int, impl: str | None, allocation: str | None,
                 floor: float | None, chunk: int, repeat_prompt: RepeatPrompt | None, head_scores: str | None,
                 floor_mode: str) -> Policy:
-    """The validated ``Policy`` of the eviction keywords (``kvjax.options.EvictionOptions``, which holds their
+    """The validated ``Policy`` of the eviction keywords (``kvjax.runtime.options.EvictionOptions``, which holds their
     defaults), with the scorer's own settings for what is left as None: window and pool the base's;
     aggregate ``sum`` for OBCache as in its App. B.5, else ``mean`` as kvpress (the two rank identically);
     allocation the name's prefix, else the base's (uniform but for KVzip); floor the base's, else the
@@ -157,7 +163,7 @@ def make_policy(scorer: str, budget: int, *, n_sink: int, window: int | None, ob
         raise ValueError("scorer='kvzip' needs repeat_prompt=kvjax.kvzip_prompt(tokenizer) (the repeat prompt's "
                          "token ids)" if repeat_prompt is None else f"repeat_prompt is KVzip's; scorer={scorer!r}")
     if (head_scores is not None) != (spec.scoring_pass == "heads"):
-        raise ValueError("scorer='kvzip-head' needs head_scores=<file of kvjax.kvzip.save_head_scores>"
+        raise ValueError("scorer='kvzip-head' needs head_scores=<file of kvjax.runtime.kvzip_pass.save_head_scores>"
                          if head_scores is None else f"head_scores is kvzip-head's; scorer={scorer!r}")
     mod = MODIFIERS[modifier] if modifier else NO_MODIFIER
     for name, value in (("budget", budget), ("obs_window", obs_window), ("kernel", kernel), ("mi_batch", mi_batch)):

@@ -2,11 +2,11 @@
 state with its own position, token limit, stop ids and sampling settings, and three jitted functions:
 
 - ``prefill(params, inputs) -> Prefix``: one prompt, padded to a bucket, prefilled at batch 1 under the
-  engine's eviction (``kvjax.decoding.prefill_budget_cache``, as ``kvjax.generate`` does), or into a full
+  engine's eviction (``kvjax.runtime.decoding.prefill_budget_cache``, as ``kvjax.generate`` does), or into a full
   cache of a capacity fixed per engine;
 - ``insert(prefix, state, slot) -> state``: the prefix written into row ``slot`` (the state donated);
 - ``generate(params, state) -> (state, tokens)``: ``steps`` decode steps of every slot (the state
-  donated), each ``kvjax.decoding.decode_step`` (as ``kvjax.generate``) by each slot's settings.
+  donated), each ``kvjax.runtime.decoding.decode_step`` (as ``kvjax.generate``) by each slot's settings.
 
 Budget, scorer, allocation and the other eviction keywords are fixed per engine. Every shape is fixed by the
 engine (slots, buckets up to ``max_prompt``, the cache), so after ``Engine.warmup`` nothing compiles. Decoding
@@ -25,13 +25,19 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from kvjax.cache import FullCache
-from kvjax.decoding import decode_step, prefill_budget_cache, prefill_full_cache
-from kvjax.engine import Eviction
-from kvjax.inputs import check_max_new, check_tokens, pad_rows, prompt_bucket, round_capacity
-from kvjax.options import eviction_from
-from kvjax.params import Params
-from kvjax.sampling import Sampling
+from kvjax.cache.full import FullCache
+from kvjax.model.params import Params
+from kvjax.runtime.decoding import decode_step, prefill_budget_cache, prefill_full_cache
+from kvjax.runtime.inputs import (
+    check_max_new,
+    check_tokens,
+    pad_rows,
+    prompt_bucket,
+    round_capacity,
+)
+from kvjax.runtime.options import eviction_from
+from kvjax.runtime.protocol import Eviction
+from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import auto_mesh, check_batch, constrain, on_mesh, shard
 
 MAX_STOP_IDS = 8  # stop ids per request (a padded [slots, MAX_STOP_IDS] array)

@@ -8,7 +8,12 @@ import sys
 import threading
 import time
 
-from kvjax.options import add_arguments, eviction_from, from_arguments, with_tokenizer
+from kvjax.runtime.options import (
+    add_arguments,
+    eviction_from,
+    from_arguments,
+    with_tokenizer,
+)
 
 LONG_CONTEXT = 1024  # tokens from which compressing a context shows its progress
 
@@ -68,9 +73,9 @@ def _ask(args) -> int:
     import jax
 
     import kvjax
-    from kvjax.conversation import context_stats
     from kvjax.loading import chat_parts
-    from kvjax.saved_context import context_path, load_context, save_context
+    from kvjax.runtime.conversation import context_stats
+    from kvjax.runtime.saved_context import context_path, load_context, save_context
 
     eviction = from_arguments(args)
     if (args.context is None) == (args.load is None):
@@ -117,7 +122,7 @@ def _ask(args) -> int:
 
 def _chat(args) -> int:
     import kvjax
-    from kvjax.conversation import Conversation
+    from kvjax.runtime.conversation import Conversation
 
     eviction = from_arguments(args)
     if eviction.get("budget") is None:

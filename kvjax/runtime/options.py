@@ -11,7 +11,6 @@ import dataclasses
 import math
 from typing import Any
 
-from kvjax.engine import DECODE_ORDERS, PAGE_SIZE, PROTOCOLS, Eviction
 from kvjax.eviction import (
     AGGREGATES,
     ALLOCATIONS,
@@ -26,6 +25,7 @@ from kvjax.eviction import (
     split_name,
 )
 from kvjax.kernels import IMPLS
+from kvjax.runtime.protocol import DECODE_ORDERS, PAGE_SIZE, PROTOCOLS, Eviction
 
 
 def _option(default, help: str, choices: tuple | None = None):

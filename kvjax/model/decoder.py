@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import Segment
-from kvjax.params import LayerParams, Params
-from kvjax.rope import apply_rope, inverse_frequencies
+from kvjax.model.params import LayerParams, Params
+from kvjax.model.rope import apply_rope, inverse_frequencies
+from kvjax.model.segment import Segment
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:

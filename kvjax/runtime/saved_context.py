@@ -17,15 +17,15 @@ import jax
 import numpy as np
 from flax.serialization import from_state_dict
 
-from kvjax.budget_cache import BudgetCache
+from kvjax.cache.dense import BudgetCache
+from kvjax.cache.paged import PagedCache
 from kvjax.checkpoint.errors import CheckpointError
 from kvjax.checkpoint.store import atomic_directory
-from kvjax.config import ModelConfig
-from kvjax.context import Context
-from kvjax.engine import Eviction
 from kvjax.eviction import Policy, RepeatPrompt
-from kvjax.paged_cache import PagedCache
-from kvjax.params import Params
+from kvjax.model.config import ModelConfig
+from kvjax.model.params import Params
+from kvjax.runtime.context import Context
+from kvjax.runtime.protocol import Eviction
 from kvjax.sharding import to_host
 
 META_FILE = "kvjax_context.json"

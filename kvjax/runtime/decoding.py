@@ -16,14 +16,15 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from kvjax.budget_cache import BudgetCache
-from kvjax.cache import FullCache, Segment
-from kvjax.engine import Eviction, decode_segment, extend, step
-from kvjax.inputs import pad_rows, prompt_bucket, round_capacity
-from kvjax.model import decode_hidden, logits_from_hidden
-from kvjax.paged_cache import PagedCache
-from kvjax.params import Params
-from kvjax.sampling import Sampling, sample
+from kvjax.cache.dense import BudgetCache
+from kvjax.cache.full import FullCache
+from kvjax.cache.paged import PagedCache
+from kvjax.model.decoder import decode_hidden, logits_from_hidden
+from kvjax.model.params import Params
+from kvjax.model.segment import Segment
+from kvjax.runtime.inputs import pad_rows, prompt_bucket, round_capacity
+from kvjax.runtime.protocol import Eviction, decode_segment, extend, step
+from kvjax.runtime.sampling import Sampling, sample
 from kvjax.sharding import constrain, on_mesh, to_host
 
 

@@ -23,12 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.cache import FullCache, Segment
-from kvjax.config import ModelConfig
+from kvjax.cache.full import FullCache
 from kvjax.eviction.kvzip import TRAIL, RepeatPrompt
 from kvjax.kernels import NEG_INF
-from kvjax.model import decode_hidden
-from kvjax.params import Params
+from kvjax.model.config import ModelConfig
+from kvjax.model.decoder import decode_hidden
+from kvjax.model.params import Params
+from kvjax.model.segment import Segment
 
 CHUNK = 2048  # m: context tokens per repeat input (the paper's 2K)
 QUERY_BLOCK = 256  # repeat queries attended and scored at once

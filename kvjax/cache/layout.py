@@ -11,9 +11,9 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from kvjax.budget_cache import BudgetCache
-from kvjax.moments import Moments
-from kvjax.paged_cache import PagedCache, pool_pages
+from kvjax.cache.dense import BudgetCache
+from kvjax.cache.paged import PagedCache, pool_pages
+from kvjax.eviction.moments import Moments
 
 
 class EvictingCache(Protocol):

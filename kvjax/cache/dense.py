@@ -13,12 +13,19 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import Segment, when
-from kvjax.config import ModelConfig
+from kvjax.cache.attention import (
+    ATTENTION_AXES,
+    ATTENTION_OUT_AXES,
+    KV,
+    fold_scores,
+    kept_attention,
+    scored_attention,
+)
 from kvjax.eviction import Policy, eviction_keys
+from kvjax.eviction.moments import Moments, moment_informed_eviction, over_layers
 from kvjax.kernels import block_attention_with_scores, decode_attention_with_scores
-from kvjax.moments import Moments, moment_informed_eviction, over_layers
-from kvjax.scored_attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV, fold_scores, kept_attention, scored_attention
+from kvjax.model.config import ModelConfig
+from kvjax.model.segment import Segment, when
 from kvjax.sharding import per_shard
 from kvjax.slots import set_layer_slots, set_slots
 

@@ -9,15 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from kvjax.cache import FullCache, Segment
-from kvjax.context import resume
-from kvjax.decoding import Generation
-from kvjax.inputs import check_context, check_max_new, check_tokens
-from kvjax.model import decode_hidden, logits_from_hidden
-from kvjax.options import eviction_from
-from kvjax.params import Params
-from kvjax.prefilled import prefill_rows
-from kvjax.sampling import Sampling
+from kvjax.cache.full import FullCache
+from kvjax.model.decoder import decode_hidden, logits_from_hidden
+from kvjax.model.params import Params
+from kvjax.model.segment import Segment
+from kvjax.runtime.context import resume
+from kvjax.runtime.decoding import Generation
+from kvjax.runtime.inputs import check_context, check_max_new, check_tokens
+from kvjax.runtime.options import eviction_from
+from kvjax.runtime.prefilled import prefill_rows
+from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import auto_mesh, data_size, shard
 
 

@@ -9,10 +9,10 @@ from typing import Callable
 
 import numpy as np
 
-from kvjax.cache import cache_bytes
-from kvjax.context import Context, extend
-from kvjax.params import Params
-from kvjax.prefilled import prefill
+from kvjax.cache.full import cache_bytes
+from kvjax.model.params import Params
+from kvjax.runtime.context import Context, extend
+from kvjax.runtime.prefilled import prefill
 from kvjax.sharding import to_host
 
 

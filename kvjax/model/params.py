@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.config import ModelConfig
+from kvjax.model.config import ModelConfig
 
 
 @struct.dataclass

@@ -1,56 +1,21 @@
-"""KV caches. A cache is a pytree whose leaves all carry a leading layer axis; the model's layer scan carries
-it and calls ``cache.attend(layer, q, k, v, segment)``, the one place where caching and eviction plug into
+"""The uncompressed cache (``FullCache``).
+
+A cache is a pytree whose leaves all carry a leading layer axis; the model's layer scan carries it and
+calls ``cache.attend(layer, q, k, v, segment)``, the one place where caching and eviction plug into
 the model. Updating the stacked cache in place (instead of scanning over per-layer slices, which copies the
 whole cache every step) keeps decoding memory traffic at one read of the cache."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.config import ModelConfig
 from kvjax.kernels import attention_with_scores
-
-if TYPE_CHECKING:
-    from kvjax.eviction import Policy
+from kvjax.model.config import ModelConfig
+from kvjax.model.segment import Segment
 
 PREFILL_CHUNK = 256  # query chunk of the full-cache causal prefill
-
-
-@struct.dataclass
-class Segment:
-    """The new tokens of one forward call, shared by all layers.
-
-    positions: [B, T] int32 absolute positions (rows are right-padded; padded queries' outputs are unused);
-    valid: [B, T] bool, False for padding; query_weights: [B, T] float32 scoring queries, or None;
-    seen: [B] int32 one past the newest valid position after this call; evict: whether this call ends with
-    an eviction (a Python bool when known statically, else a traced bool scalar); from_start (static):
-    positions are ``0 … T-1`` in every row (a prefill into an empty cache), which lets the full cache skip
-    the masked upper triangle; policy (static): how a budget cache scores and evicts (None for the full
-    cache), taken from the engine's ``Eviction``; evict_in_layer (static): at an eviction point each layer
-    evicts right after its attention has scored, and outputs the attention over the tokens it keeps
-    (decoding under ``decode_order="evict-first"``), instead of the step evicting after every layer.
-    """
-
-    positions: jax.Array
-    from_start: bool = struct.field(pytree_node=False, default=False)
-    valid: jax.Array | None = None
-    query_weights: jax.Array | None = None
-    seen: jax.Array | None = None
-    evict: jax.Array | None = None
-    policy: Policy | None = struct.field(pytree_node=False, default=None)
-    evict_in_layer: bool = struct.field(pytree_node=False, default=False)
-
-
-def when(flag, fn, x):
-    """``fn(x)`` if ``flag`` else ``x``; flag: a Python bool (or None: False), or a traced bool scalar (then under
-    ``lax.cond``)."""
-    if flag is None or isinstance(flag, bool):
-        return fn(x) if flag else x
-    return jax.lax.cond(flag, fn, lambda y: y, x)
 
 
 @struct.dataclass

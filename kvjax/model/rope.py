@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig
+from kvjax.model.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:

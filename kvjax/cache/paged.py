@@ -20,14 +20,24 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import Segment, when
-from kvjax.config import ModelConfig
+from kvjax.cache.attention import (
+    ATTENTION_AXES,
+    ATTENTION_OUT_AXES,
+    KV,
+    fold_scores,
+    kept_attention,
+    scored_attention,
+)
 from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.allocations import ALLOCATIONS, ranks, targets
-from kvjax.kernels.paged_attention import paged_block_attention_with_scores, paged_decode_attention_with_scores
+from kvjax.eviction.moments import Moments, moment_informed_eviction, over_layers
+from kvjax.kernels.paged_attention import (
+    paged_block_attention_with_scores,
+    paged_decode_attention_with_scores,
+)
 from kvjax.kernels.paged_attention.reference import gather_pages
-from kvjax.moments import Moments, moment_informed_eviction, over_layers
-from kvjax.scored_attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV, fold_scores, kept_attention, scored_attention
+from kvjax.model.config import ModelConfig
+from kvjax.model.segment import Segment, when
 from kvjax.sharding import per_shard
 from kvjax.slots import per_row, set_slots
 

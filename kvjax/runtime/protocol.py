@@ -11,12 +11,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import Segment, when
-from kvjax.cache_layout import Dense, EvictingCache, Paged, cache_layout
+from kvjax.cache.layout import Dense, EvictingCache, Paged, cache_layout
 from kvjax.eviction import ALLOCATIONS, Policy
-from kvjax.inputs import round_capacity
-from kvjax.model import decode_hidden
-from kvjax.params import Params
+from kvjax.model.decoder import decode_hidden
+from kvjax.model.params import Params
+from kvjax.model.segment import Segment, when
+from kvjax.runtime.inputs import round_capacity
 
 PROTOCOLS = ("blockwise", "prefill")
 APPEND = "append"  # internal protocol: feed tokens without any eviction point (``Eviction.without_eviction``)
@@ -33,7 +33,7 @@ class Eviction:
     ``block_size``) or "prefill" (prefill in blocks, evict once at the end), or "append" (no eviction: see
     ``without_eviction``); decoding evicts every ``evict_every`` tokens (``evict_every`` spare slots) unless
     ``decode_evict`` is False, each step in ``decode_order`` (``DECODE_ORDERS``); page_size: tokens per page of
-    a paged cache (``kvjax.paged_cache``), None for the dense ``BudgetCache`` (uniform allocation only)."""
+    a paged cache (``kvjax.cache.paged``), None for the dense ``BudgetCache`` (uniform allocation only)."""
 
     policy: Policy
     protocol: str = "blockwise"
@@ -70,7 +70,7 @@ class Eviction:
 
     @property
     def layout(self) -> Dense | Paged:
-        """The cache layout (``kvjax.cache_layout``): dense, or paged with ``page_size``."""
+        """The cache layout (``kvjax.cache.layout``): dense, or paged with ``page_size``."""
         return cache_layout(self.page_size)
 
     def empty_cache(self, cfg, batch: int, spare: int, dtype) -> EvictingCache:

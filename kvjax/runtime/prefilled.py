@@ -19,19 +19,27 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from kvjax.cache import PREFILL_CHUNK, FullCache, Segment
-from kvjax.cache_layout import EvictingCache
-from kvjax.context import Context, prefill_budget
-from kvjax.decoding import Generation, start_state
-from kvjax.engine import Eviction
+from kvjax.cache.full import PREFILL_CHUNK, FullCache
+from kvjax.cache.layout import EvictingCache
 from kvjax.eviction import Policy, RepeatPrompt
-from kvjax.inputs import check_context, check_max_new, check_tokens, pad_rows, prompt_bucket, round_capacity
 from kvjax.kernels import attention_with_scores
-from kvjax.kvzip import head_scores, kvzip_scores, load_head_scores
-from kvjax.model import decode_hidden, logits_from_hidden
-from kvjax.options import EvictionOptions, eviction_from
-from kvjax.params import Params
-from kvjax.sampling import Sampling
+from kvjax.model.decoder import decode_hidden, logits_from_hidden
+from kvjax.model.params import Params
+from kvjax.model.segment import Segment
+from kvjax.runtime.context import Context, prefill_budget
+from kvjax.runtime.decoding import Generation, start_state
+from kvjax.runtime.inputs import (
+    check_context,
+    check_max_new,
+    check_tokens,
+    pad_rows,
+    prompt_bucket,
+    round_capacity,
+)
+from kvjax.runtime.kvzip_pass import head_scores, kvzip_scores, load_head_scores
+from kvjax.runtime.options import EvictionOptions, eviction_from
+from kvjax.runtime.protocol import Eviction
+from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import auto_mesh, check_batch, constrain, on_mesh, shard
 
 
@@ -212,7 +220,7 @@ class Prefilled:
 
     def kvzip_head_scores(self, prompt: RepeatPrompt) -> np.ndarray:
         """KVzip's head scores S_head [L, Hk] of these prompts (the calibration of ``kvzip-head``: each head's
-        largest token score over the prompts; save them with ``kvjax.kvzip.save_head_scores``)."""
+        largest token score over the prompts; save them with ``kvjax.runtime.kvzip_pass.save_head_scores``)."""
         with on_mesh(self.mesh):
             return head_scores(kvzip_scores(self.params, self.cache.full, self.rows, prompt), self.lengths)
 

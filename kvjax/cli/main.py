@@ -6,10 +6,15 @@ import argparse
 import sys
 import time
 
-from kvjax.ask_chat_cli import FROM_FILE, add_ask_chat_parsers, read_text
-from kvjax.compilation_cache import enable as enable_compilation_cache
+from kvjax.cli.ask_chat import FROM_FILE, add_ask_chat_parsers, read_text
 from kvjax.eval.cli import add_eval_parser
-from kvjax.options import add_arguments, eviction_from, from_arguments, with_tokenizer
+from kvjax.runtime.compilation_cache import enable as enable_compilation_cache
+from kvjax.runtime.options import (
+    add_arguments,
+    eviction_from,
+    from_arguments,
+    with_tokenizer,
+)
 
 
 def _generate(args) -> int:
@@ -46,7 +51,7 @@ def _generate(args) -> int:
 
 def _kvzip_heads(args) -> int:
     import kvjax
-    from kvjax.kvzip import save_head_scores
+    from kvjax.runtime.kvzip_pass import save_head_scores
 
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)

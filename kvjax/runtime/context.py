@@ -15,13 +15,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from kvjax.budget_cache import BudgetCache
-from kvjax.decoding import Generation, prefill_budget_cache, resume_state
-from kvjax.engine import APPEND, Eviction
-from kvjax.inputs import check_context, check_max_new, check_tokens, pad_rows, prompt_bucket, round_capacity
-from kvjax.paged_cache import PagedCache
-from kvjax.params import Params
-from kvjax.sampling import Sampling
+from kvjax.cache.dense import BudgetCache
+from kvjax.cache.paged import PagedCache
+from kvjax.model.params import Params
+from kvjax.runtime.decoding import Generation, prefill_budget_cache, resume_state
+from kvjax.runtime.inputs import (
+    check_context,
+    check_max_new,
+    check_tokens,
+    pad_rows,
+    prompt_bucket,
+    round_capacity,
+)
+from kvjax.runtime.protocol import APPEND, Eviction
+from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import on_mesh, shard, to_host
 
 

@@ -1,0 +1,1 @@
+"""The command line: ``python -m kvjax`` (generate, ask, chat, serve, eval, kvzip-heads)."""

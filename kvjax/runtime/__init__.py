@@ -1,0 +1,1 @@
+"""Running the model: prefill protocols, decoding, contexts, sampling, options, KVzip's pass."""
