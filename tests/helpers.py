@@ -58,7 +58,8 @@ def defaults(scorer, budget=20):
     """Per-base options in the spirit of the docs' defaults table, scaled to the tiny test."""
     return {"streamingllm": dict(n_sink=4, window=0), "h2o": dict(n_sink=2, window=budget // 4),
             "h2o-window": dict(n_sink=2, window=8, obs_window=8), "tova": dict(n_sink=0, window=0),
-            "snapkv": dict(n_sink=0, window=8, obs_window=8)}[parse_scorer(scorer)[0]]
+            "snapkv": dict(n_sink=0, window=8, obs_window=8),
+            "expected-attention": dict(n_sink=2, window=0, pool="none")}[parse_scorer(scorer)[0]]
 
 
 # --- small random Hugging Face models (parity and checkpoint-error tests)
