@@ -86,6 +86,6 @@ def _generation(params: Params, rows: list[np.ndarray], max_new_tokens: int, sam
     if mesh is not None:
         params = shard(params, mesh)
     if ev is not None and ev.policy.scorer.scoring_pass is not None:
-        context = prefill_rows(params, rows, True, ev, eviction, mesh)
+        context = prefill_rows(params, rows, True, ev, mesh)
         return resume(params, context, None, max_new, sampling, seed, stop_ids)
     return Generation.from_prompts(params, rows, max_new, sampling, seed, stop_ids, ev, mesh)

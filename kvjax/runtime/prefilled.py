@@ -160,13 +160,13 @@ class Prefilled:
     runs on (None: one device).
     """
 
-    def __init__(self, params: Params, tokens, room: int = 256, mesh: Mesh | None = None):
-        rows, self.batched = check_tokens(tokens, params.config.vocab_size)
-        longest = max(len(r) for r in rows)
-        check_context(params.config, longest, 0)
-        mesh = auto_mesh(mesh)
-        check_batch(len(rows), mesh)
-        padded, self.lengths = pad_rows(rows, prompt_bucket(longest), params.config.pad_token_id)
+    def __init__(self, params: Params, rows: list[np.ndarray], batched: bool, room: int = 256,
+                 mesh: Mesh | None = None):
+        """rows: prompt rows already checked (``check_tokens``, ``check_context``), which split over
+        ``mesh``; batched: whether the caller gave a batch; room: slots for decoding."""
+        self.batched = batched
+        padded, self.lengths = pad_rows(rows, prompt_bucket(max(len(r) for r in rows)),
+                                        params.config.pad_token_id)
         self.params = params if mesh is None else shard(params, mesh)
         self.rows, self.mesh = rows, mesh
         with on_mesh(mesh):
@@ -207,6 +207,11 @@ class Prefilled:
         ev = EvictionOptions.of(**(eviction | {"protocol": "prefill"})).resolve(context=int(lengths.max()))
         if ev is None:
             raise ValueError("budget=None: compress needs a budget")
+        return self.compressed(ev, lengths)
+
+    def compressed(self, ev: Eviction, lengths: np.ndarray) -> Context:
+        """The context of the prompts' first ``lengths`` tokens compressed under ``ev`` (resolved for a
+        prefill protocol)."""
         if ev.policy.scorer.scoring_pass == "heads":
             ev = dataclasses.replace(ev, policy=whole_heads(ev.policy, self.params.config, int(lengths.max())))
         with on_mesh(self.mesh):
@@ -244,7 +249,11 @@ class Prefilled:
 def prefill_full(params: Params, tokens, room: int = 256, *, mesh: Mesh | None = None) -> Prefilled:
     """Run the full-cache prefill of ``tokens`` (1-D or a batch) once; ``room`` extra slots for decoding;
     ``mesh``: a device mesh to run on."""
-    return Prefilled(params, tokens, room, mesh)
+    rows, batched = check_tokens(tokens, params.config.vocab_size)
+    check_context(params.config, max(len(r) for r in rows), 0)
+    mesh = auto_mesh(mesh)
+    check_batch(len(rows), mesh)
+    return Prefilled(params, rows, batched, room, mesh)
 
 
 def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> Context:
@@ -261,13 +270,14 @@ def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> 
     check_context(params.config, longest, 0)
     mesh = auto_mesh(mesh)
     check_batch(len(rows), mesh)
-    return prefill_rows(params, rows, batched, ev, eviction, mesh)
+    return prefill_rows(params, rows, batched, ev, mesh)
 
 
 def prefill_rows(params: Params, rows: list[np.ndarray], batched: bool, ev: Eviction,
-                 eviction: dict, mesh: Mesh | None) -> Context:
-    """``prefill`` of validated prompt rows (``check_tokens``; they split over ``mesh``) under
-    ``ev``, the resolved ``eviction`` keywords."""
+                 mesh: Mesh | None) -> Context:
+    """``prefill`` of validated prompt rows (``check_tokens``, ``check_context``; they split over
+    ``mesh``) under the resolved eviction settings ``ev``."""
     if ev.policy.scorer.scoring_pass is not None:  # KVzip: a scoring pass over the whole prefilled prompt
-        return Prefilled(params, rows if batched else rows[0], mesh=mesh).compress(**eviction)
+        prefilled = Prefilled(params, rows, batched, mesh=mesh)
+        return prefilled.compressed(ev, prefilled.lengths)  # a scoring pass runs under the prefill protocol
     return prefill_budget(params, rows, batched, ev, mesh)
