@@ -22,6 +22,14 @@ BLOCK = 8
 BUDGET = 14
 
 
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Drop each test's compiled programs afterwards: this file compiles several hundred, and a process that
+    keeps them all aborted inside XLA's compiler near its end (momentkv-adakv, after ~70 tests)."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="module")
 def model():
     cfg = kvjax.ModelConfig(arch="qwen2", vocab_size=89, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
