@@ -45,7 +45,9 @@ import numpy as np
 from kvjax.model.params import params_to_flat
 from kvjax.model.rope import inverse_frequencies
 
-BASES = ("streamingllm", "h2o", "h2o-window", "tova", "snapkv", "expected-attention")
+SEED_BASES = ("streamingllm", "h2o", "h2o-window", "tova", "snapkv")
+NEW_BASES = ("expected-attention",)  # bases added after the seed grammar below; they take no modifier
+BASES = SEED_BASES + NEW_BASES
 EA_FUTURE = 512  # Expected Attention: future positions its mean rotation averages over (kvpress's default)
 OBCACHE = ("obcache-value", "obcache-key", "obcache-joint")
 CAOTE = ("caote", "fastcaote")
@@ -54,11 +56,9 @@ MODIFIERS = OBCACHE + CAOTE + MOMENTKV
 MI_MODIFIERS = ("momentkv", "momentkv-mi", "momentkv-zeroth")  # moment-informed eviction
 NC_MODIFIERS = ("momentkv", "momentkv-nc", "momentkv-zeroth")  # normalization-corrected inference
 ALIASES = {"momentkv": "snapkv+momentkv"}
-# Every valid scorer name.
-SCORERS = (BASES[:5] + tuple(f"{b}+{m}" for b in ("h2o", "h2o-window", "tova", "snapkv") for m in MODIFIERS)
+# Every valid scorer name of the seed grammar (the NEW_BASES are valid too: parse_scorer).
+SCORERS = (SEED_BASES + tuple(f"{b}+{m}" for b in ("h2o", "h2o-window", "tova", "snapkv") for m in MODIFIERS)
            + ("streamingllm+momentkv-nc",) + tuple(ALIASES))
-# Bases added after the seed grammar above, which take no modifier.
-NEW_BASES = BASES[5:]
 PROTOCOLS = ("blockwise", "prefill")
 POOLS = ("max", "avg", "none")
 AGGREGATES = ("sum", "mean", "max", "layer")
