@@ -1,22 +1,23 @@
 """Pallas kernels, each beside its pure-jnp reference (imported as ``kvjax.kernels``).
 
 One folder per operation, in the style of JAX's ``pallas/ops`` and openxla/tokamax: ``reference.py``
-(the semantics: kvjax's XLA computation), ``tpu.py`` (Pallas Mosaic TPU), ``gpu.py`` (Pallas Triton),
-``api.py`` (the public function, choosing the implementation per platform with
+(the semantics: kvjax's XLA computation), ``tpu.py`` (Pallas Mosaic TPU), ``gpu.py``
+(Pallas Triton), ``api.py`` (the public function, choosing the implementation per platform with
 ``jax.lax.platform_dependent``). The kernels of a platform share their Pallas pieces (masked logits,
 online softmax, the score pass of every score kind, tile sizes): ``tpu_common``, ``gpu_common``.
 
-* ``block_attention_with_scores`` — a block of queries over the cache slots: attention output, lse and
-  the per-slot eviction scores (attention column or OBCache saliency); the formulas are in
+* ``block_attention_with_scores`` — a block of queries over the cache slots: attention output, lse
+  and the per-slot eviction scores (attention column or OBCache saliency); the formulas are in
   ``block_attention.reference.attention_with_scores``.
-* ``decode_attention_with_scores`` — one query per sequence, plus MomentKV's normalization correction.
+* ``decode_attention_with_scores`` — one query per sequence, plus MomentKV's normalization
+  correction.
 
 What runs where, tiling rules and what has (not) been checked on hardware: ``docs/kernels.md``.
 
-The package stands alone: it imports nothing of kvjax outside ``kvjax.kernels``. Besides the per-platform
-functions it exports the XLA forms kvjax also calls directly: ``attention_with_scores`` (dense mask; the full
-cache) and ``corrected_attention`` (MomentKV's correction), with the score kinds ``SCORE_KINDS`` and
-``NEG_INF``, the logit of a masked slot.
+The package stands alone: it imports nothing of kvjax outside ``kvjax.kernels``. Besides the
+per-platform functions it exports the XLA forms kvjax also calls directly: ``attention_with_scores``
+(dense mask; the full cache) and ``corrected_attention`` (MomentKV's correction), with the score
+kinds ``SCORE_KINDS`` and ``NEG_INF``, the logit of a masked slot.
 """
 
 from kvjax.kernels._shared import IMPLS, NEG_INF, SCORE_KINDS
@@ -25,5 +26,12 @@ from kvjax.kernels.block_attention.reference import attention_with_scores
 from kvjax.kernels.decode_attention import decode_attention_with_scores
 from kvjax.kernels.decode_attention.reference import corrected_attention
 
-__all__ = ["IMPLS", "NEG_INF", "SCORE_KINDS", "attention_with_scores", "block_attention_with_scores",
-           "corrected_attention", "decode_attention_with_scores"]
+__all__ = [
+    "IMPLS",
+    "NEG_INF",
+    "SCORE_KINDS",
+    "attention_with_scores",
+    "block_attention_with_scores",
+    "corrected_attention",
+    "decode_attention_with_scores",
+]

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 IMPLS = (None, "xla", "pallas", "pallas_tpu", "pallas_gpu")
-NEG_INF = -1e30  # the logit of an invisible slot (finite: a fully masked row gives garbage, never NaN)
+# The logit of an invisible slot (finite: a fully masked row gives garbage, never NaN).
+NEG_INF = -1e30
 # What the per-slot score column holds: the attention column, or an OBCache saliency.
 SCORE_KINDS = ("attn", "obcache-value", "obcache-key", "obcache-joint")
 KEY_KINDS = ("obcache-key", "obcache-joint")  # with the ‖v − o‖² term: they read the outputs o
@@ -29,10 +30,14 @@ def check_impl(impl) -> None:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
 
 
-def check_shapes(q, k, v, slot_pos, query_pos, query_weights) -> tuple[int, int, int, int, int, int]:
+def check_shapes(
+    q, k, v, slot_pos, query_pos, query_weights
+) -> tuple[int, int, int, int, int, int]:
     """(B, T, H, Hk, S, K) after checking that the shapes agree; raises ValueError otherwise."""
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"q must be [B, T, H, K] and k, v [B, Hk, S, K]; got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"q must be [B, T, H, K] and k, v [B, Hk, S, K]; got {q.shape}, {k.shape}, {v.shape}"
+        )
     B, T, H, K = q.shape
     _, Hk, S, Kk = k.shape
     if k.shape[0] != B or Kk != K or H % Hk:
@@ -55,7 +60,8 @@ def next_pow2(x: int) -> int:
 
 
 def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
-    """Pad ``x`` at the end of ``axis`` up to ``size`` with ``value`` (no-op when already that size)."""
+    """Pad ``x`` at the end of ``axis`` up to ``size`` with ``value`` (no-op when already that
+    size)."""
     axis = axis % x.ndim
     extra = size - x.shape[axis]
     if extra == 0:

@@ -67,9 +67,16 @@ def load_tile(ref, start, size: int, n_slots: int, other=0):
 
 
 class KeyTile(NamedTuple):
-    """A key tile of bk slots: keys k [bk, K], positions spos [bk], slot indices slot [bk] (those
-    ≥ n_slots are not real) and values v [bk, K] (None where the pass does not read them), both as
-    stored."""
+    """A key tile of bk slots, keys and values both as stored.
+
+    Fields:
+        k: keys [bk, K].
+        spos: positions [bk].
+        slot: slot indices [bk] (those ≥ n_slots are not real).
+        n_slots: the number of real slots.
+        v: values [bk, K] (None where the pass does not read them).
+    """
+
     k: jax.Array
     spos: jax.Array
     slot: jax.Array
@@ -80,8 +87,9 @@ class KeyTile(NamedTuple):
 def tile_logits(q, qpos, tile: KeyTile, scale: float):
     """(logits, visible, z) [R, bk] of the query rows q [R, K] (positions qpos [R]) on the tile."""
     z = dot(q, tile.k.astype(q.dtype), NT_DIMS) / scale
-    logits, visible = masked_logits(z, tile.spos[None, :], qpos[:, None], tile.slot[None, :],
-                                    tile.n_slots)
+    logits, visible = masked_logits(
+        z, tile.spos[None, :], qpos[:, None], tile.slot[None, :], tile.n_slots
+    )
     return logits, visible, z
 
 
@@ -89,6 +97,7 @@ def online_softmax(q, qpos, tiles: Callable[[Any], KeyTile], start, stop, scale:
     """Online softmax of the query rows q [R, K] (positions qpos [R]) over the key tiles
     ``tiles(j)``, j = start .. stop − 1 (the first one starts with a real slot) -> (unnormalised
     output acc [R, K] float32, max m [R], sum l [R]); -inf, 0 and 0 for an empty range."""
+
     def body(j, carry):
         acc, m, l = carry
         tile = tiles(j)
@@ -100,8 +109,11 @@ def online_softmax(q, qpos, tiles: Callable[[Any], KeyTile], start, stop, scale:
         return alpha[:, None] * acc + pv, m_next, alpha * l + jnp.sum(p, axis=1)
 
     bq, head_dim = q.shape
-    init = (jnp.zeros((bq, head_dim), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
-            jnp.zeros((bq,), jnp.float32))
+    init = (
+        jnp.zeros((bq, head_dim), jnp.float32),
+        jnp.full((bq,), -jnp.inf, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
     return jax.lax.fori_loop(start, stop, body, init)
 
 
@@ -113,8 +125,22 @@ def dense_tile(k_ref, v_ref, spos_ref, start, size: int, n_slots: int) -> KeyTil
     return KeyTile(k, spos, start + jnp.arange(size, dtype=jnp.int32), n_slots, v)
 
 
-def softmax_kernel(q_ref, k_ref, v_ref, spos_ref, qpos_ref, o_ref, m_ref, l_ref, *, n_slots: int,
-                   block_k: int, n_tiles: int, scale: float, split_axis: int | None = None):
+def softmax_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    spos_ref,
+    qpos_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    *,
+    n_slots: int,
+    block_k: int,
+    n_tiles: int,
+    scale: float,
+    split_axis: int | None = None,
+):
     """Online softmax of a tile of query rows over ``n_tiles`` key tiles of the whole-head refs
     k_ref, v_ref [S, K] and spos_ref [S]: from slot 0, or — with split_axis — from the split chosen
     by that grid axis (n_tiles tiles per split; every split starts with a real slot). Writes the
@@ -132,8 +158,16 @@ def softmax_kernel(q_ref, k_ref, v_ref, spos_ref, qpos_ref, o_ref, m_ref, l_ref,
 
 
 class QueryRefs(NamedTuple):
-    """The query side of a scores kernel: q [R, K], positions qpos [R], weights w [R] (None for
-    decode), the pass-1 outputs o [R, K] and statistics m, l [R]."""
+    """The query side of a scores kernel.
+
+    Fields:
+        q: [R, K].
+        qpos: positions [R].
+        w: weights [R] (None for decode).
+        o: the pass-1 outputs [R, K].
+        m, l: the pass-1 statistics [R].
+    """
+
     q: Any
     qpos: Any
     w: Any
@@ -142,8 +176,9 @@ class QueryRefs(NamedTuple):
     l: Any
 
 
-def column_scores(score: str, tile: KeyTile, rows: QueryRefs, *, n_queries: int, block_q: int,
-                  scale: float):
+def column_scores(
+    score: str, tile: KeyTile, rows: QueryRefs, *, n_queries: int, block_q: int, scale: float
+):
     """Σ_t w_t · score(t, s) [bk] over the queries t of one query head: attn and obcache-value from
     [block_q, bk] weight tiles (tiles without weight skipped with a ``cond``); the key terms one
     scoring query at a time, from the differences v_s − o_t themselves ([bk, K] per query)."""
@@ -152,6 +187,7 @@ def column_scores(score: str, tile: KeyTile, rows: QueryRefs, *, n_queries: int,
     v_sq = jnp.sum(vf * vf, axis=1) if score in VALUE_KINDS else None
 
     if score in ("attn", "obcache-value"):
+
         def q_tile(i, col):
             start = pl.multiple_of(i * block_q, block_q)
             w = rows.w[pl.ds(start, block_q)]
@@ -222,6 +258,7 @@ def head_scores(score: str, tile: KeyTile, rows: QueryRefs, *, n_heads: int, sca
 
 # --- the wrappers' query layout ------------------------------------------------------------------
 
+
 def query_tile(T: int, block_q: int | None) -> int:
     """The query tile: block_q (default 64) rounded up to a power of two ≥ 16, at most T so."""
     return min(max(MIN_DOT, next_pow2(block_q or DEFAULT_BLOCK_Q)), max(MIN_DOT, next_pow2(T)))
@@ -245,9 +282,8 @@ def block_outputs(o, m, l, T: int, dtype):
 
 
 def decode_queries(q, query_pos, n_kv_heads: int):
-    """(rows [B, Hk, Gp, K], positions [B, Gp] int32, Gp) of the decode kernels: T = 1, so the
-    rows of a KV head are its G query heads, padded to Gp, a power of two ≥ 16 (``tl.dot``'s
-    minimum)."""
+    """(rows [B, Hk, Gp, K], positions [B, Gp] int32, Gp) of the decode kernels: T = 1, so the rows
+    of a KV head are its G query heads, padded to Gp, a power of two ≥ 16 (``tl.dot``'s minimum)."""
     B, _, H, K = q.shape
     G = H // n_kv_heads
     gp = max(MIN_DOT, next_pow2(G))

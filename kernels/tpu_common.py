@@ -42,8 +42,9 @@ def supports(head_dim: int) -> bool:
 
 def check_head_dim(head_dim: int) -> None:
     if not supports(head_dim):
-        raise ValueError(f"head dim {head_dim} must be ≤ 128 or a multiple of 128 for the "
-                         "TPU kernel")
+        raise ValueError(
+            f"head dim {head_dim} must be ≤ 128 or a multiple of 128 for the TPU kernel"
+        )
 
 
 def mxu_precision(dtype):
@@ -77,8 +78,9 @@ def pack(base, columns: dict):
 def row_sums(x):
     """Σ_k x[s, k] along lanes: [bk, K] float32 -> [1, bk], as ones[8, K] · xᵀ on the MXU."""
     ones = jnp.ones((CHUNK, x.shape[1]), jnp.float32)
-    return jax.lax.dot_general(ones, x, NT_DIMS, preferred_element_type=jnp.float32,
-                               precision=jax.lax.Precision.HIGHEST)[:1]
+    return jax.lax.dot_general(
+        ones, x, NT_DIMS, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
+    )[:1]
 
 
 def pick_row(x, r: int):
@@ -89,8 +91,12 @@ def pick_row(x, r: int):
 
 def masked_logits(z, spos, qpos, first_slot: int | jax.Array, n_slots: int | jax.Array):
     """z [R, bk] float32 -> (logits, visible): visible slots keep z, invisible real slots get -1e30
-    (as the reference), slots past ``n_slots`` (garbage in z and spos) get -inf. spos [1, bk] int32;
-    qpos a float32 column [R, 1] (positions exact below 2^24) or an int32 scalar."""
+    (as the reference), slots past ``n_slots`` (garbage in z and spos) get -inf.
+
+    Args:
+        spos: [1, bk] int32.
+        qpos: a float32 column [R, 1] (positions exact below 2^24) or an int32 scalar.
+    """
     real = first_slot + jax.lax.broadcasted_iota(jnp.int32, spos.shape, 1) < n_slots
     qpos = jnp.asarray(qpos)
     visible = real & (spos >= 0) & (spos.astype(qpos.dtype) <= qpos)
@@ -107,9 +113,15 @@ def real_rows(x, first_slot, n_slots: int | jax.Array):
 
 
 class KeyTile(NamedTuple):
-    """A key tile of bk slots against R query rows: logits, visible and z [R, bk]
-    (``masked_logits``; z = q·k / scale unmasked) and the value ref v_ref [bk, K] from slot
-    first_slot on; the slots ≥ n_slots are not real."""
+    """A key tile of bk slots against R query rows.
+
+    Fields:
+        logits, visible, z: [R, bk] (``masked_logits``; z = q·k / scale unmasked).
+        v_ref: the value ref [bk, K] from slot first_slot on.
+        first_slot: the tile's first slot.
+        n_slots: the slots ≥ n_slots are not real.
+    """
+
     logits: jax.Array
     visible: jax.Array
     z: jax.Array
@@ -123,14 +135,17 @@ class KeyTile(NamedTuple):
         return real_rows(v if dtype is None else v.astype(dtype), self.first_slot, self.n_slots)
 
 
-def key_tile(q_ref, k_ref, v_ref, spos_ref, qpos, *, first_slot, n_slots, scale: float,
-             precision) -> KeyTile:
+def key_tile(
+    q_ref, k_ref, v_ref, spos_ref, qpos, *, first_slot, n_slots, scale: float, precision
+) -> KeyTile:
     """The ``KeyTile`` of the query rows q_ref [R, K] (positions qpos, as ``masked_logits``) against
     k_ref, v_ref [bk, K] with slot positions spos_ref [1, bk]; precision: of the q·k matmul."""
     q = q_ref[...]
     k = k_ref[...].astype(q.dtype)
-    z = jax.lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32,
-                            precision=precision) / scale
+    z = (
+        jax.lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32, precision=precision)
+        / scale
+    )
     logits, visible = masked_logits(z, spos_ref[...], qpos, first_slot, n_slots)
     return KeyTile(logits, visible, z, v_ref, first_slot, n_slots)
 
@@ -143,16 +158,27 @@ def reset_softmax(m_sc, l_sc, acc_sc):
 
 
 def online_softmax(logits, v, m_sc, l_sc, acc_sc):
-    """One key tile of the online softmax: logits [rows, bk] float32, v [bk, K]; m, l [rows, 128]
-    lane-broadcast and the unnormalised output [rows, K] in VMEM scratch."""
+    """One key tile of the online softmax.
+
+    Args:
+        logits: [rows, bk] float32.
+        v: [bk, K].
+        m_sc, l_sc: m, l [rows, 128] lane-broadcast, in VMEM scratch.
+        acc_sc: the unnormalised output [rows, K] in VMEM scratch.
+    """
     m_prev = m_sc[...]
     m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
     p = jnp.exp(logits - lane_broadcast(m_next, logits.shape[1]))  # finite: tile 0 has a real slot
     alpha = jnp.exp(m_prev - m_next)
     l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
     m_sc[...] = m_next
-    pv = jax.lax.dot_general(p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32,
-                             precision=mxu_precision(v.dtype))
+    pv = jax.lax.dot_general(
+        p.astype(v.dtype),
+        v,
+        NN_DIMS,
+        preferred_element_type=jnp.float32,
+        precision=mxu_precision(v.dtype),
+    )
     acc_sc[...] = lane_broadcast(alpha, acc_sc.shape[1]) * acc_sc[...] + pv
 
 
@@ -166,15 +192,25 @@ def compiler_params(n_parallel: int):
 
 def softmax_scratch(n_rows: int, head_dim: int):
     """VMEM scratch of an online softmax over n_rows rows: m, l [rows, 128] and output [rows, K]."""
-    return [pltpu.VMEM((n_rows, LANES), jnp.float32), pltpu.VMEM((n_rows, LANES), jnp.float32),
-            pltpu.VMEM((n_rows, head_dim), jnp.float32)]
+    return [
+        pltpu.VMEM((n_rows, LANES), jnp.float32),
+        pltpu.VMEM((n_rows, LANES), jnp.float32),
+        pltpu.VMEM((n_rows, head_dim), jnp.float32),
+    ]
 
 
 class RowTile(NamedTuple):
     """A tile of the query rows of one KV head (rows g·head_rows .. (g+1)·head_rows − 1 belong to
-    query head g): the packed per-row array rows [br, 128], the index of its first row, the pass-1
-    outputs o_ref [br, K] (read by the ``KEY_KINDS``) and chunk_scored(c): whether the 8-row chunk
-    c holds a weight."""
+    query head g).
+
+    Fields:
+        rows: the packed per-row array [br, 128].
+        first_row: the index of its first row.
+        head_rows: the rows of each query head.
+        o_ref: the pass-1 outputs [br, K] (read by the ``KEY_KINDS``).
+        chunk_scored: chunk_scored(c): whether the 8-row chunk c holds a weight.
+    """
+
     rows: jax.Array
     first_row: int | jax.Array
     head_rows: int
@@ -201,8 +237,13 @@ def add_row_scores(score: str, tile: KeyTile, row_tile: RowTile, col_ref, scratc
     one_hot = ((row_id >= head_start) & (row_id < head_start + head_rows)).astype(jnp.float32)
 
     def add_per_head(c):  # [br, bk] -> col rows: Σ over the rows of each head
-        col_ref[...] += jax.lax.dot_general(one_hot, c, NN_DIMS, preferred_element_type=jnp.float32,
-                                            precision=jax.lax.Precision.HIGHEST)
+        col_ref[...] += jax.lax.dot_general(
+            one_hot,
+            c,
+            NN_DIMS,
+            preferred_element_type=jnp.float32,
+            precision=jax.lax.Precision.HIGHEST,
+        )
 
     if score == "attn":
         add_per_head(wa)
@@ -276,6 +317,7 @@ def head_scores(score: str, tile: KeyTile, m_sc, l_sc, o_sc, n_heads: int):
 
 # --- the wrappers' layout of query rows ---------------------------------------------------------
 
+
 def row_tiles(T: int, G: int, block_q: int | None) -> tuple[int, int, int]:
     """(Tp, br, n_rows) of the block kernels: T rounded up to 16, the row tile (block_q rounded up
     to 16, default 512, at most G·Tp) and the rows of a KV head rounded up to whole tiles."""
@@ -293,8 +335,11 @@ def query_rows(q, query_pos, query_weights, n_kv_heads: int, Tp: int, n_rows: in
     rows = pad_axis(per_head.reshape(B, n_kv_heads, G * Tp, K), 2, n_rows)
     qpos = pad_axis(query_pos.astype(jnp.float32), 1, Tp, -1.0)
     qpos = pad_axis(jnp.tile(qpos, (1, G)), 1, n_rows, -1.0)
-    w = (jnp.zeros((B, T), jnp.float32) if query_weights is None
-         else query_weights.astype(jnp.float32))
+    w = (
+        jnp.zeros((B, T), jnp.float32)
+        if query_weights is None
+        else query_weights.astype(jnp.float32)
+    )
     w = pad_axis(jnp.tile(pad_axis(w, 1, Tp), (1, G)), 1, n_rows)
     ids = jnp.arange(LANES)
     row_vec = jnp.where(ids == POS, qpos[..., None], jnp.where(ids == WEIGHT, w[..., None], 0.0))
@@ -308,7 +353,7 @@ def from_rows(o, row_stats, T: int, G: int, dtype):
     Tp = round_up(T, ROW_ALIGN)
 
     def heads(x):  # [B, Hk, n_rows, N] -> [B, Hk, G, T, N]
-        return x[:, :, :G * Tp].reshape(B, Hk, G, Tp, x.shape[-1])[:, :, :, :T]
+        return x[:, :, : G * Tp].reshape(B, Hk, G, Tp, x.shape[-1])[:, :, :, :T]
 
     out = jnp.transpose(heads(o), (0, 3, 1, 2, 4)).reshape(B, T, Hk * G, K).astype(dtype)
     stats = heads(row_stats)

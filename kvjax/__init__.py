@@ -15,7 +15,31 @@ from kvjax.runtime.prefilled import Prefilled, prefill, prefill_full
 from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import make_mesh, shard
 
-__all__ = ["ALLOCATIONS", "SCORERS", "BudgetCache", "CheckpointError", "Context", "EvictionOptions", "ModelConfig",
-           "PagedCache", "Params", "Prefilled", "Sampling", "cache_bytes", "chat_tokens", "decode", "extend", "forward",
-           "generate", "generate_stream", "init_params", "kvzip_prompt", "load", "load_tokenizer", "make_mesh",
-           "prefill", "prefill_full", "shard"]
+__all__ = [
+    "ALLOCATIONS",
+    "SCORERS",
+    "BudgetCache",
+    "CheckpointError",
+    "Context",
+    "EvictionOptions",
+    "ModelConfig",
+    "PagedCache",
+    "Params",
+    "Prefilled",
+    "Sampling",
+    "cache_bytes",
+    "chat_tokens",
+    "decode",
+    "extend",
+    "forward",
+    "generate",
+    "generate_stream",
+    "init_params",
+    "kvzip_prompt",
+    "load",
+    "load_tokenizer",
+    "make_mesh",
+    "prefill",
+    "prefill_full",
+    "shard",
+]

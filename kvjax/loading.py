@@ -1,9 +1,10 @@
 """``kvjax.load`` and ``kvjax.load_tokenizer``: one entry point for every checkpoint source.
 
-A source is a registry name (``kvjax.checkpoint.registry.REGISTRY``), a ``.gguf`` file, a Hugging Face
-directory (``config.json`` + safetensors), a Hugging Face model id found through ``huggingface_hub`` or a
-converted kvjax checkpoint directory. GGUF and HF sources are converted once into ``<checkpoint dir>/<name>/``
-(Orbax) and later loads reuse that conversion. The checkpoint dir: ``checkpoint_root``.
+A source is a registry name (``kvjax.checkpoint.registry.REGISTRY``), a ``.gguf`` file, a Hugging
+Face directory (``config.json`` + safetensors), a Hugging Face model id found through
+``huggingface_hub`` or a converted kvjax checkpoint directory. GGUF and HF sources are converted
+once into ``<checkpoint dir>/<name>/`` (Orbax) and later loads reuse that conversion. The checkpoint
+dir: ``checkpoint_root``.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ CONVERTER_VERSION = 1  # bump when conversion changes, so stale conversions are 
 
 
 def checkpoint_root() -> str:
-    """Where kvjax writes: converted models, the compilation cache (``jax-cache/``) and contexts saved by name
-    (``contexts/``). ``$KVJAX_CHECKPOINTS`` if set; else, when kvjax runs from a development checkout (its
-    folder beside the ``pyproject.toml`` of kvjax), the checkout's ``checkpoints/``; else the user's cache
-    directory, ``$XDG_CACHE_HOME/kvjax`` or ``~/.cache/kvjax`` — never the installed package's folder."""
+    """Where kvjax writes: converted models, the compilation cache (``jax-cache/``) and contexts
+    saved by name (``contexts/``). ``$KVJAX_CHECKPOINTS`` if set; else, when kvjax runs from a
+    development checkout (its folder beside the ``pyproject.toml`` of kvjax), the checkout's
+    ``checkpoints/``; else the user's cache directory, ``$XDG_CACHE_HOME/kvjax`` or
+    ``~/.cache/kvjax`` — never the installed package's folder."""
     if chosen := os.environ.get("KVJAX_CHECKPOINTS"):
         return chosen
     checkout = Path(__file__).resolve().parent.parent
@@ -44,10 +46,20 @@ def checkpoint_root() -> str:
 
 def _fingerprint(path: str) -> dict:
     """Identity of a conversion's source: path, sizes and modification times of its files."""
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(path, f) for f in os.listdir(path) if f.endswith((".safetensors", ".json")))
-    return {"converter": CONVERTER_VERSION, "source": os.path.abspath(path),
-            "files": [[os.path.basename(f), os.path.getsize(f), int(os.stat(f).st_mtime)] for f in files]}
+    files = (
+        [path]
+        if os.path.isfile(path)
+        else sorted(
+            os.path.join(path, f) for f in os.listdir(path) if f.endswith((".safetensors", ".json"))
+        )
+    )
+    return {
+        "converter": CONVERTER_VERSION,
+        "source": os.path.abspath(path),
+        "files": [
+            [os.path.basename(f), os.path.getsize(f), int(os.stat(f).st_mtime)] for f in files
+        ],
+    }
 
 
 def _resolve(source: str) -> tuple[str, str, str | None]:
@@ -65,15 +77,21 @@ def _resolve(source: str) -> tuple[str, str, str | None]:
         tag = hashlib.sha1(os.path.abspath(source).encode()).hexdigest()[:8]
         return "hf", source, os.path.join(checkpoint_root(), f"{Path(source).resolve().name}-{tag}")
     if os.path.exists(source):
-        raise CheckpointError(f"source={source!r} exists but is neither a .gguf file, a Hugging Face directory "
-                              f"(with config.json) nor a kvjax checkpoint (with {store.CONFIG_FILE})")
+        raise CheckpointError(
+            f"source={source!r} exists but is neither a .gguf file, a Hugging Face directory "
+            f"(with config.json) nor a kvjax checkpoint (with {store.CONFIG_FILE})"
+        )
     if hub.REPO_ID.fullmatch(source) and not source.endswith(".gguf"):
         path = hub.snapshot(source)
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise CheckpointError(f"source={source!r}: its Hugging Face files ({path}) hold no config.json")
+            raise CheckpointError(
+                f"source={source!r}: its Hugging Face files ({path}) hold no config.json"
+            )
         return "hf", path, os.path.join(checkpoint_root(), source.replace("/", "--"))
-    raise CheckpointError(f"source={source!r} is not a registry name (known: {sorted(REGISTRY)}), an existing "
-                          "file or directory, nor a Hugging Face model id (owner/name)")
+    raise CheckpointError(
+        f"source={source!r} is not a registry name (known: {sorted(REGISTRY)}), an existing "
+        "file or directory, nor a Hugging Face model id (owner/name)"
+    )
 
 
 def _tokenizer_from_source(kind: str, path: str):
@@ -99,7 +117,8 @@ def _ensure_converted(source: str) -> str:
 
     root = os.path.dirname(target)
     os.makedirs(root, exist_ok=True)
-    lock = os.open(root, os.O_RDONLY)  # the checkpoint directory, locked: processes loading at once convert once
+    # the checkpoint directory, locked: processes loading at once convert once
+    lock = os.open(root, os.O_RDONLY)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if store.is_checkpoint(target) and store.read_source(target) == fingerprint:
@@ -113,12 +132,16 @@ def _ensure_converted(source: str) -> str:
         store.write_checkpoint(target, cfg, flat, tokenizer, fingerprint)
     finally:
         os.close(lock)  # releases the lock
-    print(f"kvjax: converted {source} -> {target} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    print(
+        f"kvjax: converted {source} -> {target} in {time.perf_counter() - start:.1f}s",
+        file=sys.stderr,
+    )
     return target
 
 
 def load(source: str, dtype="float32") -> Params:
-    """Params (carrying their ``ModelConfig``) from a registry name, GGUF, HF directory or kvjax checkpoint.
+    """Params (carrying their ``ModelConfig``) from a registry name, GGUF, HF directory or kvjax
+    checkpoint.
 
     dtype: "float32" or "bfloat16" (or the jnp dtype).
     """
@@ -129,7 +152,8 @@ def load(source: str, dtype="float32") -> Params:
 
 
 def load_tokenizer(source: str):
-    """The ``transformers`` tokenizer of a source (converting a registry/GGUF/HF source if needed)."""
+    """The ``transformers`` tokenizer of a source (converting a registry/GGUF/HF source if
+    needed)."""
     from transformers import AutoTokenizer
 
     kind, path, _ = _resolve(source)
@@ -141,7 +165,8 @@ def load_tokenizer(source: str):
 
 
 def chat_tokens(tokenizer, message: str | list[dict], system: str | None = None) -> list[int]:
-    """Token ids of a chat prompt (one user message or a list of messages) ending with the assistant turn."""
+    """Token ids of a chat prompt (one user message or a list of messages) ending with the assistant
+    turn."""
     messages = [{"role": "user", "content": message}] if isinstance(message, str) else list(message)
     if system is not None:
         messages = [{"role": "system", "content": system}] + messages
@@ -149,15 +174,18 @@ def chat_tokens(tokenizer, message: str | list[dict], system: str | None = None)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def chat_parts(tokenizer, before: str, after: str, answer_prefix: str = "", system: str | None = None
-               ) -> tuple[list[int], list[int]]:
-    """Token ids of a one-turn chat prompt whose user message is ``before + after``, cut between the two: the
-    template's head with ``before`` (a context to compress once), then ``after`` (a question), the end of the
-    user turn, the assistant header and ``answer_prefix``."""
+def chat_parts(
+    tokenizer, before: str, after: str, answer_prefix: str = "", system: str | None = None
+) -> tuple[list[int], list[int]]:
+    """Token ids of a one-turn chat prompt whose user message is ``before + after``, cut between the
+    two: the template's head with ``before`` (a context to compress once), then ``after``
+    (a question), the end of the user turn, the assistant header and ``answer_prefix``."""
     marker = "\x00SPLIT\x00"
     messages = [{"role": "user", "content": before + marker + after}]
     if system is not None:
         messages = [{"role": "system", "content": system}] + messages
-    head, tail = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False).split(marker)
+    head, tail = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    ).split(marker)
     encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     return encode(head), encode(tail + answer_prefix)

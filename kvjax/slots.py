@@ -1,8 +1,9 @@
 """Updates along the slot axis of per-(row, KV head) arrays.
 
-Written as a scatter vmapped over the row and KV-head axes, so that those stay batch dimensions of the
-scatter: when they are split over a device mesh, every device updates its own rows and heads with no
-communication (a scatter indexed by broadcast row and head numbers would gather its updates first).
+Written as a scatter vmapped over the row and KV-head axes, so that those stay batch dimensions of
+the scatter: when they are split over a device mesh, every device updates its own rows and heads
+with no communication (a scatter indexed by broadcast row and head numbers would gather its updates
+first).
 """
 
 from __future__ import annotations
@@ -16,17 +17,25 @@ def _per_row_head(update, lead: int = 2):
     return update
 
 
-def set_slots(x: jax.Array, index: jax.Array, values, lead: int = 2, mode: str | None = None) -> jax.Array:
-    """x [B, Hk, S, ...] with ``x[b, h, index[b, h, i]] = values[b, h, i]`` (values may be a scalar; ``lead``
-    leading axes are per-row-and-head, e.g. 3 for [L, B, Hk, S]; mode="drop" skips out-of-range indices)."""
+def set_slots(
+    x: jax.Array, index: jax.Array, values, lead: int = 2, mode: str | None = None
+) -> jax.Array:
+    """x [B, Hk, S, ...] with ``x[b, h, index[b, h, i]] = values[b, h, i]``.
+
+    Args:
+        values: may be a scalar.
+        lead: how many leading axes are per-row-and-head, e.g. 3 for [L, B, Hk, S].
+        mode: "drop" skips out-of-range indices.
+    """
     if not hasattr(values, "shape") or values.ndim == 0:
         return _per_row_head(lambda xi, ii: xi.at[ii].set(values, mode=mode), lead)(x, index)
     return _per_row_head(lambda xi, ii, vi: xi.at[ii].set(vi, mode=mode), lead)(x, index, values)
 
 
 def per_row(fn, *arrays, axes):
-    """``fn`` applied to each batch row: ``arrays`` have their row axis at ``axes`` (one per array), the result
-    has it first. A vmap, so that a row axis split over devices needs no communication."""
+    """``fn`` applied to each batch row: ``arrays`` have their row axis at ``axes`` (one per array),
+    the result has it first. A vmap, so that a row axis split over devices needs no
+    communication."""
     return jax.vmap(fn, in_axes=axes)(*arrays)
 
 
@@ -35,9 +44,11 @@ def max_slots(x: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
     return _per_row_head(lambda xi, ii, vi: xi.at[ii].max(vi))(x, index, values)
 
 
-def set_layer_slots(x: jax.Array, layer: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
-    """x [L, B, Hk, S, ...] with ``x[layer, b, h, index[b, h, i]] = values[b, h, i]``: the layer's slice updated
-    (its row and KV-head axes leading, the batch dimensions of the scatter) and written back in place. A
-    scatter batched over the middle axes of the stacked array instead makes XLA transpose and copy all of
-    it for every layer."""
+def set_layer_slots(
+    x: jax.Array, layer: jax.Array, index: jax.Array, values: jax.Array
+) -> jax.Array:
+    """x [L, B, Hk, S, ...] with ``x[layer, b, h, index[b, h, i]] = values[b, h, i]``: the layer's
+    slice updated (its row and KV-head axes leading, the batch dimensions of the scatter) and
+    written back in place. A scatter batched over the middle axes of the stacked array instead makes
+    XLA transpose and copy all of it for every layer."""
     return jax.lax.dynamic_update_index_in_dim(x, set_slots(x[layer], index, values), layer, 0)

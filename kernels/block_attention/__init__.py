@@ -1,5 +1,5 @@
-"""Block attention with eviction scores: ``reference`` (jnp), ``tpu`` (Pallas Mosaic TPU), ``gpu`` (Pallas
-Triton) and ``api`` (the per-platform choice)."""
+"""Block attention with eviction scores: ``reference`` (jnp), ``tpu`` (Pallas Mosaic TPU), ``gpu``
+(Pallas Triton) and ``api`` (the per-platform choice)."""
 
 from kvjax.kernels.block_attention.api import block_attention_with_scores
 

@@ -1,28 +1,29 @@
 """Block attention with eviction scores as two Pallas GPU kernels on the Triton backend.
 
-Why Triton and not Mosaic GPU: Pallas' Mosaic GPU backend targets Hopper and newer (sm_90a / Blackwell:
-TMA copies, warpgroup-level ``wgmma`` with 64-row warpgroup tiles, explicit SMEM pipelining), while the
-Triton backend lowers one program per grid cell to Triton IR that XLA compiles for any CUDA GPU from
-Ampere on (and for ROCm), with power-of-two block shapes as its only shape rule. The shapes here are small
-and irregular (G = 3 query heads per KV head in SmolLM2, a handful of scoring queries), which suits
-Triton's per-program tiles better than 64-row warpgroup tiles; and jaxlib 0.10.2 lowers a Triton kernel
-without a GPU present (it emits the ``__gpu$xla.gpu.triton`` custom call carrying Triton IR, compiled by
-XLA on the device), so the lowering is checkable from a CPU machine.
+Why Triton and not Mosaic GPU: Pallas' Mosaic GPU backend targets Hopper and newer (sm_90a /
+Blackwell: TMA copies, warpgroup-level ``wgmma`` with 64-row warpgroup tiles, explicit SMEM
+pipelining), while the Triton backend lowers one program per grid cell to Triton IR that XLA
+compiles for any CUDA GPU from Ampere on (and for ROCm), with power-of-two block shapes as its only
+shape rule. The shapes here are small and irregular (G = 3 query heads per KV head in SmolLM2, a
+handful of scoring queries), which suits Triton's per-program tiles better than 64-row warpgroup
+tiles; and jaxlib 0.10.2 lowers a Triton kernel without a GPU present (it emits the
+``__gpu$xla.gpu.triton`` custom call carrying Triton IR, compiled by XLA on the device), so the
+lowering is checkable from a CPU machine.
 
-Layout: rows [B, Hk, G, Tp, K] (Tp = T padded to the power-of-two query tile ``bq``, at least 16, the
-minimum of ``tl.dot``); the cache is read in power-of-two key tiles ``bk`` straight from the [B, Hk, S, K]
-arrays — never padded in HBM: tiles are loaded with ``plgpu.load`` masked by slot index, so slots past S
-are not read and come back as zero keys/values with position -1.
-Triton programs are independent (no sequential grid axis, no VMEM scratch), so each pass loops inside the
+Layout: rows [B, Hk, G, Tp, K] (Tp = T padded to the power-of-two query tile ``bq``, at least 16,
+the minimum of ``tl.dot``); the cache is read in power-of-two key tiles ``bk`` straight from the
+[B, Hk, S, K] arrays — never padded in HBM: tiles are loaded with ``plgpu.load`` masked by slot
+index, so slots past S are not read and come back as zero keys/values with position -1. Triton
+programs are independent (no sequential grid axis, no VMEM scratch), so each pass loops inside the
 program instead of over a grid axis:
 
 * pass 1, grid (B, Hk, G·q tiles): one query tile, a ``fori_loop`` over key tiles with the
   online-softmax statistics in registers (``gpu_common.softmax_kernel``); writes o [.., Tp, K]
   float32 and m, l [.., Tp];
 * pass 2, grid (B, Hk, G·key tiles): one key tile's column, a loop over query tiles (skipped with a
-  ``cond`` when all their weights are zero) — attn and obcache-value from the tile's [bq, bk] weights; the
-  obcache-key/joint terms one scoring query at a time (``cond`` on w_t ≠ 0), from the differences
-  v_s − o_t themselves ([bk, K] per query) (``gpu_common.column_scores``).
+  ``cond`` when all their weights are zero) — attn and obcache-value from the tile's [bq, bk]
+  weights; the obcache-key/joint terms one scoring query at a time (``cond`` on w_t ≠ 0), from the
+  differences v_s − o_t themselves ([bk, K] per query) (``gpu_common.column_scores``).
 """
 
 from __future__ import annotations
@@ -44,25 +45,59 @@ from kvjax.kernels._shared import (
 )
 
 
-def _scores_kernel(q_ref, k_ref, v_ref, spos_ref, qpos_ref, w_ref, o_ref, m_ref, l_ref, col_ref, *, score: str,
-                   n_slots: int, n_queries: int, block_q: int, block_k: int, scale: float, n_k_tiles: int):
+def _scores_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    spos_ref,
+    qpos_ref,
+    w_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    col_ref,
+    *,
+    score: str,
+    n_slots: int,
+    n_queries: int,
+    block_q: int,
+    block_k: int,
+    scale: float,
+    n_k_tiles: int,
+):
     """The column of key tile program_id(2) mod n_k_tiles for one query head
     (``gpu_common.column_scores``)."""
     first = (pl.program_id(2) % n_k_tiles) * block_k
     v_ref = None if score == "attn" else v_ref
     tile = common.dense_tile(k_ref, v_ref, spos_ref, first, block_k, n_slots)
     rows = common.QueryRefs(q_ref, qpos_ref, w_ref, o_ref, m_ref, l_ref)
-    col_ref[...] = common.column_scores(score, tile, rows, n_queries=n_queries,
-                                        block_q=block_q, scale=scale)
+    col_ref[...] = common.column_scores(
+        score, tile, rows, n_queries=n_queries, block_q=block_q, scale=scale
+    )
 
 
-def block_attention_gpu(q, k, v, slot_pos, query_pos, query_weights=None, score: str = "attn", *,
-                        block_k: int | None = None, block_q: int | None = None, interpret=False,
-                        num_warps: int | None = None, num_stages: int = 2):
+def block_attention_gpu(
+    q,
+    k,
+    v,
+    slot_pos,
+    query_pos,
+    query_weights=None,
+    score: str = "attn",
+    *,
+    block_k: int | None = None,
+    block_q: int | None = None,
+    interpret=False,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+):
     """Same contract as ``reference.block_attention_with_scores``, as Pallas Triton kernels.
 
-    block_k / block_q are rounded up to powers of two ≥ 16 (block_q is capped at T rounded up that way).
-    interpret: run with the Pallas interpreter (any backend); otherwise they only lower for CUDA/ROCm.
+    Args:
+        block_k / block_q: rounded up to powers of two ≥ 16 (block_q is capped at T rounded up
+            that way).
+        interpret: run with the Pallas interpreter (any backend); otherwise they only lower for
+            CUDA/ROCm.
     """
     check_score(score)
     B, T, H, Hk, S, K = check_shapes(q, k, v, slot_pos, query_pos, query_weights)
@@ -73,23 +108,34 @@ def block_attention_gpu(q, k, v, slot_pos, query_pos, query_weights=None, score:
     Tp = round_up(T, bq)
     nq, nk = Tp // bq, -(-S // bk)  # the last key tile may run past S: masked loads, no padded copy
     scale = math.sqrt(K)
-    params = plgpu.CompilerParams(num_warps=num_warps or (4 if K <= 64 else 8), num_stages=num_stages)
+    params = plgpu.CompilerParams(
+        num_warps=num_warps or (4 if K <= 64 else 8), num_stages=num_stages
+    )
 
     rows, qpos = common.block_queries(q, query_pos, Hk, Tp)
     spos = slot_pos.astype(jnp.int32)
 
-    head_kv = pl.BlockSpec((None, None, S, K), lambda b, h, x: (b, h, 0, 0))  # whole head: tiles loaded inside
+    # whole head: tiles loaded inside
+    head_kv = pl.BlockSpec((None, None, S, K), lambda b, h, x: (b, h, 0, 0))
     head_pos = pl.BlockSpec((None, None, S), lambda b, h, x: (b, h, 0))
     tile_rows = pl.BlockSpec((None, None, None, bq, K), lambda b, h, x: (b, h, x // nq, x % nq, 0))
     tile_vec = pl.BlockSpec((None, None, None, bq), lambda b, h, x: (b, h, x // nq, x % nq))
     o, m, l = pl.pallas_call(
         functools.partial(common.softmax_kernel, n_slots=S, block_k=bk, n_tiles=nk, scale=scale),
         grid=(B, Hk, G * nq),
-        in_specs=[tile_rows, head_kv, head_kv, head_pos, pl.BlockSpec((None, bq), lambda b, h, x: (b, x % nq))],
+        in_specs=[
+            tile_rows,
+            head_kv,
+            head_kv,
+            head_pos,
+            pl.BlockSpec((None, bq), lambda b, h, x: (b, x % nq)),
+        ],
         out_specs=[tile_rows, tile_vec, tile_vec],
-        out_shape=[jax.ShapeDtypeStruct((B, Hk, G, Tp, K), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hk, G, Tp), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hk, G, Tp), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Hk, G, Tp, K), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hk, G, Tp), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hk, G, Tp), jnp.float32),
+        ],
         compiler_params=params,
         interpret=interpret,
         name="block_attention_stats",
@@ -104,12 +150,31 @@ def block_attention_gpu(q, k, v, slot_pos, query_pos, query_weights=None, score:
     all_vec = pl.BlockSpec((None, None, None, Tp), lambda b, h, x: (b, h, x // nk, 0))
     per_query = pl.BlockSpec((None, Tp), lambda b, h, x: (b, 0))
     col = pl.pallas_call(
-        functools.partial(_scores_kernel, score=score, n_slots=S, n_queries=T, block_q=bq, block_k=bk,
-                          scale=scale, n_k_tiles=nk),
+        functools.partial(
+            _scores_kernel,
+            score=score,
+            n_slots=S,
+            n_queries=T,
+            block_q=bq,
+            block_k=bk,
+            scale=scale,
+            n_k_tiles=nk,
+        ),
         grid=(B, Hk, G * nk),
-        in_specs=[all_rows, head_kv, head_kv, head_pos, per_query, per_query, all_rows, all_vec, all_vec],
+        in_specs=[
+            all_rows,
+            head_kv,
+            head_kv,
+            head_pos,
+            per_query,
+            per_query,
+            all_rows,
+            all_vec,
+            all_vec,
+        ],
         out_specs=pl.BlockSpec((None, None, None, bk), lambda b, h, x: (b, h, x // nk, x % nk)),
-        out_shape=jax.ShapeDtypeStruct((B, Hk, G, nk * bk), jnp.float32),  # a column tile per program
+        # a column tile per program
+        out_shape=jax.ShapeDtypeStruct((B, Hk, G, nk * bk), jnp.float32),
         compiler_params=params,
         interpret=interpret,
         name="block_attention_scores",

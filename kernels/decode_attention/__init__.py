@@ -1,5 +1,5 @@
-"""Decode attention (T = 1) with eviction scores and MomentKV's correction: ``reference`` (jnp), ``tpu``
-(Pallas Mosaic TPU), ``gpu`` (Pallas Triton) and ``api`` (the per-platform choice)."""
+"""Decode attention (T = 1) with eviction scores and MomentKV's correction: ``reference`` (jnp),
+``tpu`` (Pallas Mosaic TPU), ``gpu`` (Pallas Triton) and ``api`` (the per-platform choice)."""
 
 from kvjax.kernels.decode_attention.api import decode_attention_with_scores
 

@@ -1,14 +1,14 @@
 """``decode_attention_with_scores``: the implementation picked per platform, as
-``block_attention.api`` (``jax.lax.platform_dependent``: XLA reference on CPU, Mosaic-TPU kernel on TPU,
-Triton kernels on CUDA; impl overrides).
+``block_attention.api`` (``jax.lax.platform_dependent``: XLA reference on CPU, Mosaic-TPU kernel on
+TPU, Triton kernels on CUDA; impl overrides).
 
 Where MomentKV's correction lives: after the kernel, in XLA (``reference.corrected_attention``),
-applied to the kernel's float32 output and lse. It is O(B·H·K²) work on O(B·Hk·K²) data (S̃ is [K, K] per
-KV head), independent of the cache length, so fusing it into the kernel would save no HBM traffic that
-matters — the kernel would have to read the same [K, K] sums — while the matrix-vector product and the
-clamp of S̃ are what XLA fuses well on TPU and GPU alike. It also keeps one kernel per platform for every
-scorer, and the correction is the very code the reference runs. The kernel's output is float32, so the
-correction mixes in float32 and rounds to the activation dtype once.
+applied to the kernel's float32 output and lse. It is O(B·H·K²) work on O(B·Hk·K²) data (S̃ is
+[K, K] per KV head), independent of the cache length, so fusing it into the kernel would save no HBM
+traffic that matters — the kernel would have to read the same [K, K] sums — while the matrix-vector
+product and the clamp of S̃ are what XLA fuses well on TPU and GPU alike. It also keeps one kernel
+per platform for every scorer, and the correction is the very code the reference runs. The kernel's
+output is float32, so the correction mixes in float32 and rounds to the activation dtype once.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from kvjax.kernels.decode_attention.reference import corrected_attention
 
 
 def _reference(q, k, v, slot_pos, query_pos, query_weights, moments, *, score: str, zeroth: bool):
-    return reference.decode_attention_with_scores(q, k, v, slot_pos, query_pos, query_weights, score, moments,
-                                                  zeroth)
+    return reference.decode_attention_with_scores(
+        q, k, v, slot_pos, query_pos, query_weights, score, moments, zeroth
+    )
 
 
 def _corrected(kernel, q, k, v, slot_pos, query_pos, query_weights, moments, *, zeroth: bool):
@@ -33,18 +34,38 @@ def _corrected(kernel, q, k, v, slot_pos, query_pos, query_weights, moments, *, 
     return out.astype(q.dtype), lse, col
 
 
-def decode_attention_with_scores(q, k, v, slot_pos, query_pos, query_weights=None, score: str = "attn",
-                                 moments=None, zeroth: bool = False, *, impl: str | None = None,
-                                 interpret=False, block_k: int | None = None):
+def decode_attention_with_scores(
+    q,
+    k,
+    v,
+    slot_pos,
+    query_pos,
+    query_weights=None,
+    score: str = "attn",
+    moments=None,
+    zeroth: bool = False,
+    *,
+    impl: str | None = None,
+    interpret=False,
+    block_k: int | None = None,
+):
     """Attention of one query per sequence (T = 1) over cache slots, with eviction scores and, when
     ``moments`` is given, MomentKV's normalization-corrected output.
 
-    q [B, 1, H, K]; k, v [B, Hk, S, K]; slot_pos [B, Hk, S] int32 (-1 = empty); query_pos [B, 1] int32;
-    query_weights [B, 1] float32 or None; score as ``block_attention_with_scores``; moments: one layer's
-    ``kvjax.cache.dense.Moments`` (count [B, Hk], k_sum, v_sum [B, Hk, K], vk_sum [B, Hk, K, K]) or None;
-    zeroth: the zeroth-order correction (estimate v̄ only). Returns (out [B, 1, H, K] in q's dtype, lse
-    [B, 1, H] float32 of the kept slots, col [B, Hk, G, S] float32 or None). impl / interpret / block_k as
-    ``block_attention_with_scores``.
+    Args:
+        q: [B, 1, H, K].
+        k, v: [B, Hk, S, K].
+        slot_pos: [B, Hk, S] int32 (-1 = empty).
+        query_pos: [B, 1] int32.
+        query_weights: [B, 1] float32 or None.
+        score: as ``block_attention_with_scores``.
+        moments: one layer's ``kvjax.cache.dense.Moments`` (count [B, Hk], k_sum, v_sum [B, Hk, K],
+            vk_sum [B, Hk, K, K]) or None.
+        zeroth: the zeroth-order correction (estimate v̄ only).
+        impl / interpret / block_k: as ``block_attention_with_scores``.
+
+    Returns (out [B, 1, H, K] in q's dtype, lse [B, 1, H] float32 of the kept slots,
+    col [B, Hk, G, S] float32 or None).
     """
     check_score(score)
     check_impl(impl)
@@ -53,8 +74,17 @@ def decode_attention_with_scores(q, k, v, slot_pos, query_pos, query_weights=Non
     kernel = functools.partial(_corrected, zeroth=zeroth)
     tiles = {"score": score, "block_k": block_k}
     return by_platform(
-        (q, k, v, slot_pos, query_pos, query_weights, moments), impl, q.shape[-1],
+        (q, k, v, slot_pos, query_pos, query_weights, moments),
+        impl,
+        q.shape[-1],
         xla=functools.partial(_reference, score=score, zeroth=zeroth),
-        tpu_kernel=functools.partial(kernel, functools.partial(tpu.decode_attention_tpu, interpret=interpret, **tiles)),
-        gpu_kernel=functools.partial(kernel, functools.partial(gpu.decode_attention_gpu, interpret=interpret, **tiles)),
-        interpreted=functools.partial(kernel, functools.partial(tpu.decode_attention_tpu, interpret=True, **tiles)))
+        tpu_kernel=functools.partial(
+            kernel, functools.partial(tpu.decode_attention_tpu, interpret=interpret, **tiles)
+        ),
+        gpu_kernel=functools.partial(
+            kernel, functools.partial(gpu.decode_attention_gpu, interpret=interpret, **tiles)
+        ),
+        interpreted=functools.partial(
+            kernel, functools.partial(tpu.decode_attention_tpu, interpret=True, **tiles)
+        ),
+    )

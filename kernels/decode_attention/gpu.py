@@ -1,13 +1,14 @@
-"""Decode attention (one query per sequence) with eviction scores as Pallas GPU kernels, Triton backend.
+"""Decode attention (one query per sequence) with eviction scores as Pallas GPU kernels, Triton
+backend.
 
-Triton rather than Mosaic GPU for the reasons given in ``kvjax.kernels.block_attention.gpu``: Mosaic GPU
-needs Hopper or newer and warpgroup-sized (64-row) tiles, while a decode step has G ≤ 8 rows per KV head
-and must run on any CUDA GPU.
+Triton rather than Mosaic GPU for the reasons given in ``kvjax.kernels.block_attention.gpu``: Mosaic
+GPU needs Hopper or newer and warpgroup-sized (64-row) tiles, while a decode step has G ≤ 8 rows per
+KV head and must run on any CUDA GPU.
 
 A decode step has little parallelism per (row, KV head), so the softmax pass splits the cache
-("flash-decoding"): grid (B, Hk, splits), each program runs the online softmax over its run of key tiles
-(``gpu_common.softmax_kernel``) and writes partial (o, m, l); the partials are merged in jnp (a
-log-sum-exp over ≤ 8 splits of [G, K]). The scores pass, grid (B, Hk, key tiles), recomputes each
+("flash-decoding"): grid (B, Hk, splits), each program runs the online softmax over its run of key
+tiles (``gpu_common.softmax_kernel``) and writes partial (o, m, l); the partials are merged in jnp
+(a log-sum-exp over ≤ 8 splits of [G, K]). The scores pass, grid (B, Hk, key tiles), recomputes each
 tile's logits with the merged statistics and writes the per-slot scores of the G rows (rows padded
 to 16, the minimum of ``tl.dot``; ``gpu_common.head_scores``). Unweighted: the wrapper multiplies by
 the query's weight. The cache is read from the [B, Hk, S, K] arrays in masked power-of-two tiles
@@ -28,8 +29,23 @@ from kvjax.kernels._shared import check_score, check_shapes, next_pow2
 from kvjax.kernels.decode_attention.reference import check_decode
 
 
-def _scores_kernel(q_ref, k_ref, v_ref, spos_ref, qpos_ref, o_ref, m_ref, l_ref, col_ref, *, score: str,
-                   n_heads: int, n_slots: int, block_k: int, scale: float):
+def _scores_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    spos_ref,
+    qpos_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    col_ref,
+    *,
+    score: str,
+    n_heads: int,
+    n_slots: int,
+    block_k: int,
+    scale: float,
+):
     """Unweighted scores of key tile program_id(2) for the Gp rows (query heads) of a KV head."""
     first = pl.program_id(2) * block_k
     v_ref = None if score == "attn" else v_ref
@@ -38,12 +54,24 @@ def _scores_kernel(q_ref, k_ref, v_ref, spos_ref, qpos_ref, o_ref, m_ref, l_ref,
     col_ref[...] = common.head_scores(score, tile, rows, n_heads=n_heads, scale=scale)
 
 
-def decode_attention_gpu(q, k, v, slot_pos, query_pos, query_weights=None, score: str = "attn", *,
-                         block_k: int | None = None, splits: int | None = None, interpret=False,
-                         num_warps: int | None = None, num_stages: int = 2):
+def decode_attention_gpu(
+    q,
+    k,
+    v,
+    slot_pos,
+    query_pos,
+    query_weights=None,
+    score: str = "attn",
+    *,
+    block_k: int | None = None,
+    splits: int | None = None,
+    interpret=False,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+):
     """(o [B, 1, H, K] float32 — uncorrected —, lse [B, 1, H], col [B, Hk, G, S] or None), as
-    ``reference.decode_attention_with_scores`` without moments. block_k is rounded up to a power of two
-    ≥ 16; splits (default: up to 8) is the number of cache splits of the softmax pass."""
+    ``reference.decode_attention_with_scores`` without moments. block_k is rounded up to a power of
+    two ≥ 16; splits (default: up to 8) is the number of cache splits of the softmax pass."""
     check_score(score)
     check_decode(q)
     B, _, H, Hk, S, K = check_shapes(q, k, v, slot_pos, query_pos, query_weights)
@@ -59,19 +87,36 @@ def decode_attention_gpu(q, k, v, slot_pos, query_pos, query_weights=None, score
     spos = slot_pos.astype(jnp.int32)
 
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, s: (b, h, 0, 0))
-    head_kv = pl.BlockSpec((None, None, S, K), lambda b, h, s: (b, h, 0, 0))  # whole head: masked tile loads
+    # whole head: masked tile loads
+    head_kv = pl.BlockSpec((None, None, S, K), lambda b, h, s: (b, h, 0, 0))
     head_pos = pl.BlockSpec((None, None, S), lambda b, h, s: (b, h, 0))
     o_part, m_part, l_part = pl.pallas_call(
-        functools.partial(common.softmax_kernel, n_slots=S, block_k=bk, n_tiles=per_split,
-                          scale=scale, split_axis=2),
+        functools.partial(
+            common.softmax_kernel,
+            n_slots=S,
+            block_k=bk,
+            n_tiles=per_split,
+            scale=scale,
+            split_axis=2,
+        ),
         grid=(B, Hk, n_splits),
-        in_specs=[head_spec, head_kv, head_kv, head_pos, pl.BlockSpec((None, gp), lambda b, h, s: (b, 0))],
-        out_specs=[pl.BlockSpec((None, None, None, gp, K), lambda b, h, s: (b, h, s, 0, 0)),
-                   pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
-                   pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, Hk, n_splits, gp, K), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32)],
+        in_specs=[
+            head_spec,
+            head_kv,
+            head_kv,
+            head_pos,
+            pl.BlockSpec((None, gp), lambda b, h, s: (b, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, gp, K), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Hk, n_splits, gp, K), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32),
+        ],
         compiler_params=params,
         interpret=interpret,
         name="decode_attention_partial_softmax",
@@ -88,10 +133,20 @@ def decode_attention_gpu(q, k, v, slot_pos, query_pos, query_weights=None, score
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, j: (b, h, 0, 0))
     head_vec = pl.BlockSpec((None, None, gp), lambda b, h, j: (b, h, 0))
     col = pl.pallas_call(
-        functools.partial(_scores_kernel, score=score, n_heads=G, n_slots=S, block_k=bk, scale=scale),
+        functools.partial(
+            _scores_kernel, score=score, n_heads=G, n_slots=S, block_k=bk, scale=scale
+        ),
         grid=(B, Hk, nk),
-        in_specs=[head_spec, head_kv, head_kv, head_pos, pl.BlockSpec((None, gp), lambda b, h, j: (b, 0)),
-                  head_spec, head_vec, head_vec],
+        in_specs=[
+            head_spec,
+            head_kv,
+            head_kv,
+            head_pos,
+            pl.BlockSpec((None, gp), lambda b, h, j: (b, 0)),
+            head_spec,
+            head_vec,
+            head_vec,
+        ],
         out_specs=pl.BlockSpec((None, None, gp, bk), lambda b, h, j: (b, h, 0, j)),
         out_shape=jax.ShapeDtypeStruct((B, Hk, gp, nk * bk), jnp.float32),
         compiler_params=params,

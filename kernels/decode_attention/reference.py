@@ -1,11 +1,11 @@
 """Reference of decode attention (one query per sequence) with eviction scores and MomentKV's
-normalization-corrected output (NC): ``block_attention.reference`` at T = 1, then, when ``moments`` is given,
-``corrected_attention`` (lse and col stay those of the attention over the kept slots) — exactly what the
-budget cache computes with XLA.
+normalization-corrected output (NC): ``block_attention.reference`` at T = 1, then, when ``moments``
+is given, ``corrected_attention`` (lse and col stay those of the attention over the kept slots) —
+exactly what the budget cache computes with XLA.
 
-MomentKV's statistics per (row, KV head) of the evicted set E: n = |E|, s_k = Σ k, s_v = Σ v, S = Σ v kᵀ
-(``moments``: count [B, Hk], k_sum, v_sum [B, Hk, K], vk_sum [B, Hk, K, K]). Means k̄ = s_k/n, v̄ = s_v/n;
-centred S̃ = S − s_v s_kᵀ/n (MomentKV Eq. 9).
+MomentKV's statistics per (row, KV head) of the evicted set E: n = |E|, s_k = Σ k, s_v = Σ v,
+S = Σ v kᵀ (``moments``: count [B, Hk], k_sum, v_sum [B, Hk, K], vk_sum [B, Hk, K, K]). Means
+k̄ = s_k/n, v̄ = s_v/n; centred S̃ = S − s_v s_kᵀ/n (MomentKV Eq. 9).
 """
 
 from __future__ import annotations
@@ -17,20 +17,30 @@ from kvjax.kernels.block_attention.reference import block_attention_with_scores
 CLAMP = 1e-6  # entries of S̃ below this magnitude are set to zero (MomentKV App. C.2)
 
 
-def centred_outer(count: jax.Array, k_sum: jax.Array, v_sum: jax.Array, vk_sum: jax.Array) -> jax.Array:
+def centred_outer(
+    count: jax.Array, k_sum: jax.Array, v_sum: jax.Array, vk_sum: jax.Array
+) -> jax.Array:
     """S̃ [..., K, K] with the App. C.2 clamp; zero where count == 0."""
     n = jnp.maximum(count, 1.0)[..., None, None]
     s = vk_sum - v_sum[..., :, None] * k_sum[..., None, :] / n
     return jnp.where((jnp.abs(s) < CLAMP) | (count[..., None, None] == 0), 0.0, s)
 
 
-def corrected_attention(out: jax.Array, lse: jax.Array, q: jax.Array, moments, zeroth: bool) -> jax.Array:
-    """NC: mix the attention over kept slots with the moment estimate of the evicted ones (in log space).
+def corrected_attention(
+    out: jax.Array, lse: jax.Array, q: jax.Array, moments, zeroth: bool
+) -> jax.Array:
+    """NC: mix the attention over kept slots with the moment estimate of the evicted ones
+    (in log space).
 
-    out: [B, T, H, K] attention over the kept slots f_R; lse: [B, T, H] = log Z_R; q: [B, T, H, K];
-    moments: one layer's Moments ([B, Hk, ...]). Returns ŵ f_R + (1 − ŵ) f̂_E, with
-    log ŵ = log Z_R − logaddexp(log Z_R, log n + q·k̄/√d) and f̂_E = v̄ + S̃ q/(n√d) (v̄ alone if zeroth);
-    rows and heads with nothing evicted are returned unchanged.
+    Args:
+        out: [B, T, H, K] attention over the kept slots f_R.
+        lse: [B, T, H] = log Z_R.
+        q: [B, T, H, K].
+        moments: one layer's Moments ([B, Hk, ...]).
+
+    Returns ŵ f_R + (1 − ŵ) f̂_E, with log ŵ = log Z_R − logaddexp(log Z_R, log n + q·k̄/√d) and
+    f̂_E = v̄ + S̃ q/(n√d) (v̄ alone if zeroth); rows and heads with nothing evicted are returned
+    unchanged.
     """
     B, T, H, K = q.shape
     Hk = moments.count.shape[1]
@@ -45,7 +55,9 @@ def corrected_attention(out: jax.Array, lse: jax.Array, q: jax.Array, moments, z
     estimate = jnp.broadcast_to(v_mean[:, None, :, None, :], qg.shape)
     if not zeroth:
         s_tilde = centred_outer(n, moments.k_sum, moments.v_sum, moments.vk_sum)
-        estimate = estimate + jnp.einsum("bhij,bthgj->bthgi", s_tilde, qg) / (safe_n[:, None, :, None, None] * scale)
+        estimate = estimate + jnp.einsum("bhij,bthgj->bthgi", s_tilde, qg) / (
+            safe_n[:, None, :, None, None] * scale
+        )
     lse_r = lse.reshape(B, T, Hk, G)
     log_w = lse_r - jnp.logaddexp(lse_r, jnp.log(safe_n)[:, None, :, None] + mean_logit)
     w = jnp.where((n > 0)[:, None, :, None], jnp.exp(log_w), 1.0)[..., None]
@@ -55,14 +67,35 @@ def corrected_attention(out: jax.Array, lse: jax.Array, q: jax.Array, moments, z
 
 def check_decode(q) -> None:
     if q.ndim != 4 or q.shape[1] != 1:
-        raise ValueError(f"decode attention takes one query per sequence: q must be [B, 1, H, K]; got {q.shape}")
+        raise ValueError(
+            f"decode attention takes one query per sequence: q must be [B, 1, H, K]; got {q.shape}"
+        )
 
 
-def decode_attention_with_scores(q, k, v, slot_pos, query_pos, query_weights=None, score: str = "attn",
-                                 moments=None, zeroth: bool = False):
-    """q [B, 1, H, K]; k, v [B, Hk, S, K]; slot_pos [B, Hk, S]; query_pos [B, 1]; query_weights [B, 1] or
-    None; moments: one layer's ``kvjax.cache.dense.Moments`` ([B, Hk, ...]) or None. Returns (out
-    [B, 1, H, K] — corrected when ``moments`` is given —, lse [B, 1, H], col [B, Hk, G, S] or None)."""
+def decode_attention_with_scores(
+    q,
+    k,
+    v,
+    slot_pos,
+    query_pos,
+    query_weights=None,
+    score: str = "attn",
+    moments=None,
+    zeroth: bool = False,
+):
+    """Decode attention with eviction scores, corrected when ``moments`` is given.
+
+    Args:
+        q: [B, 1, H, K].
+        k, v: [B, Hk, S, K].
+        slot_pos: [B, Hk, S].
+        query_pos: [B, 1].
+        query_weights: [B, 1] or None.
+        moments: one layer's ``kvjax.cache.dense.Moments`` ([B, Hk, ...]) or None.
+
+    Returns (out [B, 1, H, K] — corrected when ``moments`` is given —, lse [B, 1, H],
+    col [B, Hk, G, S] or None).
+    """
     check_decode(q)
     out, lse, col = block_attention_with_scores(q, k, v, slot_pos, query_pos, query_weights, score)
     if moments is not None:

@@ -1,21 +1,22 @@
 """Decode attention (one query per sequence) with eviction scores as one Pallas Mosaic-TPU kernel.
 
-With T = 1 the rows of a KV head are its G query heads: q [B, 1, H, K] becomes [B, Hk, Gp, K] (Gp = G
-padded to a sublane tile: 8 for float32, 16 for bfloat16). Slots are tiled by ``bk`` (a multiple of 128,
-or all of S when S ≤ bk); the cache is never padded — the last key tile may be ragged, masked by slot
-index as in ``block_attention.tpu``. One ``pallas_call`` does both passes: the grid is (B, Hk, phase, key
-tiles) with the phase and key-tile axes sequential; phase 0 runs the online softmax into VMEM scratch (m, l
-and the output accumulator; the output and its statistics are written when the last key tile is done), phase
-1 — present only when scores are requested — streams the key tiles again and writes the per-slot scores
-of each tile with the final statistics, A = exp(z − m) / l. Each phase reads K (and V) once: 2 reads of
-the cache is the minimum for scores that need the final softmax, and nothing of size [G, S] but the
-scores themselves is written. The column block's index is (b, h, 0, phase · j), so it stays on tile 0 for
-all of phase 0 and is written back only after phase 1 has filled it.
+With T = 1 the rows of a KV head are its G query heads: q [B, 1, H, K] becomes [B, Hk, Gp, K] (Gp =
+G padded to a sublane tile: 8 for float32, 16 for bfloat16). Slots are tiled by ``bk`` (a multiple
+of 128, or all of S when S ≤ bk); the cache is never padded — the last key tile may be ragged,
+masked by slot index as in ``block_attention.tpu``. One ``pallas_call`` does both passes: the grid
+is (B, Hk, phase, key tiles) with the phase and key-tile axes sequential; phase 0 runs the online
+softmax into VMEM scratch (m, l and the output accumulator; the output and its statistics are
+written when the last key tile is done), phase 1 — present only when scores are requested — streams
+the key tiles again and writes the per-slot scores of each tile with the final statistics, A =
+exp(z − m) / l. Each phase reads K (and V) once: 2 reads of the cache is the minimum for scores that
+need the final softmax, and nothing of size [G, S] but the scores themselves is written. The column
+block's index is (b, h, 0, phase · j), so it stays on tile 0 for all of phase 0 and is written back
+only after phase 1 has filled it.
 
 For a single query per sequence the score is a per-row quantity, so the kernel writes unweighted
-score(g, s) and the wrapper multiplies by the query's weight w_b (no reduction over queries is needed).
-The obcache-key/joint terms use the differences v_s − o_g themselves, one head row at a time, reduced over
-K on the MXU (``ones[8, K] · Xᵀ``) to land along lanes.
+score(g, s) and the wrapper multiplies by the query's weight w_b (no reduction over queries is
+needed). The obcache-key/joint terms use the differences v_s − o_g themselves, one head row at a
+time, reduced over K on the MXU (``ones[8, K] · Xᵀ``) to land along lanes.
 
 The query position is a scalar per sequence, prefetched into SMEM (``PrefetchScalarGridSpec``).
 """
@@ -34,15 +35,37 @@ from kvjax.kernels._shared import check_score, check_shapes, round_up
 from kvjax.kernels.decode_attention.reference import check_decode
 
 
-def _decode_kernel(qpos_ref, q_ref, k_ref, v_ref, spos_ref, o_ref, stats_ref, *rest, score: str | None,
-                   n_heads: int, n_slots: int, scale: float, precision):
+def _decode_kernel(
+    qpos_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    spos_ref,
+    o_ref,
+    stats_ref,
+    *rest,
+    score: str | None,
+    n_heads: int,
+    n_slots: int,
+    scale: float,
+    precision,
+):
     col_ref = rest[0] if score is not None else None
     m_sc, l_sc, acc_sc = rest[-3:]
     b, phase, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     bk = k_ref.shape[0]
     pl.when((phase == 0) & (j == 0))(functools.partial(common.reset_softmax, m_sc, l_sc, acc_sc))
-    tile = common.key_tile(q_ref, k_ref, v_ref, spos_ref, qpos_ref[b], first_slot=j * bk,
-                           n_slots=n_slots, scale=scale, precision=precision)
+    tile = common.key_tile(
+        q_ref,
+        k_ref,
+        v_ref,
+        spos_ref,
+        qpos_ref[b],
+        first_slot=j * bk,
+        n_slots=n_slots,
+        scale=scale,
+        precision=precision,
+    )
 
     @pl.when(phase == 0)
     def _softmax():
@@ -64,8 +87,18 @@ def _decode_kernel(qpos_ref, q_ref, k_ref, v_ref, spos_ref, o_ref, stats_ref, *r
         col_ref[...] = common.head_scores(score, tile, m_sc, l_sc, acc_sc, n_heads)
 
 
-def decode_attention_tpu(q, k, v, slot_pos, query_pos, query_weights=None, score: str = "attn", *,
-                         block_k: int | None = None, interpret=False):
+def decode_attention_tpu(
+    q,
+    k,
+    v,
+    slot_pos,
+    query_pos,
+    query_weights=None,
+    score: str = "attn",
+    *,
+    block_k: int | None = None,
+    interpret=False,
+):
     """Attention of one query per sequence over the cache: (o [B, 1, H, K] float32 — uncorrected —,
     lse [B, 1, H], col [B, Hk, G, S] or None), as ``reference.decode_attention_with_scores`` without
     moments. block_k is rounded up to a multiple of 128."""
@@ -88,25 +121,42 @@ def decode_attention_tpu(q, k, v, slot_pos, query_pos, query_weights=None, score
     stats_spec = pl.BlockSpec((None, None, gp, common.LANES), lambda b, h, p, j, *_: (b, h, 0, 0))
     kv_spec = pl.BlockSpec((None, None, bk, K), lambda b, h, p, j, *_: (b, h, j, 0))
     if score == "attn":  # phase 1 does not read V: keep its last tile, so it is not fetched again
-        v_spec = pl.BlockSpec((None, None, bk, K), lambda b, h, p, j, *_: (b, h, j + p * (nk - 1 - j), 0))
+        v_spec = pl.BlockSpec(
+            (None, None, bk, K), lambda b, h, p, j, *_: (b, h, j + p * (nk - 1 - j), 0)
+        )
     else:
         v_spec = kv_spec
     out_specs = [head_spec, stats_spec]
-    out_shape = [jax.ShapeDtypeStruct((B, Hk, gp, K), jnp.float32),
-                 jax.ShapeDtypeStruct((B, Hk, gp, common.LANES), jnp.float32)]
+    out_shape = [
+        jax.ShapeDtypeStruct((B, Hk, gp, K), jnp.float32),
+        jax.ShapeDtypeStruct((B, Hk, gp, common.LANES), jnp.float32),
+    ]
     if scoring:
-        out_specs.append(pl.BlockSpec((None, None, gp, bk), lambda b, h, p, j, *_: (b, h, 0, p * j)))
+        out_specs.append(
+            pl.BlockSpec((None, None, gp, bk), lambda b, h, p, j, *_: (b, h, 0, p * j))
+        )
         out_shape.append(jax.ShapeDtypeStruct((B, Hk, gp, S), jnp.float32))
     results = pl.pallas_call(
-        functools.partial(_decode_kernel, score=kernel_score, n_heads=G, n_slots=S, scale=math.sqrt(K),
-                          precision=common.mxu_precision(q.dtype)),
+        functools.partial(
+            _decode_kernel,
+            score=kernel_score,
+            n_heads=G,
+            n_slots=S,
+            scale=math.sqrt(K),
+            precision=common.mxu_precision(q.dtype),
+        ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(B, Hk, 2 if scoring else 1, nk),
-            in_specs=[head_spec, kv_spec, v_spec,
-                      pl.BlockSpec((None, None, 1, bk), lambda b, h, p, j, *_: (b, h, 0, j))],
+            in_specs=[
+                head_spec,
+                kv_spec,
+                v_spec,
+                pl.BlockSpec((None, None, 1, bk), lambda b, h, p, j, *_: (b, h, 0, j)),
+            ],
             out_specs=out_specs,
-            scratch_shapes=common.softmax_scratch(gp, K)),
+            scratch_shapes=common.softmax_scratch(gp, K),
+        ),
         out_shape=out_shape,
         compiler_params=common.compiler_params(2),
         interpret=interpret,

@@ -1,12 +1,13 @@
-"""``paged_block_attention_with_scores`` / ``paged_decode_attention_with_scores``: the implementation picked
-per platform exactly as ``block_attention.api`` does (``jax.lax.platform_dependent``: the XLA reference on
-CPU, the Mosaic-TPU kernels on TPU, the Triton kernels on CUDA; impl="xla" / "pallas" / "pallas_tpu" /
-"pallas_gpu" as there). A platform whose paged kernel does not take the head dim and page size (TPU: head
-dim ≤ 128 or a multiple of 128, P ∈ {16, 32, 64} or a multiple of 128; GPU: both powers of two ≥ 16) runs
-the reference there; asking for that kernel by name raises a ValueError saying why.
+"""``paged_block_attention_with_scores`` / ``paged_decode_attention_with_scores``: the
+implementation picked per platform exactly as ``block_attention.api`` does
+(``jax.lax.platform_dependent``: the XLA reference on CPU, the Mosaic-TPU kernels on TPU, the Triton
+kernels on CUDA; impl="xla" / "pallas" / "pallas_tpu" / "pallas_gpu" as there). A platform whose
+paged kernel does not take the head dim and page size (TPU: head dim ≤ 128 or a multiple of 128, P ∈
+{16, 32, 64} or a multiple of 128; GPU: both powers of two ≥ 16) runs the reference there; asking
+for that kernel by name raises a ValueError saying why.
 
-Decode applies MomentKV's correction after the kernel, in XLA, as ``decode_attention.api`` (the reasons are
-given there).
+Decode applies MomentKV's correction after the kernel, in XLA, as ``decode_attention.api`` (the
+reasons are given there).
 """
 
 from __future__ import annotations
@@ -20,44 +21,80 @@ from kvjax.kernels.paged_attention import gpu, reference, tpu
 from kvjax.kernels.paged_attention.reference import check_paged_shapes
 
 
-def _by_platform(args, impl, head_dim: int, page_size: int, xla, tpu_kernel, gpu_kernel, interpreted):
-    """``by_platform`` with the paged kernels' shape rules: a kernel that does not take (head dim, page size)
-    gives way to the reference, unless asked for by name (it then raises)."""
+def _by_platform(
+    args, impl, head_dim: int, page_size: int, xla, tpu_kernel, gpu_kernel, interpreted
+):
+    """``by_platform`` with the paged kernels' shape rules: a kernel that does not take (head dim,
+    page size) gives way to the reference, unless asked for by name (it then raises)."""
     tpu_ok, gpu_ok = tpu.supports(head_dim, page_size), gpu.supports(head_dim, page_size)
-    return by_platform(args, impl, head_dim, xla, tpu_kernel if tpu_ok or impl == "pallas_tpu" else xla,
-                       gpu_kernel if gpu_ok or impl == "pallas_gpu" else xla, interpreted if tpu_ok else xla)
+    return by_platform(
+        args,
+        impl,
+        head_dim,
+        xla,
+        tpu_kernel if tpu_ok or impl == "pallas_tpu" else xla,
+        gpu_kernel if gpu_ok or impl == "pallas_gpu" else xla,
+        interpreted if tpu_ok else xla,
+    )
 
 
-def paged_block_attention_with_scores(q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos,
-                                      query_weights=None, score: str = "attn", *, impl: str | None = None,
-                                      interpret=False, block_k: int | None = None, block_q: int | None = None):
-    """Grouped-query attention of a block of queries over a paged cache, its log-sum-exp and per-slot
-    eviction scores in logical slot order.
+def paged_block_attention_with_scores(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    n_pages,
+    slot_pos,
+    query_pos,
+    query_weights=None,
+    score: str = "attn",
+    *,
+    impl: str | None = None,
+    interpret=False,
+    block_k: int | None = None,
+    block_q: int | None = None,
+):
+    """Grouped-query attention of a block of queries over a paged cache, its log-sum-exp and
+    per-slot eviction scores in logical slot order.
 
-    q [B, T, H, K] (float32 or bfloat16); k_pages, v_pages [B, N, P, K]: each row's pool of N pages of P
-    slots; page_table [B, Hk, M] int32 in [0, N): logical slot s of KV head h is
-    k_pages[b, page_table[b, h, s // P], s % P]; n_pages [B, Hk] int32 in [0, M]: pages in use per head
-    (later table entries are never read); slot_pos [B, Hk, M·P] int32 (-1 = empty); query_pos [B, T];
-    query_weights [B, T] float32 or None; score as ``block_attention_with_scores``. Returns (out
-    [B, T, H, K] in q's dtype, lse [B, T, H] float32, col [B, Hk, G, M·P] float32 or None) — the semantics
-    of ``reference.paged_block_attention_with_scores``.
+    Args:
+        q: [B, T, H, K] (float32 or bfloat16).
+        k_pages, v_pages: [B, N, P, K]: each row's pool of N pages of P slots.
+        page_table: [B, Hk, M] int32 in [0, N): logical slot s of KV head h is
+            k_pages[b, page_table[b, h, s // P], s % P].
+        n_pages: [B, Hk] int32 in [0, M]: pages in use per head (later table entries are never
+            read).
+        slot_pos: [B, Hk, M·P] int32 (-1 = empty).
+        query_pos: [B, T].
+        query_weights: [B, T] float32 or None.
+        score: as ``block_attention_with_scores``.
+        block_k: logical slots per key block of the TPU kernels (rounded up to whole pages and a
+            multiple of 128; the Triton kernels take one page per step).
+        block_q: query tile, as the dense kernels.
+        interpret: run the chosen Pallas kernel under the interpreter (True; or a
+            ``pltpu.InterpretParams`` for the TPU one).
 
-    block_k: logical slots per key block of the TPU kernels (rounded up to whole pages and a multiple of
-    128; the Triton kernels take one page per step); block_q: query tile, as the dense kernels. interpret:
-    run the chosen Pallas kernel under the interpreter (True; or a ``pltpu.InterpretParams`` for the TPU one).
+    Returns (out [B, T, H, K] in q's dtype, lse [B, T, H] float32, col [B, Hk, G, M·P] float32 or
+    None) — the semantics of ``reference.paged_block_attention_with_scores``.
     """
     check_score(score)
     check_impl(impl)
     check_paged_shapes(q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights)
     tpu_tiles = {"score": score, "block_k": block_k, "block_q": block_q}
     return _by_platform(
-        (q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights), impl, q.shape[-1],
+        (q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights),
+        impl,
+        q.shape[-1],
         k_pages.shape[2],
         xla=functools.partial(reference.paged_block_attention_with_scores, score=score),
-        tpu_kernel=functools.partial(tpu.paged_block_attention_tpu, interpret=interpret, **tpu_tiles),
-        gpu_kernel=functools.partial(gpu.paged_block_attention_gpu, score=score, block_q=block_q,
-                                     interpret=bool(interpret)),
-        interpreted=functools.partial(tpu.paged_block_attention_tpu, interpret=True, **tpu_tiles))
+        tpu_kernel=functools.partial(
+            tpu.paged_block_attention_tpu, interpret=interpret, **tpu_tiles
+        ),
+        gpu_kernel=functools.partial(
+            gpu.paged_block_attention_gpu, score=score, block_q=block_q, interpret=bool(interpret)
+        ),
+        interpreted=functools.partial(tpu.paged_block_attention_tpu, interpret=True, **tpu_tiles),
+    )
 
 
 def _reference(*args, score: str, zeroth: bool):
@@ -74,17 +111,39 @@ def _corrected(kernel, *args, zeroth: bool):
     return out.astype(inputs[0].dtype), lse, col
 
 
-def paged_decode_attention_with_scores(q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos,
-                                       query_weights=None, score: str = "attn", moments=None, zeroth: bool = False,
-                                       *, impl: str | None = None, interpret=False, block_k: int | None = None):
-    """Attention of one query per sequence (T = 1) over a paged cache, with eviction scores and, when
-    ``moments`` is given, MomentKV's normalization-corrected output.
+def paged_decode_attention_with_scores(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    n_pages,
+    slot_pos,
+    query_pos,
+    query_weights=None,
+    score: str = "attn",
+    moments=None,
+    zeroth: bool = False,
+    *,
+    impl: str | None = None,
+    interpret=False,
+    block_k: int | None = None,
+):
+    """Attention of one query per sequence (T = 1) over a paged cache, with eviction scores and,
+    when ``moments`` is given, MomentKV's normalization-corrected output.
 
-    q [B, 1, H, K]; the paged cache as ``paged_block_attention_with_scores``; query_pos [B, 1];
-    query_weights [B, 1] float32 or None; moments: one layer's count [B, Hk], k_sum, v_sum [B, Hk, K],
-    vk_sum [B, Hk, K, K] (``kvjax.cache.dense.Moments``) or None; zeroth: the zeroth-order correction.
-    Returns (out [B, 1, H, K] in q's dtype, lse [B, 1, H] float32 of the kept slots, col [B, Hk, G, M·P]
-    float32 or None). impl / interpret / block_k as ``paged_block_attention_with_scores``.
+    Args:
+        q: [B, 1, H, K].
+        k_pages, v_pages, page_table, n_pages, slot_pos: the paged cache as
+            ``paged_block_attention_with_scores``.
+        query_pos: [B, 1].
+        query_weights: [B, 1] float32 or None.
+        moments: one layer's count [B, Hk], k_sum, v_sum [B, Hk, K], vk_sum [B, Hk, K, K]
+            (``kvjax.cache.dense.Moments``) or None.
+        zeroth: the zeroth-order correction.
+        impl / interpret / block_k: as ``paged_block_attention_with_scores``.
+
+    Returns (out [B, 1, H, K] in q's dtype, lse [B, 1, H] float32 of the kept slots,
+    col [B, Hk, G, M·P] float32 or None).
     """
     check_score(score)
     check_impl(impl)
@@ -93,10 +152,17 @@ def paged_decode_attention_with_scores(q, k_pages, v_pages, page_table, n_pages,
     kernel = functools.partial(_corrected, zeroth=zeroth)
     tpu_kernel = functools.partial(tpu.paged_decode_attention_tpu, score=score, block_k=block_k)
     return _by_platform(
-        (q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights, moments), impl,
-        q.shape[-1], k_pages.shape[2],
+        (q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights, moments),
+        impl,
+        q.shape[-1],
+        k_pages.shape[2],
         xla=functools.partial(_reference, score=score, zeroth=zeroth),
         tpu_kernel=functools.partial(kernel, functools.partial(tpu_kernel, interpret=interpret)),
-        gpu_kernel=functools.partial(kernel, functools.partial(gpu.paged_decode_attention_gpu, score=score,
-                                                               interpret=bool(interpret))),
-        interpreted=functools.partial(kernel, functools.partial(tpu_kernel, interpret=True)))
+        gpu_kernel=functools.partial(
+            kernel,
+            functools.partial(
+                gpu.paged_decode_attention_gpu, score=score, interpret=bool(interpret)
+            ),
+        ),
+        interpreted=functools.partial(kernel, functools.partial(tpu_kernel, interpret=True)),
+    )

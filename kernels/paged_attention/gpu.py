@@ -1,15 +1,17 @@
-"""Paged attention with eviction scores as Pallas Triton kernels: the passes of ``block_attention.gpu`` and
-``decode_attention.gpu`` with the cache read through per-head page tables.
+"""Paged attention with eviction scores as Pallas Triton kernels: the passes of
+``block_attention.gpu`` and ``decode_attention.gpu`` with the cache read through per-head page
+tables.
 
-A page is a key tile: Triton tiles must be powers of two (each ``tl.dot`` dimension ≥ 16), so P must be a
-power of two ≥ 16 and each loop step loads one page, ``k_pages[b, page_table[b, h, j]]`` [P, K], through
-the table row of its (row, KV head) (loaded as scalars; the row's pool is passed whole, a pointer, and only
-the pages named by used entries are loaded). Its slot positions are the contiguous logical slice
-slot_pos[j·P : (j+1)·P]. Every slot of a used page is real, so no slot mask is needed.
+A page is a key tile: Triton tiles must be powers of two (each ``tl.dot`` dimension ≥ 16), so P must
+be a power of two ≥ 16 and each loop step loads one page, ``k_pages[b, page_table[b, h, j]]``
+[P, K], through the table row of its (row, KV head) (loaded as scalars; the row's pool is passed
+whole, a pointer, and only the pages named by used entries are loaded). Its slot positions are the
+contiguous logical slice slot_pos[j·P : (j+1)·P]. Every slot of a used page is real, so no slot mask
+is needed.
 
-* block, pass 1, grid (B, Hk, G·query tiles): the online softmax loops over the head's n_pages pages (a
-  ``fori_loop`` with the traced bound n_pages) and the unused pages' slots join the statistics at the end
-  without being read (``reference.with_unread_slots``);
+* block, pass 1, grid (B, Hk, G·query tiles): the online softmax loops over the head's n_pages pages
+  (a ``fori_loop`` with the traced bound n_pages) and the unused pages' slots join the statistics at
+  the end without being read (``reference.with_unread_slots``);
 * block, pass 2, grid (B, Hk, G·M): one page's column of one query head per program, as
   ``block_attention.gpu``'s scores kernel (``gpu_common.column_scores``) with the page as key tile;
   a program whose page is unused reads nothing and writes zeros;
@@ -42,7 +44,8 @@ from kvjax.kernels.paged_attention.reference import (
 
 
 def supports(head_dim: int, page_size: int) -> bool:
-    """Whether the Triton paged kernels take this head dim and page size (both powers of two ≥ 16)."""
+    """Whether the Triton paged kernels take this head dim and page size (both powers of two
+    ≥ 16)."""
     pow2 = page_size >= common.MIN_DOT and page_size == next_pow2(page_size)
     return common.supports(head_dim) and pow2
 
@@ -63,11 +66,26 @@ def page_tile(table_ref, j, k_ref, v_ref, spos_ref, slot, page_size: int) -> com
     return common.KeyTile(k, spos, slot, page_size, v)
 
 
-def _stats_kernel(table_ref, n_ref, q_ref, k_ref, v_ref, spos_ref, qpos_ref, o_ref, m_ref, l_ref, *,
-                  page_size: int, n_table: int, scale: float, split_axis: int | None = None):
-    """Online softmax of a tile of query rows over the head's used pages, then the unused pages' slots
-    (o normalised, final m, l). With split_axis: over that grid axis' run of used pages only, writing the
-    partial (o, m, l) — o = 0 and l = 0 for an empty run."""
+def _stats_kernel(
+    table_ref,
+    n_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    spos_ref,
+    qpos_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    *,
+    page_size: int,
+    n_table: int,
+    scale: float,
+    split_axis: int | None = None,
+):
+    """Online softmax of a tile of query rows over the head's used pages, then the unused pages'
+    slots (o normalised, final m, l). With split_axis: over that grid axis' run of used pages only,
+    writing the partial (o, m, l) — o = 0 and l = 0 for an empty run."""
     n = n_ref[0]
     start, stop = 0, n
     if split_axis is not None:
@@ -89,9 +107,27 @@ def _stats_kernel(table_ref, n_ref, q_ref, k_ref, v_ref, spos_ref, qpos_ref, o_r
     l_ref[...] = l
 
 
-def _block_scores_kernel(table_ref, n_ref, q_ref, k_ref, v_ref, spos_ref, qpos_ref, w_ref, o_ref, m_ref, l_ref,
-                         col_ref, *, score: str, page_size: int, n_table: int, n_queries: int, block_q: int,
-                         scale: float):
+def _block_scores_kernel(
+    table_ref,
+    n_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    spos_ref,
+    qpos_ref,
+    w_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    col_ref,
+    *,
+    score: str,
+    page_size: int,
+    n_table: int,
+    n_queries: int,
+    block_q: int,
+    scale: float,
+):
     """The column of page j = program_id(2) mod M for one query head (``gpu_common.column_scores``,
     the page as key tile); zeros for an unused page, which is not read."""
     j = pl.program_id(2) % n_table
@@ -99,19 +135,43 @@ def _block_scores_kernel(table_ref, n_ref, q_ref, k_ref, v_ref, spos_ref, qpos_r
 
     @pl.when(used)
     def _page():
-        tile = page_tile(table_ref, j, k_ref, None if score == "attn" else v_ref, spos_ref,
-                         jnp.arange(page_size, dtype=jnp.int32), page_size)
+        tile = page_tile(
+            table_ref,
+            j,
+            k_ref,
+            None if score == "attn" else v_ref,
+            spos_ref,
+            jnp.arange(page_size, dtype=jnp.int32),
+            page_size,
+        )
         rows = common.QueryRefs(q_ref, qpos_ref, w_ref, o_ref, m_ref, l_ref)
-        col_ref[...] = common.column_scores(score, tile, rows, n_queries=n_queries,
-                                            block_q=block_q, scale=scale)
+        col_ref[...] = common.column_scores(
+            score, tile, rows, n_queries=n_queries, block_q=block_q, scale=scale
+        )
 
     @pl.when(~used)
     def _unused():
         col_ref[...] = jnp.zeros(col_ref.shape, jnp.float32)
 
 
-def _decode_scores_kernel(table_ref, n_ref, q_ref, k_ref, v_ref, spos_ref, qpos_ref, o_ref, m_ref, l_ref, col_ref,
-                          *, score: str, n_heads: int, page_size: int, scale: float):
+def _decode_scores_kernel(
+    table_ref,
+    n_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    spos_ref,
+    qpos_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    col_ref,
+    *,
+    score: str,
+    n_heads: int,
+    page_size: int,
+    scale: float,
+):
     """Unweighted scores of page j = program_id(2) for the Gp rows (query heads) of a KV head
     (``gpu_common.head_scores``); zeros for an unused page, which is not read."""
     j = pl.program_id(2)
@@ -119,8 +179,15 @@ def _decode_scores_kernel(table_ref, n_ref, q_ref, k_ref, v_ref, spos_ref, qpos_
 
     @pl.when(used)
     def _page():
-        tile = page_tile(table_ref, j, k_ref, None if score == "attn" else v_ref, spos_ref,
-                         jnp.arange(page_size, dtype=jnp.int32), page_size)
+        tile = page_tile(
+            table_ref,
+            j,
+            k_ref,
+            None if score == "attn" else v_ref,
+            spos_ref,
+            jnp.arange(page_size, dtype=jnp.int32),
+            page_size,
+        )
         rows = common.QueryRefs(q_ref, qpos_ref, None, o_ref, m_ref, l_ref)
         col_ref[...] = common.head_scores(score, tile, rows, n_heads=n_heads, scale=scale)
 
@@ -130,33 +197,58 @@ def _decode_scores_kernel(table_ref, n_ref, q_ref, k_ref, v_ref, spos_ref, qpos_
 
 
 def _paged_specs(N, M, P, K):
-    """BlockSpecs of (table row [M], n_pages [1], K pool, V pool [N, P, K], slot positions [M·P]) of the
-    program's (row, KV head), for a 3-axis grid."""
+    """BlockSpecs of (table row [M], n_pages [1], K pool, V pool [N, P, K], slot positions [M·P]) of
+    the program's (row, KV head), for a 3-axis grid."""
     pool = pl.BlockSpec((None, N, P, K), lambda b, h, x: (b, 0, 0, 0))
-    return [pl.BlockSpec((None, None, M), lambda b, h, x: (b, h, 0)),
-            pl.BlockSpec((None, None, 1), lambda b, h, x: (b, h, 0)), pool, pool,
-            pl.BlockSpec((None, None, M * P), lambda b, h, x: (b, h, 0))]
+    return [
+        pl.BlockSpec((None, None, M), lambda b, h, x: (b, h, 0)),
+        pl.BlockSpec((None, None, 1), lambda b, h, x: (b, h, 0)),
+        pool,
+        pool,
+        pl.BlockSpec((None, None, M * P), lambda b, h, x: (b, h, 0)),
+    ]
 
 
-def paged_block_attention_gpu(q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights=None,
-                              score: str = "attn", *, block_q: int | None = None, interpret=False,
-                              num_warps: int | None = None, num_stages: int = 2):
-    """Same contract as ``reference.paged_block_attention_with_scores``, as Pallas Triton kernels. block_q:
-    a power of two ≥ 16 (capped at T rounded up so); the key tile is one page."""
+def paged_block_attention_gpu(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    n_pages,
+    slot_pos,
+    query_pos,
+    query_weights=None,
+    score: str = "attn",
+    *,
+    block_q: int | None = None,
+    interpret=False,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+):
+    """Same contract as ``reference.paged_block_attention_with_scores``, as Pallas Triton kernels.
+    block_q: a power of two ≥ 16 (capped at T rounded up so); the key tile is one page."""
     check_score(score)
-    B, T, H, Hk, M, P, K = check_paged_shapes(q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos,
-                                              query_weights)
+    B, T, H, Hk, M, P, K = check_paged_shapes(
+        q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights
+    )
     G = H // Hk
     check_supported(K, P)
     bq = common.query_tile(T, block_q)
     Tp = round_up(T, bq)
     nq = Tp // bq
     scale = math.sqrt(K)
-    params = plgpu.CompilerParams(num_warps=num_warps or (4 if K <= 64 else 8), num_stages=num_stages)
+    params = plgpu.CompilerParams(
+        num_warps=num_warps or (4 if K <= 64 else 8), num_stages=num_stages
+    )
 
     rows, qpos = common.block_queries(q, query_pos, Hk, Tp)
-    paged = [page_table.astype(jnp.int32), n_pages.astype(jnp.int32)[..., None], k_pages, v_pages,
-             slot_pos.astype(jnp.int32)]
+    paged = [
+        page_table.astype(jnp.int32),
+        n_pages.astype(jnp.int32)[..., None],
+        k_pages,
+        v_pages,
+        slot_pos.astype(jnp.int32),
+    ]
     paged_specs = _paged_specs(k_pages.shape[1], M, P, K)
 
     tile_rows = pl.BlockSpec((None, None, None, bq, K), lambda b, h, x: (b, h, x // nq, x % nq, 0))
@@ -164,12 +256,16 @@ def paged_block_attention_gpu(q, k_pages, v_pages, page_table, n_pages, slot_pos
     o, m, l = pl.pallas_call(
         functools.partial(_stats_kernel, page_size=P, n_table=M, scale=scale),
         grid=(B, Hk, G * nq),
-        in_specs=paged_specs[:2] + [tile_rows] + paged_specs[2:]
+        in_specs=paged_specs[:2]
+        + [tile_rows]
+        + paged_specs[2:]
         + [pl.BlockSpec((None, bq), lambda b, h, x: (b, x % nq))],
         out_specs=[tile_rows, tile_vec, tile_vec],
-        out_shape=[jax.ShapeDtypeStruct((B, Hk, G, Tp, K), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hk, G, Tp), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hk, G, Tp), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Hk, G, Tp, K), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hk, G, Tp), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hk, G, Tp), jnp.float32),
+        ],
         compiler_params=params,
         interpret=interpret,
         name="paged_block_attention_stats",
@@ -184,29 +280,58 @@ def paged_block_attention_gpu(q, k_pages, v_pages, page_table, n_pages, slot_pos
     all_vec = pl.BlockSpec((None, None, None, Tp), lambda b, h, x: (b, h, x // M, 0))
     per_query = pl.BlockSpec((None, Tp), lambda b, h, x: (b, 0))
     col = pl.pallas_call(
-        functools.partial(_block_scores_kernel, page_size=P, n_table=M, score=score, n_queries=T, block_q=bq,
-                          scale=scale),
+        functools.partial(
+            _block_scores_kernel,
+            page_size=P,
+            n_table=M,
+            score=score,
+            n_queries=T,
+            block_q=bq,
+            scale=scale,
+        ),
         grid=(B, Hk, G * M),
-        in_specs=paged_specs[:2] + [all_rows] + paged_specs[2:] + [per_query, per_query, all_rows, all_vec, all_vec],
+        in_specs=paged_specs[:2]
+        + [all_rows]
+        + paged_specs[2:]
+        + [per_query, per_query, all_rows, all_vec, all_vec],
         out_specs=pl.BlockSpec((None, None, None, P), lambda b, h, x: (b, h, x // M, x % M)),
-        out_shape=jax.ShapeDtypeStruct((B, Hk, G, M * P), jnp.float32),  # a page's column per program
+        # a page's column per program
+        out_shape=jax.ShapeDtypeStruct((B, Hk, G, M * P), jnp.float32),
         compiler_params=params,
         interpret=interpret,
         name="paged_block_attention_scores",
     )(*paged[:2], rows, *paged[2:], qpos, w, o, m, l)
-    return out, lse, fill_unused_pages(col, n_pages, P, score, m[..., :T], l[..., :T], query_weights)
+    return (
+        out,
+        lse,
+        fill_unused_pages(col, n_pages, P, score, m[..., :T], l[..., :T], query_weights),
+    )
 
 
-def paged_decode_attention_gpu(q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights=None,
-                               score: str = "attn", *, splits: int | None = None, interpret=False,
-                               num_warps: int | None = None, num_stages: int = 2):
+def paged_decode_attention_gpu(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    n_pages,
+    slot_pos,
+    query_pos,
+    query_weights=None,
+    score: str = "attn",
+    *,
+    splits: int | None = None,
+    interpret=False,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+):
     """(o [B, 1, H, K] float32 — uncorrected —, lse [B, 1, H], col [B, Hk, G, M·P] or None), as
-    ``reference.paged_decode_attention_with_scores`` without moments. splits (default: up to 8, at most
-    M): the softmax pass' runs of pages per head."""
+    ``reference.paged_decode_attention_with_scores`` without moments. splits (default: up to 8, at
+    most M): the softmax pass' runs of pages per head."""
     check_score(score)
     check_decode(q)
-    B, _, H, Hk, M, P, K = check_paged_shapes(q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos,
-                                              query_weights)
+    B, _, H, Hk, M, P, K = check_paged_shapes(
+        q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights
+    )
     G = H // Hk
     check_supported(K, P)
     rows, qpos, gp = common.decode_queries(q, query_pos, Hk)
@@ -214,8 +339,13 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, page_table, n_pages, slot_po
     scale = math.sqrt(K)
     params = plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages)
 
-    paged = [page_table.astype(jnp.int32), n_pages.astype(jnp.int32)[..., None], k_pages, v_pages,
-             slot_pos.astype(jnp.int32)]
+    paged = [
+        page_table.astype(jnp.int32),
+        n_pages.astype(jnp.int32)[..., None],
+        k_pages,
+        v_pages,
+        slot_pos.astype(jnp.int32),
+    ]
     paged_specs = _paged_specs(k_pages.shape[1], M, P, K)
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, x: (b, h, 0, 0))
     row_qpos = pl.BlockSpec((None, gp), lambda b, h, x: (b, 0))
@@ -223,19 +353,24 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, page_table, n_pages, slot_po
         functools.partial(_stats_kernel, page_size=P, n_table=M, scale=scale, split_axis=2),
         grid=(B, Hk, n_splits),
         in_specs=paged_specs[:2] + [head_spec] + paged_specs[2:] + [row_qpos],
-        out_specs=[pl.BlockSpec((None, None, None, gp, K), lambda b, h, s: (b, h, s, 0, 0)),
-                   pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
-                   pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, Hk, n_splits, gp, K), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32)],
+        out_specs=[
+            pl.BlockSpec((None, None, None, gp, K), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Hk, n_splits, gp, K), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32),
+        ],
         compiler_params=params,
         interpret=interpret,
         name="paged_decode_attention_partial_softmax",
     )(*paged[:2], rows, *paged[2:], qpos)
 
-    # Merge the splits (an empty one has m = -inf, l = 0): the final max (with the unused pages' slots: finite
-    # even when nothing was read) and their share of l first, then each split's l rescaled to that max.
+    # Merge the splits (an empty one has m = -inf, l = 0): the final max (with the unused pages'
+    # slots: finite even when nothing was read) and their share of l first, then each split's l
+    # rescaled to that max.
     m, l, _ = with_unread_slots(jnp.max(m_part, axis=2), 0.0, ((M - n_pages) * P)[..., None])
     o, l = common.merge_splits(o_part, m_part, l_part, m, l)  # [B, Hk, gp, K], [B, Hk, gp]
     out, lse = common.decode_outputs(o, m, l, G)
@@ -245,9 +380,15 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, page_table, n_pages, slot_po
     col = pl.pallas_call(
         functools.partial(_decode_scores_kernel, score=score, n_heads=G, page_size=P, scale=scale),
         grid=(B, Hk, M),
-        in_specs=paged_specs[:2] + [head_spec] + paged_specs[2:]
-        + [row_qpos, head_spec, pl.BlockSpec((None, None, gp), lambda b, h, j: (b, h, 0)),
-           pl.BlockSpec((None, None, gp), lambda b, h, j: (b, h, 0))],
+        in_specs=paged_specs[:2]
+        + [head_spec]
+        + paged_specs[2:]
+        + [
+            row_qpos,
+            head_spec,
+            pl.BlockSpec((None, None, gp), lambda b, h, j: (b, h, 0)),
+            pl.BlockSpec((None, None, gp), lambda b, h, j: (b, h, 0)),
+        ],
         out_specs=pl.BlockSpec((None, None, gp, P), lambda b, h, j: (b, h, 0, j)),
         out_shape=jax.ShapeDtypeStruct((B, Hk, gp, M * P), jnp.float32),
         compiler_params=params,
@@ -255,4 +396,10 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, page_table, n_pages, slot_po
         name="paged_decode_attention_scores",
     )(*paged[:2], rows, *paged[2:], qpos, o, m, l)
     col = col[:, :, :G] * query_weights.astype(jnp.float32).reshape(B, 1, 1, 1)
-    return out, lse, fill_unused_pages(col, n_pages, P, score, m[:, :, :G, None], l[:, :, :G, None], query_weights)
+    return (
+        out,
+        lse,
+        fill_unused_pages(
+            col, n_pages, P, score, m[:, :, :G, None], l[:, :, :G, None], query_weights
+        ),
+    )

@@ -1,4 +1,5 @@
-"""Read a GGUF file (llama / qwen2 / qwen3) into a config and float32 arrays, dequantizing with ``gguf``."""
+"""Read a GGUF file (llama / qwen2 / qwen3) into a config and float32 arrays, dequantizing with
+``gguf``."""
 
 from __future__ import annotations
 
@@ -27,13 +28,17 @@ def open_gguf(path: str):
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # gguf raises ValueError / struct / mmap errors on damaged files
-        raise CheckpointError(f"GGUF file {path} is corrupt or truncated: {type(e).__name__}: {e}") from e
+        raise CheckpointError(
+            f"GGUF file {path} is corrupt or truncated: {type(e).__name__}: {e}"
+        ) from e
 
 
 def gguf_config(reader) -> ModelConfig:
     arch = field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
-        raise CheckpointError(f"GGUF general.architecture={arch!r} is not supported (llama, qwen2, qwen3)")
+        raise CheckpointError(
+            f"GGUF general.architecture={arch!r} is not supported (llama, qwen2, qwen3)"
+        )
     get = lambda k, d=None: field(reader, f"{arch}.{k}", d)  # noqa: E731
     n_heads, d_model = get("attention.head_count"), get("embedding_length")
     eos = field(reader, "tokenizer.ggml.eos_token_id")
@@ -62,7 +67,11 @@ def gguf_config(reader) -> ModelConfig:
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's rotary row interleaving of a q/k weight [N*K, ...]."""
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -86,4 +95,6 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 
     # rope_freqs holds precomputed llama3 factors; kvjax computes them from the config instead.
     skip = [n for n in tensors if n == "rope_freqs.weight"]
-    return cfg, convert(cfg, tensors, read, GGUF, skip=skip, desc=f"reading {os.path.basename(path)}")
+    return cfg, convert(
+        cfg, tensors, read, GGUF, skip=skip, desc=f"reading {os.path.basename(path)}"
+    )

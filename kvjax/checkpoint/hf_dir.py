@@ -17,7 +17,8 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F6
 
 
 def read_safetensors_index(path: str) -> dict[str, tuple[str, dict]]:
-    """``name -> (file, header entry)`` for one safetensors file, validating its header and extent."""
+    """``name -> (file, header entry)`` for one safetensors file, validating its header and
+    extent."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -25,7 +26,9 @@ def read_safetensors_index(path: str) -> dict[str, tuple[str, dict]]:
             raise CheckpointError(f"{path} is truncated (no safetensors header)")
         (n,) = struct.unpack("<Q", raw)
         if n > size - 8:
-            raise CheckpointError(f"{path} is corrupt: header length {n} exceeds the file size {size}")
+            raise CheckpointError(
+                f"{path} is corrupt: header length {n} exceeds the file size {size}"
+            )
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -34,14 +37,18 @@ def read_safetensors_index(path: str) -> dict[str, tuple[str, dict]]:
     for name, entry in header.items():
         begin, end = entry["data_offsets"]
         if 8 + n + end > size:
-            raise CheckpointError(f"{path} is truncated: tensor {name} ends at byte {8 + n + end} of {size}")
+            raise CheckpointError(
+                f"{path} is truncated: tensor {name} ends at byte {8 + n + end} of {size}"
+            )
         entry["start"] = 8 + n
     return {name: (path, entry) for name, entry in header.items()}
 
 
 def _read_tensor(path: str, entry: dict) -> np.ndarray:
     if entry["dtype"] not in _DTYPES:
-        raise CheckpointError(f"{path}: tensor dtype {entry['dtype']} is not supported ({sorted(_DTYPES)})")
+        raise CheckpointError(
+            f"{path}: tensor dtype {entry['dtype']} is not supported ({sorted(_DTYPES)})"
+        )
     begin, end = entry["data_offsets"]
     buf = np.memmap(path, np.uint8, "r", offset=entry["start"] + begin, shape=(end - begin,))
     arr = np.frombuffer(buf, _DTYPES[entry["dtype"]]).reshape(entry["shape"])
@@ -73,5 +80,11 @@ def read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     for file in files:
         index |= read_safetensors_index(os.path.join(path, file))
     skip = ["lm_head.weight"] if cfg.tie_embeddings else []
-    return cfg, convert(cfg, index, lambda name: _read_tensor(*index[name]), HF, skip=skip,
-                        desc=f"reading {os.path.basename(os.path.abspath(path))}")
+    return cfg, convert(
+        cfg,
+        index,
+        lambda name: _read_tensor(*index[name]),
+        HF,
+        skip=skip,
+        desc=f"reading {os.path.basename(os.path.abspath(path))}",
+    )

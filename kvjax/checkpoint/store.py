@@ -1,4 +1,5 @@
-"""The converted-checkpoint directory: Orbax params, kvjax config, tokenizer, provenance; written atomically.
+"""The converted-checkpoint directory: Orbax params, kvjax config, tokenizer, provenance; written
+atomically.
 
 Layout of ``<dir>/``: ``kvjax_config.json`` (``ModelConfig``), ``params/`` (Orbax, float32),
 ``tokenizer/`` (``save_pretrained`` output, optional), ``source.json`` (what it was converted from).
@@ -59,11 +60,14 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 @contextlib.contextmanager
 def atomic_directory(path: str):
-    """Yields a temporary sibling directory to fill; when the block ends without an error it is renamed to
-    ``path`` (replacing a directory there), otherwise removed: ``path`` is never left half-written."""
+    """Yields a temporary sibling directory to fill; when the block ends without an error it is
+    renamed to ``path`` (replacing a directory there), otherwise removed: ``path`` is never left
+    half-written."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.", suffix=".tmp", dir=parent)
+    tmp = tempfile.mkdtemp(
+        prefix=f".{os.path.basename(os.path.abspath(path))}.", suffix=".tmp", dir=parent
+    )
     try:
         yield tmp
         if os.path.isdir(path):
@@ -73,20 +77,30 @@ def atomic_directory(path: str):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_checkpoint(path: str, cfg: ModelConfig, flat: dict[str, np.ndarray], tokenizer=None,
-                     source: dict | None = None) -> None:
-    """Write atomically (``atomic_directory``); a stale conversion there (its source changed) is replaced."""
+def write_checkpoint(
+    path: str,
+    cfg: ModelConfig,
+    flat: dict[str, np.ndarray],
+    tokenizer=None,
+    source: dict | None = None,
+) -> None:
+    """Write atomically (``atomic_directory``); a stale conversion there (its source changed) is
+    replaced."""
     import orbax.checkpoint as ocp
 
     with atomic_directory(path) as tmp:
         with ocp.StandardCheckpointer() as ckpt:
-            ckpt.save(os.path.join(tmp, "params"), _nest({k: np.asarray(v, np.float32) for k, v in flat.items()}))
+            ckpt.save(
+                os.path.join(tmp, "params"),
+                _nest({k: np.asarray(v, np.float32) for k, v in flat.items()}),
+            )
             ckpt.wait_until_finished()
         if tokenizer is not None:
             tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
         with open(os.path.join(tmp, SOURCE_FILE), "w") as f:
             json.dump(source or {}, f, indent=1)
-        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:  # written last: marks a complete checkpoint
+        # written last: marks a complete checkpoint
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             f.write(cfg.to_json())
 
 
@@ -112,11 +126,15 @@ def read_checkpoint(path: str, dtype) -> Params:
         except Exception as e:
             raise CheckpointError(f"{params_dir} is corrupt: cannot read its metadata ({e})") from e
         if problems := shape_mismatches(cfg, {k: tuple(m.shape) for k, m in stored.items()}):
-            raise CheckpointError(f"{path} does not match its config ({len(problems)} problems):\n  "
-                                  + "\n  ".join(problems))
+            raise CheckpointError(
+                f"{path} does not match its config ({len(problems)} problems):\n  "
+                + "\n  ".join(problems)
+            )
         try:
             tree = ckpt.restore(params_dir, _nest(abstract_flat(cfg, np.float32)))
         except Exception as e:
             raise CheckpointError(f"{params_dir} is corrupt: {type(e).__name__}: {e}") from e
     flat = _flatten(tree)
-    return params_from_flat(cfg, {k: jax.device_put(np.asarray(v).astype(dtype)) for k, v in flat.items()})
+    return params_from_flat(
+        cfg, {k: jax.device_put(np.asarray(v).astype(dtype)) for k, v in flat.items()}
+    )

@@ -1,5 +1,6 @@
-"""``python -m kvjax ask`` (compress a document once, answer many questions) and ``python -m kvjax chat`` (a
-multi-turn chat in a budgeted cache); ``read_text`` gives every text argument curl's ``@FILE`` and ``-``."""
+"""``python -m kvjax ask`` (compress a document once, answer many questions) and
+``python -m kvjax chat`` (a multi-turn chat in a budgeted cache); ``read_text`` gives every text
+argument curl's ``@FILE`` and ``-``."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ FROM_FILE = "@FILE: the file's text; -: standard input; either without one trail
 
 
 def read_text(value: str, flag: str) -> str:
-    """``value`` itself, or the contents of FILE for ``@FILE`` or standard input for ``-`` without one trailing
-    newline (``\n`` or ``\r\n``; shell command substitution drops them too), so that a question written by
-    ``echo`` is the prompt it would be typed inline."""
+    """``value`` itself, or the contents of FILE for ``@FILE`` or standard input for ``-`` without
+    one trailing newline (``\n`` or ``\r\n``; shell command substitution drops them too), so that a
+    question written by ``echo`` is the prompt it would be typed inline."""
     if value == "-":
         return _chomp(sys.stdin.read())
     if value.startswith("@"):
@@ -42,7 +43,8 @@ def _chomp(text: str) -> str:
 
 @contextlib.contextmanager
 def elapsed(desc: str, enabled: bool):
-    """A status line on stderr counting the seconds of a step that reports no progress of its own."""
+    """A status line on stderr counting the seconds of a step that reports no progress of its
+    own."""
     if not enabled:
         yield
         return
@@ -50,8 +52,9 @@ def elapsed(desc: str, enabled: bool):
 
     bar = tqdm(desc=desc, bar_format="{desc}: {elapsed}", file=sys.stderr)
     done = threading.Event()
-    ticker = threading.Thread(target=lambda: [bar.refresh() for _ in iter(lambda: done.wait(0.5), True)],
-                              daemon=True)
+    ticker = threading.Thread(
+        target=lambda: [bar.refresh() for _ in iter(lambda: done.wait(0.5), True)], daemon=True
+    )
     ticker.start()
     try:
         yield
@@ -62,9 +65,17 @@ def elapsed(desc: str, enabled: bool):
 
 
 def _model_arguments(p) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="model source, as generate's --model "
-                   "(default: %(default)s)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="model source, as generate's --model (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights and activations",
+    )
     p.add_argument("--system", help=f"system prompt ({FROM_FILE})")
     p.add_argument("--max-new-tokens", type=int, default=None, help="longest answer in tokens")
 
@@ -79,17 +90,27 @@ def _ask(args) -> int:
 
     eviction = from_arguments(args)
     if (args.context is None) == (args.load is None):
-        raise ValueError("give the document with --context FILE, or a saved context with --load DIR (one of them)")
+        raise ValueError(
+            "give the document with --context FILE, or a saved context with --load DIR "
+            "(one of them)"
+        )
     if args.load is not None and eviction:
-        raise ValueError(f"--load: the saved context keeps the eviction settings it was compressed with; "
-                         f"{', '.join('--' + k.replace('_', '-') for k in eviction)} apply with --context only")
+        raise ValueError(
+            f"--load: the saved context keeps the eviction settings it was compressed with; "
+            f"{', '.join('--' + k.replace('_', '-') for k in eviction)} apply with --context only"
+        )
     if args.context is not None and eviction.get("budget") is None:
-        raise ValueError("--budget is required with --context (tokens per layer and KV head, or a fraction)")
+        raise ValueError(
+            "--budget is required with --context (tokens per layer and KV head, or a fraction)"
+        )
     if args.context is not None:
-        eviction_from(**with_tokenizer(None, **eviction))  # bad settings fail before the model loads
+        # bad settings fail before the model loads
+        eviction_from(**with_tokenizer(None, **eviction))
     questions = [read_text(q, "question") for q in args.questions]
     if not questions and args.save is None:
-        raise ValueError("no questions: give one or more, or --save DIR to keep the compressed context")
+        raise ValueError(
+            "no questions: give one or more, or --save DIR to keep the compressed context"
+        )
     system = None if args.system is None else read_text(args.system, "--system")
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
@@ -104,8 +125,11 @@ def _ask(args) -> int:
         with elapsed(f"compressing {len(ids)} tokens", len(ids) >= LONG_CONTEXT and not args.quiet):
             context = kvjax.prefill(params, ids, **with_tokenizer(tokenizer, **eviction))
             jax.block_until_ready(context.logits)
-        print(f"[compressed in {time.perf_counter() - start:.1f}s, compilation included: "
-              f"{context_stats(params, context)}]", file=sys.stderr)
+        print(
+            f"[compressed in {time.perf_counter() - start:.1f}s, compilation included: "
+            f"{context_stats(params, context)}]",
+            file=sys.stderr,
+        )
         if args.save is not None:
             path = context_path(args.save)
             save_context(path, context, params)
@@ -126,16 +150,30 @@ def _chat(args) -> int:
 
     eviction = from_arguments(args)
     if eviction.get("budget") is None:
-        raise ValueError("--budget is required: the chat keeps its cache within it (tokens per layer and KV head)")
+        raise ValueError(
+            "--budget is required: the chat keeps its cache within it "
+            "(tokens per layer and KV head)"
+        )
     if isinstance(eviction["budget"], float):
-        raise ValueError(f"--budget {eviction['budget']}: a chat has no prompt length to take a fraction of; "
-                         "give a token count")
+        raise ValueError(
+            f"--budget {eviction['budget']}: a chat has no prompt length to take a fraction of; "
+            "give a token count"
+        )
     eviction_from(**with_tokenizer(None, **eviction))
     system = None if args.system is None else read_text(args.system, "--system")
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
-    chat = Conversation(params, tokenizer, system=system, max_new_tokens=args.max_new_tokens or 256,
-                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, **eviction)
+    chat = Conversation(
+        params,
+        tokenizer,
+        system=system,
+        max_new_tokens=args.max_new_tokens or 256,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        **eviction,
+    )
     interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401 - line editing and history for input()
@@ -157,41 +195,69 @@ def _chat(args) -> int:
             stats = chat.stats()
             print(f"[{'nothing yet' if stats is None else stats}]", file=sys.stderr)
         elif message.startswith("/"):
-            print(f"[unknown command {message.split()[0]}: /reset, /stats; Ctrl-D quits]", file=sys.stderr)
+            print(
+                f"[unknown command {message.split()[0]}: /reset, /stats; Ctrl-D quits]",
+                file=sys.stderr,
+            )
         else:
             chat.say(message, on_text=lambda text: print(text, end="", flush=True))
             print()
 
 
 def add_ask_chat_parsers(sub) -> None:
-    a = sub.add_parser("ask", help="compress a document once, then answer questions about it",
-                       description="Prefill and compress a document once under a budget, then answer each question "
-                                   "against the compressed context (the question arrives after compression: "
-                                   "KVzip's query-agnostic setting). --save keeps the compressed context for a later "
-                                   "--load. Questions accept @FILE and - (standard input), each read without one "
-                                   "trailing newline.")
+    a = sub.add_parser(
+        "ask",
+        help="compress a document once, then answer questions about it",
+        description="Prefill and compress a document once under a budget, then answer each "
+        "question against the compressed context (the question arrives after compression: "
+        "KVzip's query-agnostic setting). --save keeps the compressed context for a later "
+        "--load. Questions accept @FILE and - (standard input), each read without one "
+        "trailing newline.",
+    )
     a.add_argument("questions", nargs="*", metavar="QUESTION", help="questions about the document")
     a.add_argument("--context", metavar="FILE", help="the document (a UTF-8 text file)")
-    a.add_argument("--save", metavar="NAME|DIR", help="write the compressed context there (Orbax; atomic): a bare NAME "
-                   "goes to contexts/NAME in kvjax's directory (README 'Where files go'), a path where it says")
-    a.add_argument("--load", metavar="NAME|DIR", help="answer from a context saved with --save instead of --context")
+    a.add_argument(
+        "--save",
+        metavar="NAME|DIR",
+        help="write the compressed context there (Orbax; atomic): a bare NAME "
+        "goes to contexts/NAME in kvjax's directory (README 'Where files go'), a path where it "
+        "says",
+    )
+    a.add_argument(
+        "--load",
+        metavar="NAME|DIR",
+        help="answer from a context saved with --save instead of --context",
+    )
     a.add_argument("--quiet", action="store_true", help="no progress line while compressing")
     _model_arguments(a)
-    add_arguments(a.add_argument_group("eviction (kvjax.EvictionOptions; with --context, --budget is required; "
-                                       "docs/eviction.md)"), defaults=False)
+    add_arguments(
+        a.add_argument_group(
+            "eviction (kvjax.EvictionOptions; with --context, --budget is required; "
+            "docs/eviction.md)"
+        ),
+        defaults=False,
+    )
     a.set_defaults(run=_ask)
-    c = sub.add_parser("chat", help="an interactive chat whose cache stays within a budget",
-                       description="A multi-turn chat: every message and answer are appended to one budgeted cache "
-                                   "and evicted under the scorer, never prefilled again. /reset starts over, /stats "
-                                   "shows tokens seen vs kept and the cache's bytes, Ctrl-D quits. Reads standard "
-                                   "input line by line, so it can be scripted.")
+    c = sub.add_parser(
+        "chat",
+        help="an interactive chat whose cache stays within a budget",
+        description="A multi-turn chat: every message and answer are appended to one budgeted "
+        "cache and evicted under the scorer, never prefilled again. /reset starts over, /stats "
+        "shows tokens seen vs kept and the cache's bytes, Ctrl-D quits. Reads standard "
+        "input line by line, so it can be scripted.",
+    )
     _model_arguments(c)
     g = c.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)"
+    )
     g.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    add_arguments(c.add_argument_group("eviction (kvjax.EvictionOptions; --budget is required; docs/eviction.md)"),
-                  defaults=False)
+    add_arguments(
+        c.add_argument_group(
+            "eviction (kvjax.EvictionOptions; --budget is required; docs/eviction.md)"
+        ),
+        defaults=False,
+    )
     c.set_defaults(run=_chat)
-

@@ -23,7 +23,11 @@ def _generate(args) -> int:
     eviction = from_arguments(args)
     eviction_from(**with_tokenizer(None, **eviction))  # bad settings fail before the model loads
     mesh = kvjax.make_mesh(args.mesh) if args.mesh else None
-    message = read_text(args.chat, "--chat") if args.chat is not None else read_text(args.prompt, "--prompt")
+    message = (
+        read_text(args.chat, "--chat")
+        if args.chat is not None
+        else read_text(args.prompt, "--prompt")
+    )
     system = None if args.system is None else read_text(args.system, "--system")
     start = time.perf_counter()
     params = kvjax.load(args.model, dtype=args.dtype)
@@ -32,20 +36,34 @@ def _generate(args) -> int:
         ids = kvjax.chat_tokens(tokenizer, message, system=system)
     else:
         ids = tokenizer(message)["input_ids"]
-    print(f"[{args.model}: loaded in {time.perf_counter() - start:.1f}s, prompt {len(ids)} tokens]",
-          file=sys.stderr)
+    print(
+        f"[{args.model}: loaded in {time.perf_counter() - start:.1f}s, prompt {len(ids)} tokens]",
+        file=sys.stderr,
+    )
     start, new = time.perf_counter(), []
-    stream = kvjax.generate_stream(params, ids, max_new_tokens=args.max_new_tokens, every=args.stream_every,
-                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                   seed=args.seed, mesh=mesh, **with_tokenizer(tokenizer, **eviction))
+    stream = kvjax.generate_stream(
+        params,
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        every=args.stream_every,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        mesh=mesh,
+        **with_tokenizer(tokenizer, **eviction),
+    )
     printed = ""
     for (chunk,) in stream:
         new.extend(int(t) for t in chunk)
         text = tokenizer.decode(new, skip_special_tokens=True)
-        print(text[len(printed):], end="", flush=True)
+        print(text[len(printed) :], end="", flush=True)
         printed = text
     print()
-    print(f"[{len(new)} tokens in {time.perf_counter() - start:.1f}s, compilation included]", file=sys.stderr)
+    print(
+        f"[{len(new)} tokens in {time.perf_counter() - start:.1f}s, compilation included]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -58,10 +76,15 @@ def _kvzip_heads(args) -> int:
     with open(args.context) as f:
         ids = tokenizer(f.read(), add_special_tokens=False)["input_ids"][: args.max_tokens]
     start = time.perf_counter()
-    scores = kvjax.prefill_full(params, ids).kvzip_head_scores(kvjax.kvzip_prompt(tokenizer, "paper"))  # raw text
+    scores = kvjax.prefill_full(params, ids).kvzip_head_scores(
+        kvjax.kvzip_prompt(tokenizer, "paper")  # raw text
+    )
     save_head_scores(args.out, scores, params.config)
-    print(f"[{len(ids)} context tokens scored in {time.perf_counter() - start:.1f}s; head scores "
-          f"[{scores.shape[0]}, {scores.shape[1]}] written to {args.out}]", file=sys.stderr)
+    print(
+        f"[{len(ids)} context tokens scored in {time.perf_counter() - start:.1f}s; head scores "
+        f"[{scores.shape[0]}, {scores.shape[1]}] written to {args.out}]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -84,21 +107,35 @@ def _serve(args) -> int:
     start = time.perf_counter()
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
-    engine = Engine(params, slots=args.slots, max_prompt=args.max_prompt, max_new_tokens=args.max_tokens,
-                    mesh=mesh, **eviction)
+    engine = Engine(
+        params,
+        slots=args.slots,
+        max_prompt=args.max_prompt,
+        max_new_tokens=args.max_tokens,
+        mesh=mesh,
+        **eviction,
+    )
     print(f"[{args.model}: loaded in {time.perf_counter() - start:.1f}s]", file=sys.stderr)
     if args.warmup:
         start = time.perf_counter()
         engine.warmup()
-        print(f"[compiled prompt buckets {list(engine.buckets)} and decoding in {time.perf_counter() - start:.1f}s]",
-              file=sys.stderr)
+        print(
+            f"[compiled prompt buckets {list(engine.buckets)} and decoding in "
+            f"{time.perf_counter() - start:.1f}s]",
+            file=sys.stderr,
+        )
     driver = Driver(engine, queue_size=args.queue).start()
     name = os.path.basename(os.path.normpath(args.model))
-    # uvicorn shuts down gracefully on SIGTERM / Ctrl-C (the requests in flight finish first), then raises the
-    # signal again: SIGTERM then ends the process with status 0.
+    # uvicorn shuts down gracefully on SIGTERM / Ctrl-C (the requests in flight finish first), then
+    # raises the signal again: SIGTERM then ends the process with status 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        uvicorn.run(create_app(driver, name, tokenizer), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(
+            create_app(driver, name, tokenizer),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+        )
     finally:
         driver.stop()
     return 0
@@ -107,59 +144,154 @@ def _serve(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text from a prompt or a chat message, streaming the answer",
-                       description="Generate text with a Llama/Qwen model, streaming tokens as they are decoded.")
-    g.add_argument("--model", default="smollm2-135m-instruct",
-                   help="registry name, .gguf file, Hugging Face directory or model id (owner/name, from the "
-                        "local Hugging Face cache), or kvjax checkpoint (default: %(default)s)")
+    g = sub.add_parser(
+        "generate",
+        help="generate text from a prompt or a chat message, streaming the answer",
+        description="Generate text with a Llama/Qwen model, streaming tokens as they are decoded.",
+    )
+    g.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="registry name, .gguf file, Hugging Face directory or model id (owner/name, from the "
+        "local Hugging Face cache), or kvjax checkpoint (default: %(default)s)",
+    )
     text = g.add_mutually_exclusive_group(required=True)
-    text.add_argument("--chat", metavar="MESSAGE", help=f"a user message, wrapped in the model's chat template "
-                                                         f"({FROM_FILE})")
-    text.add_argument("--prompt", metavar="TEXT", help="raw text to continue, no chat template (@FILE, - as --chat)")
+    text.add_argument(
+        "--chat",
+        metavar="MESSAGE",
+        help=f"a user message, wrapped in the model's chat template ({FROM_FILE})",
+    )
+    text.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        help="raw text to continue, no chat template (@FILE, - as --chat)",
+    )
     g.add_argument("--system", help="system message for --chat (default: the template's own)")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = off")
+    g.add_argument(
+        "--max-new-tokens", type=int, default=128, help="new tokens at most (default: %(default)s)"
+    )
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)"
+    )
+    g.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = off"
+    )
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off")
-    g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default: %(default)s)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
-    g.add_argument("--stream-every", type=int, default=4, help="decode steps between streamed outputs")
-    g.add_argument("--mesh", metavar="AXES", help="run on a device mesh, e.g. data=2,model=4 (batch over data, heads "
-                                                  "and MLP over model; docs/sharding.md); default: one device")
-    add_arguments(g.add_argument_group("eviction (kvjax.EvictionOptions; active with --budget; docs/eviction.md)"))
+    g.add_argument(
+        "--seed", type=int, default=0, help="PRNG seed for sampling (default: %(default)s)"
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights and activations",
+    )
+    g.add_argument(
+        "--stream-every", type=int, default=4, help="decode steps between streamed outputs"
+    )
+    g.add_argument(
+        "--mesh",
+        metavar="AXES",
+        help="run on a device mesh, e.g. data=2,model=4 (batch over data, heads "
+        "and MLP over model; docs/sharding.md); default: one device",
+    )
+    add_arguments(
+        g.add_argument_group(
+            "eviction (kvjax.EvictionOptions; active with --budget; docs/eviction.md)"
+        )
+    )
     g.set_defaults(run=_generate)
-    h = sub.add_parser("kvzip-heads", help="calibrate kvzip-head: KVzip's head scores of a context, to a file",
-                       description="Score a calibration context with KVzip's repeat pass and save each KV head's "
-                                   "largest score (the head scores that `--scorer kvzip-head --head-scores FILE` "
-                                   "keeps whole heads by).")
-    h.add_argument("--model", default="smollm2-135m-instruct", help="model source (default: %(default)s)")
+    h = sub.add_parser(
+        "kvzip-heads",
+        help="calibrate kvzip-head: KVzip's head scores of a context, to a file",
+        description="Score a calibration context with KVzip's repeat pass and save each KV head's "
+        "largest score (the head scores that `--scorer kvzip-head --head-scores FILE` "
+        "keeps whole heads by).",
+    )
+    h.add_argument(
+        "--model", default="smollm2-135m-instruct", help="model source (default: %(default)s)"
+    )
     h.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    h.add_argument("--context", required=True, metavar="FILE", help="a text file: the calibration context")
-    h.add_argument("--max-tokens", type=int, default=4096, help="tokens of the file used (default: %(default)s)")
-    h.add_argument("--out", required=True, metavar="FILE", help="where to write the head scores (JSON)")
+    h.add_argument(
+        "--context", required=True, metavar="FILE", help="a text file: the calibration context"
+    )
+    h.add_argument(
+        "--max-tokens",
+        type=int,
+        default=4096,
+        help="tokens of the file used (default: %(default)s)",
+    )
+    h.add_argument(
+        "--out", required=True, metavar="FILE", help="where to write the head scores (JSON)"
+    )
     h.set_defaults(run=_kvzip_heads)
-    s = sub.add_parser("serve", help="serve a model over HTTP: OpenAI-compatible completions and chat",
-                       description="Serve a model with continuous batching over a fixed number of slots: "
-                                   "OpenAI-compatible /v1/completions and /v1/chat/completions (streaming as "
-                                   "server-sent events), /v1/models and /health (docs/serving.md).")
-    s.add_argument("--model", default="smollm2-135m-instruct", help="model source (default: %(default)s)")
-    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    s.add_argument("--slots", type=int, default=8, help="requests decoded together (default: %(default)s)")
-    s.add_argument("--max-prompt", type=int, default=1024, help="longest prompt in tokens (default: %(default)s)")
-    s.add_argument("--max-tokens", type=int, default=256,
-                   help="the largest max_tokens a request may ask for (default: %(default)s)")
-    s.add_argument("--queue", type=int, default=64,
-                   help="requests that may wait for a slot; more are answered 429 (default: %(default)s)")
-    s.add_argument("--mesh", metavar="AXES", help="run on a device mesh, e.g. data=2,model=4 (slots over data; "
-                                                  "docs/sharding.md); default: one device")
-    s.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile every prompt bucket and decoding before serving (default: %(default)s)")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="uvicorn's log level (default: %(default)s)")
-    add_arguments(s.add_argument_group("eviction (kvjax.EvictionOptions, fixed for the server; active with "
-                                       "--budget; docs/eviction.md)"))
+    s = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP: OpenAI-compatible completions and chat",
+        description="Serve a model with continuous batching over a fixed number of slots: "
+        "OpenAI-compatible /v1/completions and /v1/chat/completions (streaming as "
+        "server-sent events), /v1/models and /health (docs/serving.md).",
+    )
+    s.add_argument(
+        "--model", default="smollm2-135m-instruct", help="model source (default: %(default)s)"
+    )
+    s.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights and activations",
+    )
+    s.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    s.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default: %(default)s)"
+    )
+    s.add_argument(
+        "--slots", type=int, default=8, help="requests decoded together (default: %(default)s)"
+    )
+    s.add_argument(
+        "--max-prompt",
+        type=int,
+        default=1024,
+        help="longest prompt in tokens (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="the largest max_tokens a request may ask for (default: %(default)s)",
+    )
+    s.add_argument(
+        "--queue",
+        type=int,
+        default=64,
+        help="requests that may wait for a slot; more are answered 429 (default: %(default)s)",
+    )
+    s.add_argument(
+        "--mesh",
+        metavar="AXES",
+        help="run on a device mesh, e.g. data=2,model=4 (slots over data; "
+        "docs/sharding.md); default: one device",
+    )
+    s.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile every prompt bucket and decoding before serving (default: %(default)s)",
+    )
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="uvicorn's log level (default: %(default)s)",
+    )
+    add_arguments(
+        s.add_argument_group(
+            "eviction (kvjax.EvictionOptions, fixed for the server; active with "
+            "--budget; docs/eviction.md)"
+        )
+    )
     s.set_defaults(run=_serve)
     add_ask_chat_parsers(sub)
     add_eval_parser(sub)
@@ -171,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
     try:
         return args.run(args)
-    except (ValueError, TypeError, ImportError) as e:  # CheckpointError and a missing extra: clear messages
+    except (ValueError, TypeError, ImportError) as e:
+        # CheckpointError and a missing extra: clear messages
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,1 +1,2 @@
-"""The evaluation suite: needle retrieval, perplexity under eviction, output fidelity, sweeps and reports."""
+"""The evaluation suite: needle retrieval, perplexity under eviction, output fidelity, sweeps and
+reports."""

@@ -1,6 +1,7 @@
-"""Perplexity of a long real text under decoding-time eviction (the StreamingLLM protocol of OBCache's
-language-modelling experiment): the text is fed one token at a time, every token predicts the next, and the
-cache is cut back to the budget after every token (``n_sink`` first tokens protected).
+"""Perplexity of a long real text under decoding-time eviction (the StreamingLLM protocol of
+OBCache's language-modelling experiment): the text is fed one token at a time, every token predicts
+the next, and the cache is cut back to the budget after every token (``n_sink`` first tokens
+protected).
 """
 
 from __future__ import annotations
@@ -36,16 +37,21 @@ def full_cache_nll(params: Params, tokens: jax.Array) -> jax.Array:
     N = tokens.shape[0]
     cache = FullCache.init(params.config, 1, N, params.dtype)
     positions = jnp.arange(N, dtype=jnp.int32)[None]
-    hidden, _ = decode_hidden(params, tokens[None], cache, Segment(positions=positions, from_start=True))
+    hidden, _ = decode_hidden(
+        params, tokens[None], cache, Segment(positions=positions, from_start=True)
+    )
     hidden, targets = hidden[0, :-1], tokens[1:]
-    out = [_nll(params, hidden[i: i + LOGIT_CHUNK], targets[i: i + LOGIT_CHUNK])
-           for i in range(0, N - 1, LOGIT_CHUNK)]
+    out = [
+        _nll(params, hidden[i : i + LOGIT_CHUNK], targets[i : i + LOGIT_CHUNK])
+        for i in range(0, N - 1, LOGIT_CHUNK)
+    ]
     return jnp.concatenate(out)
 
 
 @functools.partial(jax.jit, static_argnames=("ev",))
 def evicting_nll(params: Params, tokens: jax.Array, ev: Eviction) -> jax.Array:
-    """[N - 1] negative log-likelihoods of tokens [N] fed one at a time as decode steps of ``ev``."""
+    """[N - 1] negative log-likelihoods of tokens [N] fed one at a time as decode steps of
+    ``ev``."""
     cache = ev.empty_cache(params.config, 1, ev.decode_spare(0), params.dtype)
 
     def feed(cache, t):
@@ -64,20 +70,30 @@ def text_tokens(tokenizer, length: int) -> np.ndarray:
     return np.asarray(ids[:length], np.int32)
 
 
-def run_perplexity(params: Params, tokenizer, scorers, budgets, length: int = 4096, options: dict | None = None,
-                   window_edges=(256, 512, 1024, 2048, 4096), progress: bool = True) -> dict:
-    """Perplexity over the text's positions (prev edge, edge] for the full cache and every scorer × budget;
-    ``options``: further eviction keywords (``kvjax.EvictionOptions``) shared by every run.
+def run_perplexity(
+    params: Params,
+    tokenizer,
+    scorers,
+    budgets,
+    length: int = 4096,
+    options: dict | None = None,
+    window_edges=(256, 512, 1024, 2048, 4096),
+    progress: bool = True,
+) -> dict:
+    """Perplexity over the text's positions (prev edge, edge] for the full cache and every scorer ×
+    budget; ``options``: further eviction keywords (``kvjax.EvictionOptions``) shared by every run.
 
-    Returns {"length", "edges", "full": [ppl per segment], "runs": [{"scorer", "budget", "ppl": [...],
-    "seconds"}]}.
+    Returns {"length", "edges", "full": [ppl per segment],
+    "runs": [{"scorer", "budget", "ppl": [...], "seconds"}]}.
     """
     import time
 
     from tqdm import tqdm
 
     if length > params.config.max_seq_len:
-        raise ValueError(f"length={length} exceeds the model's context of {params.config.max_seq_len} tokens")
+        raise ValueError(
+            f"length={length} exceeds the model's context of {params.config.max_seq_len} tokens"
+        )
     edges = [e for e in window_edges if e <= length]
     if not edges or edges[-1] != length:
         edges.append(length)
@@ -89,14 +105,25 @@ def run_perplexity(params: Params, tokenizer, scorers, budgets, length: int = 40
 
     configs = [(s, b) for s in scorers for b in budgets]
     options = dict(options or {})
-    result = {"length": length, "edges": edges, "options": options,
-              "full": segments(np.asarray(full_cache_nll(params, tokens))), "runs": []}
+    result = {
+        "length": length,
+        "edges": edges,
+        "options": options,
+        "full": segments(np.asarray(full_cache_nll(params, tokens))),
+        "runs": [],
+    }
     for scorer, budget in tqdm(configs, desc="ppl", disable=not progress):
         ev = eviction_from(budget=budget, scorer=scorer, **options).decoding()
         start = time.perf_counter()
         nll = np.asarray(evicting_nll(params, tokens, ev))
-        result["runs"].append({"scorer": scorer, "budget": budget, "ppl": segments(nll),
-                               "seconds": time.perf_counter() - start})
+        result["runs"].append(
+            {
+                "scorer": scorer,
+                "budget": budget,
+                "ppl": segments(nll),
+                "seconds": time.perf_counter() - start,
+            }
+        )
     return result
 
 
@@ -104,8 +131,13 @@ def perplexity_table(result: dict) -> str:
     """Markdown: one row per run, one column per text segment."""
     edges = result["edges"]
     spans = [f"{a}–{b}" for a, b in zip([0] + edges, edges, strict=False)]
-    lines = ["| scorer | budget | " + " | ".join(spans) + " |", "| --- | ---: |" + " ---: |" * len(spans),
-             "| full cache | – | " + " | ".join(f"{p:.2f}" for p in result["full"]) + " |"]
-    lines += [f"| {r['scorer']} | {r['budget']} | " + " | ".join(f"{p:.2f}" for p in r["ppl"]) + " |"
-              for r in result["runs"]]
+    lines = [
+        "| scorer | budget | " + " | ".join(spans) + " |",
+        "| --- | ---: |" + " ---: |" * len(spans),
+        "| full cache | – | " + " | ".join(f"{p:.2f}" for p in result["full"]) + " |",
+    ]
+    lines += [
+        f"| {r['scorer']} | {r['budget']} | " + " | ".join(f"{p:.2f}" for p in r["ppl"]) + " |"
+        for r in result["runs"]
+    ]
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Uncertainty of accuracies and paired comparisons of two methods on the same samples (no SciPy)."""
+"""Uncertainty of accuracies and paired comparisons of two methods on the same samples
+(no SciPy)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import NamedTuple
 def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """The Wilson score interval of a proportion: ``k`` successes of ``n`` trials (z = 1.96: 95%).
 
-    With p = k/n: (p + z²/2n ± z √(p(1−p)/n + z²/4n²)) / (1 + z²/n), clipped to [0, 1]. A fractional ``k``
-    (a sum of partial scores) is treated as the proportion p of n answers.
+    With p = k/n: (p + z²/2n ± z √(p(1−p)/n + z²/4n²)) / (1 + z²/n), clipped to [0, 1]. A fractional
+    ``k`` (a sum of partial scores) is treated as the proportion p of n answers.
     """
     if n < 1:
         raise ValueError(f"n={n!r} must be at least 1")
@@ -34,8 +35,14 @@ def sign_test(wins: int, losses: int) -> float:
 
 
 class Paired(NamedTuple):
-    """A method against a baseline on the same samples: wins (the method right, the baseline wrong), losses
-    (the reverse), ties (both right or both wrong) and the sign test's p over the untied pairs."""
+    """A method against a baseline on the same samples.
+
+    Fields:
+        wins: the method right, the baseline wrong.
+        losses: the reverse.
+        ties: both right or both wrong.
+        p: the sign test's p over the untied pairs.
+    """
 
     wins: int
     losses: int
@@ -44,12 +51,14 @@ class Paired(NamedTuple):
 
 
 def paired(baseline: Mapping[str, float], method: Mapping[str, float]) -> Paired:
-    """Compare two methods' scores (sample id -> score in [0, 1]; a score of 1 is a right answer) over the same
-    samples."""
+    """Compare two methods' scores (sample id -> score in [0, 1]; a score of 1 is a right answer)
+    over the same samples."""
     if set(baseline) != set(method):
-        raise ValueError(f"baseline and method must score the same samples; only in baseline: "
-                         f"{sorted(set(baseline) - set(method))[:3]}, only in method: "
-                         f"{sorted(set(method) - set(baseline))[:3]}")
+        raise ValueError(
+            f"baseline and method must score the same samples; only in baseline: "
+            f"{sorted(set(baseline) - set(method))[:3]}, only in method: "
+            f"{sorted(set(method) - set(baseline))[:3]}"
+        )
     for name, scores in (("baseline", baseline), ("method", method)):
         if bad := [s for s in scores.values() if not 0 <= s <= 1]:
             raise ValueError(f"{name}: scores must lie in [0, 1], got {bad[0]!r}")

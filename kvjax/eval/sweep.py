@@ -1,15 +1,17 @@
-"""Needle-retrieval sweeps: scorers × budgets × protocols × settings over a set of samples, resumable.
+"""Needle-retrieval sweeps: scorers × budgets × protocols × settings over a set of samples,
+resumable.
 
-Every answer is one JSON line (``Row``); a rerun skips the lines already written. Samples of one length and
-task run together as one batch (up to ``batch`` rows, padded as ``kvjax.prefill`` pads any batch): under
-the ``prefill`` protocol every (scorer, budget) of the batch is compressed from one shared full prefill
-(``kvjax.prefill_full``), so a sweep over many scorers costs little more than one; ``blockwise`` runs
-the block-wise engine per (scorer, budget). Answers are decoded greedily without eviction: NIAH measures
-what the compression of the prompt keeps (decoding-time eviction is ``kvjax.eval.perplexity``'s subject).
+Every answer is one JSON line (``Row``); a rerun skips the lines already written. Samples of one
+length and task run together as one batch (up to ``batch`` rows, padded as ``kvjax.prefill`` pads
+any batch): under the ``prefill`` protocol every (scorer, budget) of the batch is compressed from
+one shared full prefill (``kvjax.prefill_full``), so a sweep over many scorers costs little more
+than one; ``blockwise`` runs the block-wise engine per (scorer, budget). Answers are decoded
+greedily without eviction: NIAH measures what the compression of the prompt keeps (decoding-time
+eviction is ``kvjax.eval.perplexity``'s subject).
 
 Settings: ``query-aware`` compresses the prompt with the question in it (SnapKV's setting);
-``query-agnostic`` compresses the context alone and appends the question afterwards (KVzip's setting and
-kvpress's default).
+``query-agnostic`` compresses the context alone and appends the question afterwards (KVzip's setting
+and kvpress's default).
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ FULL = "full"  # the uncompressed baseline's scorer name
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """One way of compressing: a scorer at a budget under a protocol (``FULL`` = no compression), with eviction
-    keywords of its own (``options``: (name, value) pairs, over the run's shared ones) and a ``name`` that
-    labels it in tables (default: the scorer, and the protocol unless "prefill")."""
+    """One way of compressing: a scorer at a budget under a protocol (``FULL`` = no compression).
+
+    Fields:
+        options: eviction keywords of its own, (name, value) pairs, over the run's shared ones.
+        name: labels it in tables (default: the scorer, and the protocol unless "prefill").
+    """
 
     scorer: str
     budget: int | None = None
@@ -53,7 +58,9 @@ class Method:
         return self.scorer if self.protocol == "prefill" else f"{self.scorer} ({self.protocol})"
 
 
-def methods(scorers: Iterable[str], budgets: Iterable[int], protocols: Iterable[str]) -> list[Method]:
+def methods(
+    scorers: Iterable[str], budgets: Iterable[int], protocols: Iterable[str]
+) -> list[Method]:
     """The full-cache baseline plus every scorer × budget × protocol."""
     found = [Method(FULL, None, "-")]
     for protocol in protocols:
@@ -64,9 +71,15 @@ def methods(scorers: Iterable[str], budgets: Iterable[int], protocols: Iterable[
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One answer. ``seconds``: this method's own compression and decoding; the shared full prefill of the
-    sample is ``prefill_seconds`` (the same for every prefill-protocol row of the sample and setting). Both
-    are the batch's time divided by its rows."""
+    """One answer.
+
+    Fields:
+        seconds: this method's own compression and decoding.
+        prefill_seconds: the shared full prefill of the sample (the same for every prefill-protocol
+            row of the sample and setting).
+
+    Both are the batch's time divided by its rows.
+    """
 
     sample: str
     task: str
@@ -106,16 +119,30 @@ def read_rows(path: str) -> list[Row]:
     return rows
 
 
-def run(params: Params, tokenizer, samples: list[Sample], methods_: list[Method], settings=SETTINGS, *,
-        out: str, options: dict | None = None, block_size: int = 128, batch: int = 8,
-        progress: bool = True) -> list[Row]:
-    """Answer every sample with every method in every setting, appending to the JSONL file ``out``. Budgets
-    that hold a sample's whole prompt are skipped for it (they equal the full cache, which is tested).
+def run(
+    params: Params,
+    tokenizer,
+    samples: list[Sample],
+    methods_: list[Method],
+    settings=SETTINGS,
+    *,
+    out: str,
+    options: dict | None = None,
+    block_size: int = 128,
+    batch: int = 8,
+    progress: bool = True,
+) -> list[Row]:
+    """Answer every sample with every method in every setting, appending to the JSONL file ``out``.
+    Budgets that hold a sample's whole prompt are skipped for it (they equal the full cache, which
+    is tested).
 
-    options: eviction keywords (``kvjax.EvictionOptions``) shared by every method (a method's own override
-    them); ``mi_batch`` goes to the scorers with moment-informed eviction only; kvzip's repeat prompt is made
-    from ``tokenizer``. batch: samples (of one length and task) answered together. Returns every row of
-    ``out`` for these samples, methods and options.
+    Args:
+        options: eviction keywords (``kvjax.EvictionOptions``) shared by every method (a method's
+            own override them); ``mi_batch`` goes to the scorers with moment-informed eviction
+            only; kvzip's repeat prompt is made from ``tokenizer``.
+        batch: samples (of one length and task) answered together.
+
+    Returns every row of ``out`` for these samples, methods and options.
     """
     from tqdm import tqdm
 
@@ -124,20 +151,36 @@ def run(params: Params, tokenizer, samples: list[Sample], methods_: list[Method]
     shared_options = dict(options or {})
     mine = lambda m: shared_options | dict(m.options)  # noqa: E731
     tag = lambda m: json.dumps(mine(m), sort_keys=True)  # noqa: E731
-    key = lambda s, setting, m: (s.id, setting, m.scorer, m.budget, m.protocol, tag(m))  # noqa: E731
+    key = lambda s, setting, m: (  # noqa: E731
+        s.id,
+        setting,
+        m.scorer,
+        m.budget,
+        m.protocol,
+        tag(m),
+    )
     for setting in settings:
         if setting not in SETTINGS:
             raise ValueError(f"setting={setting!r} must be one of {SETTINGS}")
     done = {row.key() for row in read_rows(out)}
-    jobs = [(s, setting, m) for s in samples for setting in settings for m in methods_
-            if (m.scorer != FULL or setting == settings[0]) and (m.budget or 0) < s.length]
+    jobs = [
+        (s, setting, m)
+        for s in samples
+        for setting in settings
+        for m in methods_
+        if (m.scorer != FULL or setting == settings[0]) and (m.budget or 0) < s.length
+    ]
     todo = {key(*job) for job in jobs} - done
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     bar = tqdm(total=len(todo), desc="niah", unit="answer", disable=not progress)
     with open(out, "a") as f:
         for group in _batches(samples, batch):
-            here = [(setting, m) for setting in settings for m in methods_
-                    if any(key(s, setting, m) in todo for s in group)]
+            here = [
+                (setting, m)
+                for setting in settings
+                for m in methods_
+                if any(key(s, setting, m) in todo for s in group)
+            ]
             if not here:
                 continue
             shared, shared_s = None, 0.0
@@ -148,20 +191,41 @@ def run(params: Params, tokenizer, samples: list[Sample], methods_: list[Method]
                 shared_s = (time.perf_counter() - start) / len(group)
             for setting, m in here:
                 start = time.perf_counter()
-                eviction = {} if m.scorer == FULL else with_tokenizer(
-                    tokenizer, scorer=m.scorer, budget=m.budget, **scorer_options(m.scorer, mine(m)))
+                eviction = (
+                    {}
+                    if m.scorer == FULL
+                    else with_tokenizer(
+                        tokenizer,
+                        scorer=m.scorer,
+                        budget=m.budget,
+                        **scorer_options(m.scorer, mine(m)),
+                    )
+                )
                 answers = _answers(params, group, setting, m, shared, eviction, block_size)
                 seconds = (time.perf_counter() - start) / len(group)
                 for sample, answer in zip(group, answers, strict=True):
                     if key(sample, setting, m) not in todo:
                         continue
                     prediction = tokenizer.decode(answer, skip_special_tokens=True)
-                    row = Row(sample=sample.id, task=sample.task, haystack=sample.haystack, length=sample.length,
-                              depth=sample.depth, setting=setting, scorer=m.scorer, budget=m.budget,
-                              protocol=m.protocol, options=tag(m), prediction=prediction,
-                              score=score(prediction, sample.answers), seconds=seconds,
-                              prefill_seconds=shared_s if shared is not None and m.protocol != "blockwise" else 0.0,
-                              label=m.label)
+                    row = Row(
+                        sample=sample.id,
+                        task=sample.task,
+                        haystack=sample.haystack,
+                        length=sample.length,
+                        depth=sample.depth,
+                        setting=setting,
+                        scorer=m.scorer,
+                        budget=m.budget,
+                        protocol=m.protocol,
+                        options=tag(m),
+                        prediction=prediction,
+                        score=score(prediction, sample.answers),
+                        seconds=seconds,
+                        prefill_seconds=shared_s
+                        if shared is not None and m.protocol != "blockwise"
+                        else 0.0,
+                        label=m.label,
+                    )
                     f.write(json.dumps(dataclasses.asdict(row)) + "\n")
                     f.flush()
                     bar.update()
@@ -171,11 +235,12 @@ def run(params: Params, tokenizer, samples: list[Sample], methods_: list[Method]
 
 
 def _batches(samples: list[Sample], batch: int) -> list[list[Sample]]:
-    """The samples in groups of one length and task (one answer length), at most ``batch`` each, in order."""
+    """The samples in groups of one length and task (one answer length), at most ``batch`` each, in
+    order."""
     by_kind: dict[tuple, list[Sample]] = {}
     for s in samples:
         by_kind.setdefault((s.length, s.task), []).append(s)
-    return [group[i: i + batch] for group in by_kind.values() for i in range(0, len(group), batch)]
+    return [group[i : i + batch] for group in by_kind.values() for i in range(0, len(group), batch)]
 
 
 def scorer_options(scorer: str, options: dict) -> dict:
@@ -186,18 +251,29 @@ def scorer_options(scorer: str, options: dict) -> dict:
     return {k: v for k, v in options.items() if k != "mi_batch"}
 
 
-def _answers(params: Params, group: list[Sample], setting: str, m: Method, shared, eviction: dict,
-             block_size: int) -> list:
-    """The generated token ids of each sample of ``group`` (one task: one answer length) under (setting,
-    method), as one batch; ``eviction``: the method's eviction keywords."""
+def _answers(
+    params: Params,
+    group: list[Sample],
+    setting: str,
+    m: Method,
+    shared,
+    eviction: dict,
+    block_size: int,
+) -> list:
+    """The generated token ids of each sample of ``group`` (one task: one answer length) under
+    (setting, method), as one batch; ``eviction``: the method's eviction keywords."""
     max_new = group[0].max_new_tokens
     if m.scorer == FULL:
         return shared.generate(max_new)
     aware = setting == "query-aware"
     questions = None if aware else [list(s.question) for s in group]
     if m.protocol == "prefill":
-        context = shared.compress(upto=None if aware else [len(s.context) for s in group], **eviction)
+        context = shared.compress(
+            upto=None if aware else [len(s.context) for s in group], **eviction
+        )
     else:
         rows = [list(s.prompt if aware else s.context) for s in group]
-        context = kvjax.prefill(params, rows, protocol=m.protocol, **({"block_size": block_size} | eviction))
+        context = kvjax.prefill(
+            params, rows, protocol=m.protocol, **({"block_size": block_size} | eviction)
+        )
     return kvjax.decode(params, context, questions, max_new, evict=False)

@@ -1,1 +1,2 @@
-"""The decoder as plain functions over a parameter pytree: config, parameters, RoPE, the layer scan."""
+"""The decoder as plain functions over a parameter pytree: config, parameters, RoPE, the layer
+scan."""

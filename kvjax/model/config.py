@@ -40,14 +40,29 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
-            raise ValueError(f"arch={self.arch!r} is not supported; expected one of {ARCHITECTURES}")
+            raise ValueError(
+                f"arch={self.arch!r} is not supported; expected one of {ARCHITECTURES}"
+            )
         if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_type={self.rope_type!r} is not supported; expected one of {ROPE_TYPES}")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
+            raise ValueError(
+                f"rope_type={self.rope_type!r} is not supported; expected one of {ROPE_TYPES}"
+            )
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "d_ff",
+            "max_seq_len",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+            raise ValueError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
+            )
 
     @property
     def group_size(self) -> int:
@@ -72,10 +87,16 @@ class ModelConfig:
         """From a Hugging Face ``config.json`` dict (transformers 4 or 5 layout)."""
         arch = hf.get("model_type")
         if arch not in ARCHITECTURES:
-            raise ValueError(f"config.json model_type={arch!r} is not supported; expected one of {ARCHITECTURES}")
-        for flag in ("use_sliding_window", "mlp_bias") + (() if arch == "qwen2" else ("attention_bias",)):
+            raise ValueError(
+                f"config.json model_type={arch!r} is not supported; expected one of {ARCHITECTURES}"
+            )
+        for flag in ("use_sliding_window", "mlp_bias") + (
+            () if arch == "qwen2" else ("attention_bias",)
+        ):
             if hf.get(flag):
-                raise ValueError(f"config.json {flag}=True is not supported for model_type={arch!r}")
+                raise ValueError(
+                    f"config.json {flag}=True is not supported for model_type={arch!r}"
+                )
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))

@@ -1,4 +1,5 @@
-"""The decoder as plain functions: embed, a ``lax.scan`` over stacked layers, final norm and logits."""
+"""The decoder as plain functions: embed, a ``lax.scan`` over stacked layers, final norm and
+logits."""
 
 from __future__ import annotations
 
@@ -17,9 +18,17 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale * normed.astype(x.dtype)
 
 
-def decoder_layer(cfg, x: jax.Array, p: LayerParams, layer: jax.Array, cache, seg: Segment, inv_freq):
-    """One pre-norm block. x: [B, T, D]; p is the layer's parameter slice; ``cache`` holds every layer and
-    ``cache.attend(layer, ...)`` reads and updates layer ``layer`` of it."""
+def decoder_layer(
+    cfg, x: jax.Array, p: LayerParams, layer: jax.Array, cache, seg: Segment, inv_freq
+):
+    """One pre-norm block.
+
+    Args:
+        x: [B, T, D].
+        p: the layer's parameter slice.
+        cache: holds every layer; ``cache.attend(layer, ...)`` reads and updates layer ``layer`` of
+            it.
+    """
     h = rms_norm(x, p.attn_norm, cfg.norm_eps)
     q = jnp.einsum("btd,dhk->bthk", h, p.wq)
     k = jnp.einsum("btd,dhk->bthk", h, p.wk)
@@ -32,7 +41,9 @@ def decoder_layer(cfg, x: jax.Array, p: LayerParams, layer: jax.Array, cache, se
     attn, cache = cache.attend(layer, q, k, v, seg)
     x = x + jnp.einsum("bthk,hkd->btd", attn, p.wo)
     h = rms_norm(x, p.mlp_norm, cfg.norm_eps)
-    gated = jax.nn.silu(jnp.einsum("btd,df->btf", h, p.w_gate)) * jnp.einsum("btd,df->btf", h, p.w_up)
+    gated = jax.nn.silu(jnp.einsum("btd,df->btf", h, p.w_gate)) * jnp.einsum(
+        "btd,df->btf", h, p.w_up
+    )
     return x + jnp.einsum("btf,fd->btd", gated, p.w_down), cache
 
 
@@ -56,7 +67,8 @@ def decode_hidden(params: Params, tokens: jax.Array, cache, seg: Segment):
 
 
 def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
-    """[..., D] -> float32 logits [..., V] (tied embeddings use ``embed``); the matmul runs in the params' dtype."""
+    """[..., D] -> float32 logits [..., V] (tied embeddings use ``embed``); the matmul runs in the
+    params' dtype."""
     if params.lm_head is None:
         return jnp.einsum("...d,vd->...v", hidden, params.embed).astype(jnp.float32)
     return jnp.einsum("...d,dv->...v", hidden, params.lm_head).astype(jnp.float32)

@@ -59,8 +59,15 @@ class ParamSpec:
 
 def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     """Flat ``path -> ParamSpec`` for every tensor ``cfg`` has (``layers.wq`` etc.)."""
-    L, V, D, H, Hk, K, F = (cfg.n_layers, cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
-                            cfg.head_dim, cfg.d_ff)
+    L, V, D, H, Hk, K, F = (
+        cfg.n_layers,
+        cfg.vocab_size,
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+    )
     s = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
         "final_norm": ParamSpec((D,), ("embed",), "ones"),
@@ -89,24 +96,36 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
 def params_from_flat(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
     """Build ``Params`` from a flat ``path -> array`` dict holding exactly ``param_specs(cfg)``."""
     layers = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith("layers.")}
-    return Params(config=cfg, embed=flat["embed"], layers=LayerParams(**layers), final_norm=flat["final_norm"],
-                  lm_head=flat.get("lm_head"))
+    return Params(
+        config=cfg,
+        embed=flat["embed"],
+        layers=LayerParams(**layers),
+        final_norm=flat["final_norm"],
+        lm_head=flat.get("lm_head"),
+    )
 
 
 def params_to_flat(params: Params) -> dict[str, Any]:
     """Inverse of ``params_from_flat`` (absent optional tensors are left out)."""
     flat = {"embed": params.embed, "final_norm": params.final_norm, "lm_head": params.lm_head}
-    flat |= {f"layers.{f.name}": getattr(params.layers, f.name) for f in dataclasses.fields(LayerParams)}
+    flat |= {
+        f"layers.{f.name}": getattr(params.layers, f.name) for f in dataclasses.fields(LayerParams)
+    }
     return {k: v for k, v in flat.items() if v is not None}
 
 
 def shape_mismatches(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[str]:
     """Every tensor whose shape differs from the spec, or that is missing or unexpected."""
     specs = param_specs(cfg)
-    problems = [f"{k}: expected {specs[k].shape}, found {tuple(shapes[k])}"
-                for k in specs if k in shapes and tuple(shapes[k]) != specs[k].shape]
+    problems = [
+        f"{k}: expected {specs[k].shape}, found {tuple(shapes[k])}"
+        for k in specs
+        if k in shapes and tuple(shapes[k]) != specs[k].shape
+    ]
     problems += [f"{k}: expected {specs[k].shape}, missing" for k in specs if k not in shapes]
-    problems += [f"{k}: unexpected tensor of shape {tuple(shapes[k])}" for k in shapes if k not in specs]
+    problems += [
+        f"{k}: unexpected tensor of shape {tuple(shapes[k])}" for k in shapes if k not in specs
+    ]
     return problems
 
 

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (Hugging Face "rotate half" layout), with linear and Llama-3.1 scaling."""
+"""Rotary position embeddings (Hugging Face "rotate half" layout), with linear and Llama-3.1
+scaling."""
 
 from __future__ import annotations
 

@@ -11,15 +11,21 @@ from flax import struct
 class Segment:
     """The new tokens of one forward call, shared by all layers.
 
-    positions: [B, T] int32 absolute positions (rows are right-padded; padded queries' outputs are unused);
-    valid: [B, T] bool, False for padding; query_weights: [B, T] float32 scoring queries, or None;
-    seen: [B] int32 one past the newest valid position after this call; evict: whether this call ends with
-    an eviction (a Python bool when known statically, else a traced bool scalar); from_start (static):
-    positions are ``0 … T-1`` in every row (a prefill into an empty cache), which lets the full cache skip
-    the masked upper triangle; policy (static): the ``kvjax.eviction.Policy`` of a budget cache (None for
-    the full cache), taken from the engine's ``Eviction``; evict_in_layer (static): at an eviction point each layer
-    evicts right after its attention has scored, and outputs the attention over the tokens it keeps
-    (decoding under ``decode_order="evict-first"``), instead of the step evicting after every layer.
+    Fields:
+        positions: [B, T] int32 absolute positions (rows are right-padded; padded queries' outputs
+            are unused).
+        valid: [B, T] bool, False for padding.
+        query_weights: [B, T] float32 scoring queries, or None.
+        seen: [B] int32 one past the newest valid position after this call.
+        evict: whether this call ends with an eviction (a Python bool when known statically, else
+            a traced bool scalar).
+        from_start (static): positions are ``0 … T-1`` in every row (a prefill into an empty
+            cache), which lets the full cache skip the masked upper triangle.
+        policy (static): the ``kvjax.eviction.Policy`` of a budget cache (None for the full
+            cache), taken from the engine's ``Eviction``.
+        evict_in_layer (static): at an eviction point each layer evicts right after its attention
+            has scored, and outputs the attention over the tokens it keeps (decoding under
+            ``decode_order="evict-first"``), instead of the step evicting after every layer.
     """
 
     positions: jax.Array
@@ -33,8 +39,8 @@ class Segment:
 
 
 def when(flag, fn, x):
-    """``fn(x)`` if ``flag`` else ``x``; flag: a Python bool (or None: False), or a traced bool scalar (then under
-    ``lax.cond``)."""
+    """``fn(x)`` if ``flag`` else ``x``; flag: a Python bool (or None: False), or a traced bool
+    scalar (then under ``lax.cond``)."""
     if flag is None or isinstance(flag, bool):
         return fn(x) if flag else x
     return jax.lax.cond(flag, fn, lambda y: y, x)

@@ -1,9 +1,9 @@
-"""Continuous batching: a thread that owns an ``Engine`` and its decode state, admits waiting requests into
-free slots between decode steps, streams each slot's new tokens to its request, and frees the slot on a stop
-id, the token limit or ``Request.cancel``.
+"""Continuous batching: a thread that owns an ``Engine`` and its decode state, admits waiting
+requests into free slots between decode steps, streams each slot's new tokens to its request, and
+frees the slot on a stop id, the token limit or ``Request.cancel``.
 
-``Driver.submit`` validates a request (ValueError), puts it in a bounded queue (``QueueFull`` when full) and
-returns at once; ``Driver.stop`` finishes every accepted request, then ends the thread.
+``Driver.submit`` validates a request (ValueError), puts it in a bounded queue (``QueueFull`` when
+full) and returns at once; ``Driver.stop`` finishes every accepted request, then ends the thread.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ class Closed(Exception):
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One request and, as it runs, its output. on_update(tokens, finish_reason) is called from the driver's
-    thread with each decode step's new tokens (a list of ints) and, on the last call, the finish reason:
-    "stop" (a stop id, included in the tokens), "length" (the token limit), "cancelled" or "error"."""
+    """One request and, as it runs, its output. on_update(tokens, finish_reason) is called from the
+    driver's thread with each decode step's new tokens (a list of ints) and, on the last call, the
+    finish reason: "stop" (a stop id, included in the tokens), "length" (the token limit),
+    "cancelled" or "error"."""
 
     inputs: Inputs
     stop_ids: frozenset[int]
@@ -41,7 +42,8 @@ class Request:
     _finished: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def cancel(self) -> None:
-        """Stop generating (a no-op once finished): the slot is freed before the next decode step."""
+        """Stop generating (a no-op once finished): the slot is freed before the next decode
+        step."""
         self._cancelled.set()
 
     @property
@@ -53,22 +55,28 @@ class Request:
         return self._finished.is_set()
 
     def result(self, timeout: float | None = None) -> list[int]:
-        """Wait for the request to finish; returns its tokens (raises its error, or TimeoutError)."""
+        """Wait for the request to finish; returns its tokens (raises its error, or
+        TimeoutError)."""
         if not self._finished.wait(timeout):
             raise TimeoutError(f"the request did not finish within {timeout} s")
         if self.error is not None:
             raise self.error
         return self.tokens
 
-    def _emit(self, tokens: list[int], finish_reason: str | None = None, error: BaseException | None = None) -> None:
+    def _emit(
+        self,
+        tokens: list[int],
+        finish_reason: str | None = None,
+        error: BaseException | None = None,
+    ) -> None:
         self.tokens.extend(tokens)
         if finish_reason is not None:
             self.finish_reason, self.error = finish_reason, error
         if self.on_update is not None:
             try:
                 self.on_update(tokens, finish_reason)
-            except Exception:  # noqa: BLE001 - a listener that is gone (e.g. its event loop closed) cancels
-                self.cancel()
+            except Exception:  # noqa: BLE001
+                self.cancel()  # a listener that is gone (e.g. its event loop closed) cancels
         if finish_reason is not None:
             self._finished.set()
 
@@ -86,29 +94,49 @@ class Driver:
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="kvjax-driver", daemon=True)
         self.error: BaseException | None = None
-        self.counts = {"admitted": 0, "stop": 0, "length": 0, "cancelled": 0, "error": 0, "steps": 0}
+        self.counts = {
+            "admitted": 0,
+            "stop": 0,
+            "length": 0,
+            "cancelled": 0,
+            "error": 0,
+            "steps": 0,
+        }
 
     def start(self) -> Driver:
         self._thread.start()
         return self
 
-    def submit(self, tokens, *, on_update: Callable[[list[int], str | None], None] | None = None,
-               **sampling) -> Request:
-        """Queue a prompt (1-D token ids); ``sampling``: the keywords of ``Engine.inputs`` (max_new_tokens,
-        temperature, top_k, top_p, seed, stop_ids). Raises ValueError for a bad request, QueueFull, Closed."""
+    def submit(
+        self,
+        tokens,
+        *,
+        on_update: Callable[[list[int], str | None], None] | None = None,
+        **sampling,
+    ) -> Request:
+        """Queue a prompt (1-D token ids); ``sampling``: the keywords of ``Engine.inputs``
+        (max_new_tokens, temperature, top_k, top_p, seed, stop_ids). Raises ValueError for a bad
+        request, QueueFull, Closed."""
         if self._closing or self.error is not None:
-            raise Closed("the server is shutting down" if self.error is None else f"the engine failed: {self.error}")
+            raise Closed(
+                "the server is shutting down"
+                if self.error is None
+                else f"the engine failed: {self.error}"
+            )
         inputs = self.engine.inputs(tokens, **sampling)
         request = Request(inputs, frozenset(int(t) for t in inputs.stop[0] if t >= 0), on_update)
         try:
             self._queue.put_nowait(request)
         except queue.Full:
-            raise QueueFull(f"{self._queue.maxsize} requests are already waiting for a slot") from None
+            raise QueueFull(
+                f"{self._queue.maxsize} requests are already waiting for a slot"
+            ) from None
         self._wake.set()
         return request
 
     def stop(self, timeout: float | None = None) -> None:
-        """Accept nothing more, finish the accepted requests, then end the thread (if it was started)."""
+        """Accept nothing more, finish the accepted requests, then end the thread
+        (if it was started)."""
         self._closing = True
         self._wake.set()
         if self._thread.is_alive():
@@ -148,11 +176,17 @@ class Driver:
                         continue
                     new = [int(t) for t in tokens[i] if t >= 0]
                     if done[i]:
-                        self._free(i, "stop" if r.tokens + new and (r.tokens + new)[-1] in r.stop_ids
-                                   else "length", new)
+                        self._free(
+                            i,
+                            "stop"
+                            if r.tokens + new and (r.tokens + new)[-1] in r.stop_ids
+                            else "length",
+                            new,
+                        )
                     else:
                         r._emit(new)
-        except BaseException as e:  # the engine failed: fail everything accepted, accept nothing more
+        except BaseException as e:
+            # the engine failed: fail everything accepted, accept nothing more
             self.error = e
             for i, r in enumerate(self._slots):
                 if r is not None:
@@ -162,7 +196,8 @@ class Driver:
             raise
 
     def _admit(self, state):
-        """Prefill waiting requests into free slots (a request that fails to prefill finishes with its error)."""
+        """Prefill waiting requests into free slots (a request that fails to prefill finishes with
+        its error)."""
         while None in self._slots:
             try:
                 r = self._queue.get_nowait()
@@ -184,7 +219,9 @@ class Driver:
             self.counts["admitted"] += 1
         return state
 
-    def _free(self, i: int, reason: str, tokens: list[int] = (), error: BaseException | None = None) -> None:
+    def _free(
+        self, i: int, reason: str, tokens: list[int] = (), error: BaseException | None = None
+    ) -> None:
         r, self._slots[i] = self._slots[i], None
         self.counts[reason] += 1
         r._emit(list(tokens), reason, error)

@@ -1,16 +1,20 @@
-"""The serving engine, in the shape of JetStream's contract: a fixed number of slots, each a row of one decode
-state with its own position, token limit, stop ids and sampling settings, and three jitted functions:
+"""The serving engine, in the shape of JetStream's contract: a fixed number of slots, each a row of
+one decode state with its own position, token limit, stop ids and sampling settings, and three
+jitted functions:
 
-- ``prefill(params, inputs) -> Prefix``: one prompt, padded to a bucket, prefilled at batch 1 under the
-  engine's eviction (``kvjax.runtime.decoding.prefill_budget_cache``, as ``kvjax.generate`` does), or into a full
-  cache of a capacity fixed per engine;
-- ``insert(prefix, state, slot) -> state``: the prefix written into row ``slot`` (the state donated);
+- ``prefill(params, inputs) -> Prefix``: one prompt, padded to a bucket, prefilled at batch 1 under
+  the engine's eviction (``kvjax.runtime.decoding.prefill_budget_cache``, as ``kvjax.generate``
+  does), or into a full cache of a capacity fixed per engine;
+- ``insert(prefix, state, slot) -> state``: the prefix written into row ``slot`` (the state
+  donated);
 - ``generate(params, state) -> (state, tokens)``: ``steps`` decode steps of every slot (the state
-  donated), each ``kvjax.runtime.decoding.decode_step`` (as ``kvjax.generate``) by each slot's settings.
+  donated), each ``kvjax.runtime.decoding.decode_step`` (as ``kvjax.generate``) by each slot's
+  settings.
 
-Budget, scorer, allocation and the other eviction keywords are fixed per engine. Every shape is fixed by the
-engine (slots, buckets up to ``max_prompt``, the cache), so after ``Engine.warmup`` nothing compiles. Decoding
-evicts per row after every token, so each slot's greedy tokens equal ``kvjax.generate`` of its prompt alone.
+Budget, scorer, allocation and the other eviction keywords are fixed per engine. Every shape is
+fixed by the engine (slots, buckets up to ``max_prompt``, the cache), so after ``Engine.warmup``
+nothing compiles. Decoding evicts per row after every token, so each slot's greedy tokens equal
+``kvjax.generate`` of its prompt alone.
 """
 
 from __future__ import annotations
@@ -46,10 +50,14 @@ MAX_SEED = 2**31  # seeds lie in [0, MAX_SEED)
 
 @struct.dataclass
 class Settings:
-    """What a request asks for, one row per request (R = 1 in a prefix, the slot count in the state).
+    """What a request asks for, one row per request (R = 1 in a prefix, the slot count in the
+    state).
 
-    max_new: [R] int32 token limit; stop: [R, MAX_STOP_IDS] int32 stop ids (-1 = none); temperature,
-    top_p: [R] float32; top_k: [R] int32 (temperature 0 = greedy; top_k 0 and top_p 1 = off).
+    Fields:
+        max_new: [R] int32 token limit.
+        stop: [R, MAX_STOP_IDS] int32 stop ids (-1 = none).
+        temperature, top_p: [R] float32.
+        top_k: [R] int32 (temperature 0 = greedy; top_k 0 and top_p 1 = off).
     """
 
     max_new: jax.Array
@@ -58,14 +66,21 @@ class Settings:
     top_k: jax.Array
     top_p: jax.Array
 
-    AXES = dict(max_new=(None,), stop=(None, None), temperature=(None,), top_k=(None,),
-                top_p=(None,))
+    AXES = dict(
+        max_new=(None,), stop=(None, None), temperature=(None,), top_k=(None,), top_p=(None,)
+    )
 
 
 @struct.dataclass
 class Inputs:
-    """One request on the host, validated and padded (``Engine.inputs``): tokens [1, bucket] int32, length [1]
-    int32, and its settings as NumPy arrays (``seed`` [1] int32 in place of the key)."""
+    """One request on the host, validated and padded (``Engine.inputs``).
+
+    Fields:
+        tokens: [1, bucket] int32.
+        length: [1] int32.
+        max_new, stop, temperature, top_k, top_p: its settings as NumPy arrays.
+        seed: [1] int32, in place of the key.
+    """
 
     tokens: np.ndarray
     length: np.ndarray
@@ -79,9 +94,15 @@ class Inputs:
 
 @struct.dataclass
 class Prefix:
-    """A prefilled prompt, ready for ``insert``: cache (batch 1, the engine's decode layout); logits [1, V]
-    float32 next-token logits; length [1] int32 prompt tokens; key: [1] PRNG key (typed, from the
-    request's seed); settings: its ``Settings`` (R = 1)."""
+    """A prefilled prompt, ready for ``insert``.
+
+    Fields:
+        cache: batch 1, the engine's decode layout.
+        logits: [1, V] float32 next-token logits.
+        length: [1] int32 prompt tokens.
+        key: [1] PRNG key (typed, from the request's seed).
+        settings: its ``Settings`` (R = 1).
+    """
 
     cache: object
     logits: jax.Array
@@ -92,10 +113,18 @@ class Prefix:
 
 @struct.dataclass
 class Slots:
-    """The decode state of every slot (S rows). cache: the engine's cache with batch S; logits: [S, V] float32;
-    lengths: [S] tokens seen (the next position); n_new: [S] tokens generated; done: [S] (a free slot is done);
-    key: [S] PRNG keys (typed), each split once per decode step of its slot; step: decode steps run;
-    settings: ``Settings`` with R = S."""
+    """The decode state of every slot (S rows).
+
+    Fields:
+        cache: the engine's cache with batch S.
+        logits: [S, V] float32.
+        lengths: [S] tokens seen (the next position).
+        n_new: [S] tokens generated.
+        done: [S] (a free slot is done).
+        key: [S] PRNG keys (typed), each split once per decode step of its slot.
+        step: decode steps run.
+        settings: ``Settings`` with R = S.
+    """
 
     cache: object
     logits: jax.Array
@@ -106,55 +135,100 @@ class Slots:
     step: jax.Array
     settings: Settings
 
-    AXES = dict(logits=("batch", "vocab"), lengths=(None,), n_new=(None,), done=(None,),
-                key=(None,), step=())
+    AXES = dict(
+        logits=("batch", "vocab"),
+        lengths=(None,),
+        n_new=(None,),
+        done=(None,),
+        key=(None,),
+        step=(),
+    )
 
 
 def _cache_batch_axes(cache):
-    """The cache pytree with each array leaf replaced by the index of its "batch" logical axis (``AXES``)."""
+    """The cache pytree with each array leaf replaced by the index of its "batch" logical axis
+    (``AXES``)."""
     fields = {}
     for f in dataclasses.fields(cache):
         value = getattr(cache, f.name)
         if f.metadata.get("pytree_node", True) is False or value is None:
             continue
-        fields[f.name] = (_cache_batch_axes(value) if hasattr(type(value), "AXES")
-                          else type(cache).AXES[f.name].index("batch"))
+        fields[f.name] = (
+            _cache_batch_axes(value)
+            if hasattr(type(value), "AXES")
+            else type(cache).AXES[f.name].index("batch")
+        )
     return cache.replace(**fields)
 
 
 def _settings(inputs: Inputs) -> Settings:
-    return Settings(max_new=inputs.max_new, stop=inputs.stop, temperature=inputs.temperature, top_k=inputs.top_k,
-                    top_p=inputs.top_p)
+    return Settings(
+        max_new=inputs.max_new,
+        stop=inputs.stop,
+        temperature=inputs.temperature,
+        top_k=inputs.top_k,
+        top_p=inputs.top_p,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("ev", "capacity", "decode_spare"))
-def prefill(params: Params, inputs: Inputs, ev: Eviction | None, capacity: int, decode_spare: int) -> Prefix:
+def prefill(
+    params: Params, inputs: Inputs, ev: Eviction | None, capacity: int, decode_spare: int
+) -> Prefix:
     """Prefill one prompt (``inputs.tokens`` [1, bucket]): under ``ev`` into a budget cache with
     ``decode_spare`` spare slots per head, or (ev=None) into a full cache of ``capacity`` slots."""
     key = jax.random.key(0)  # unused: the request's key comes from its seed
     if ev is None:
-        state = prefill_full_cache(params, inputs.tokens, inputs.length, key, capacity=capacity, out_width=1)
+        state = prefill_full_cache(
+            params, inputs.tokens, inputs.length, key, capacity=capacity, out_width=1
+        )
     else:
-        state = prefill_budget_cache(params, None, inputs.tokens, jnp.zeros(1, jnp.int32), inputs.length, key,
-                                     ev=ev, out_width=1, decode_spare=decode_spare)
-    return Prefix(cache=state.cache, logits=state.logits, length=state.lengths,
-                  key=jax.vmap(jax.random.key)(inputs.seed), settings=_settings(inputs))
+        state = prefill_budget_cache(
+            params,
+            None,
+            inputs.tokens,
+            jnp.zeros(1, jnp.int32),
+            inputs.length,
+            key,
+            ev=ev,
+            out_width=1,
+            decode_spare=decode_spare,
+        )
+    return Prefix(
+        cache=state.cache,
+        logits=state.logits,
+        length=state.lengths,
+        key=jax.vmap(jax.random.key)(inputs.seed),
+        settings=_settings(inputs),
+    )
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def insert(prefix: Prefix, state: Slots, slot: jax.Array) -> Slots:
-    """The state with row ``slot`` (an int32 scalar) replaced by the prefix: its cache row along each leaf's
-    "batch" axis, its logits, length, key and settings, nothing generated yet."""
-    put = lambda full, row, axis=0: jax.lax.dynamic_update_slice_in_dim(full, row, slot, axis)  # noqa: E731
+    """The state with row ``slot`` (an int32 scalar) replaced by the prefix: its cache row along
+    each leaf's "batch" axis, its logits, length, key and settings, nothing generated yet."""
+    put = lambda full, row, axis=0: (  # noqa: E731
+        jax.lax.dynamic_update_slice_in_dim(full, row, slot, axis)
+    )
     rest = lambda s: s.replace(cache=None, step=None)  # noqa: E731
-    row = Slots(cache=None, logits=prefix.logits, lengths=prefix.length, n_new=jnp.zeros(1, jnp.int32),
-                done=jnp.zeros(1, bool), key=prefix.key, step=None, settings=prefix.settings)
+    row = Slots(
+        cache=None,
+        logits=prefix.logits,
+        lengths=prefix.length,
+        n_new=jnp.zeros(1, jnp.int32),
+        done=jnp.zeros(1, bool),
+        key=prefix.key,
+        step=None,
+        settings=prefix.settings,
+    )
     cache = jax.tree.map(put, state.cache, prefix.cache, _cache_batch_axes(state.cache))
     return constrain(jax.tree.map(put, rest(state), row).replace(cache=cache, step=state.step))
 
 
 @functools.partial(jax.jit, static_argnames=("ev", "steps"), donate_argnames=("state",))
-def generate(params: Params, state: Slots, ev: Eviction | None, steps: int) -> tuple[Slots, jax.Array]:
+def generate(
+    params: Params, state: Slots, ev: Eviction | None, steps: int
+) -> tuple[Slots, jax.Array]:
     """``steps`` decode steps of every slot (``decode_step``, each slot by its own settings; ``ev``:
     the engine's decoding ``Eviction``, None for the full cache). Returns the state and tokens
     [S, steps] int32: each active slot's new token per step, -1 where the slot was done (free,
@@ -171,15 +245,30 @@ def generate(params: Params, state: Slots, ev: Eviction | None, steps: int) -> t
 class Engine:
     """Slots decoding under one eviction configuration.
 
-    params: the model; slots: rows decoded together; max_prompt: longest prompt accepted (prompts are padded
-    to ``prompt_bucket`` buckets up to it); max_new_tokens: the largest token limit a request may ask for;
-    steps: decode steps per ``generate`` call; mesh: a device mesh (slots split over its ``data`` axis, the
-    params placed with ``kvjax.shard``); eviction: the keywords of ``kvjax.EvictionOptions`` (budget=None:
-    a full cache of ``round_capacity(largest bucket + max_new_tokens)`` slots per row).
+    Args:
+        params: the model.
+        slots: rows decoded together.
+        max_prompt: longest prompt accepted (prompts are padded to ``prompt_bucket`` buckets up to
+            it).
+        max_new_tokens: the largest token limit a request may ask for.
+        steps: decode steps per ``generate`` call.
+        mesh: a device mesh (slots split over its ``data`` axis, the params placed with
+            ``kvjax.shard``).
+        eviction: the keywords of ``kvjax.EvictionOptions`` (budget=None: a full cache of
+            ``round_capacity(largest bucket + max_new_tokens)`` slots per row).
     """
 
-    def __init__(self, params: Params, *, slots: int = 8, max_prompt: int = 1024, max_new_tokens: int = 256,
-                 steps: int = 1, mesh: Mesh | None = None, **eviction):
+    def __init__(
+        self,
+        params: Params,
+        *,
+        slots: int = 8,
+        max_prompt: int = 1024,
+        max_new_tokens: int = 256,
+        steps: int = 1,
+        mesh: Mesh | None = None,
+        **eviction,
+    ):
         cfg = params.config
         for name, value in (("slots", slots), ("steps", steps)):
             if not (isinstance(value, int) and value >= 1):
@@ -187,60 +276,110 @@ class Engine:
         mesh = auto_mesh(mesh)
         check_batch(slots, mesh)
         max_new_tokens = check_max_new(max_new_tokens)
-        if not (isinstance(max_prompt, int) and 1 <= max_prompt <= cfg.max_seq_len - max_new_tokens):
-            raise ValueError(f"max_prompt={max_prompt!r} must be an integer in [1, {cfg.max_seq_len - max_new_tokens}]"
-                             f" (the model's context of {cfg.max_seq_len} minus max_new_tokens={max_new_tokens})")
+        if not (
+            isinstance(max_prompt, int) and 1 <= max_prompt <= cfg.max_seq_len - max_new_tokens
+        ):
+            raise ValueError(
+                f"max_prompt={max_prompt!r} must be an integer in "
+                f"[1, {cfg.max_seq_len - max_new_tokens}]"
+                f" (the model's context of {cfg.max_seq_len} minus max_new_tokens={max_new_tokens})"
+            )
         if isinstance(eviction.get("budget"), float):
-            raise ValueError(f"budget={eviction['budget']!r}: an engine's budget is fixed, give a token count")
+            raise ValueError(
+                f"budget={eviction['budget']!r}: an engine's budget is fixed, give a token count"
+            )
         ev = eviction_from(**eviction)
         if ev is not None and ev.policy.scorer.scoring_pass is not None:
-            raise ValueError(f"scorer={eviction.get('scorer')!r} scores a whole prompt in a pass of its own; the "
-                             "serving engine runs the scorers that evict as they prefill")
+            raise ValueError(
+                f"scorer={eviction.get('scorer')!r} scores a whole prompt in a pass of its own; "
+                "the serving engine runs the scorers that evict as they prefill"
+            )
         if ev is not None and ev.decode_evict and ev.evict_every != 1:
-            raise ValueError(f"evict_every={ev.evict_every!r}: the serving engine evicts after every decode step "
-                             "(evict_every=1); slots start at different steps, so a shared schedule would differ "
-                             "from each request run alone")
+            raise ValueError(
+                f"evict_every={ev.evict_every!r}: the serving engine evicts after every decode "
+                "step (evict_every=1); slots start at different steps, so a shared schedule would "
+                "differ from each request run alone"
+            )
         self.params = params if mesh is None else shard(params, mesh)
-        self.slots, self.max_prompt, self.max_new_tokens, self.steps, self.mesh = (slots, max_prompt, max_new_tokens,
-                                                                                  steps, mesh)
+        self.slots, self.max_prompt, self.max_new_tokens, self.steps, self.mesh = (
+            slots,
+            max_prompt,
+            max_new_tokens,
+            steps,
+            mesh,
+        )
         self.ev, self.decode_ev = ev, None if ev is None else ev.decoding()
         block = 1 if ev is None else ev.block_size
         self.bucket = functools.partial(prompt_bucket, multiple=block)
         self.buckets = tuple(sorted({self.bucket(n) for n in _bucket_probes(max_prompt)}))
-        # The full cache's slots per row (0 for a budget cache: prefills of one bucket then share a compilation
-        # across engines of any max_prompt).
+        # The full cache's slots per row (0 for a budget cache: prefills of one bucket then share a
+        # compilation across engines of any max_prompt).
         self.capacity = round_capacity(self.buckets[-1] + max_new_tokens) if ev is None else 0
         self.decode_spare = 0 if ev is None else ev.decode_spare(round_capacity(max_new_tokens))
 
-    def inputs(self, tokens, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None) -> Inputs:
-        """A request validated and padded on the host (every error a ValueError naming the argument).
-        max_new_tokens: None = the engine's; stop_ids: None = the model's EOS ids, () = none."""
+    def inputs(
+        self,
+        tokens,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_ids: Sequence[int] | None = None,
+    ) -> Inputs:
+        """A request validated and padded on the host (every error a ValueError naming the
+        argument).
+
+        Args:
+            max_new_tokens: None = the engine's.
+            stop_ids: None = the model's EOS ids, () = none.
+        """
         cfg = self.params.config
         rows, batched = check_tokens(tokens, cfg.vocab_size)
         if batched:
             raise ValueError("tokens: the engine takes one prompt (1-D) per request")
         row = rows[0]
         if len(row) > self.max_prompt:
-            raise ValueError(f"tokens: a prompt of {len(row)} tokens exceeds the engine's max_prompt={self.max_prompt}")
+            raise ValueError(
+                f"tokens: a prompt of {len(row)} tokens exceeds the engine's "
+                f"max_prompt={self.max_prompt}"
+            )
         max_new = self.max_new_tokens if max_new_tokens is None else check_max_new(max_new_tokens)
         if max_new > self.max_new_tokens:
-            raise ValueError(f"max_new_tokens={max_new} must be in [1, {self.max_new_tokens}] (the engine's limit)")
+            raise ValueError(
+                f"max_new_tokens={max_new} must be in [1, {self.max_new_tokens}] "
+                "(the engine's limit)"
+            )
         Sampling(temperature, top_k, top_p)  # validates them
         if not (isinstance(seed, (int, np.integer)) and 0 <= seed < MAX_SEED):
             raise ValueError(f"seed={seed!r} must be an integer in [0, {MAX_SEED})")
         stops = cfg.eos_token_ids if stop_ids is None else tuple(int(t) for t in stop_ids)
         if len(stops) > MAX_STOP_IDS or any(not 0 <= t < cfg.vocab_size for t in stops):
-            raise ValueError(f"stop_ids={stops!r}: at most {MAX_STOP_IDS} ids in [0, {cfg.vocab_size})")
+            raise ValueError(
+                f"stop_ids={stops!r}: at most {MAX_STOP_IDS} ids in [0, {cfg.vocab_size})"
+            )
         tokens, length = pad_rows([row], self.bucket(len(row)), cfg.pad_token_id)
-        return Inputs(tokens=tokens, length=length, max_new=np.array([max_new], np.int32),
-                      stop=np.array([list(stops) + [-1] * (MAX_STOP_IDS - len(stops))], np.int32),
-                      temperature=np.array([temperature], np.float32), top_k=np.array([top_k], np.int32),
-                      top_p=np.array([top_p], np.float32), seed=np.array([seed], np.int32))
+        return Inputs(
+            tokens=tokens,
+            length=length,
+            max_new=np.array([max_new], np.int32),
+            stop=np.array([list(stops) + [-1] * (MAX_STOP_IDS - len(stops))], np.int32),
+            temperature=np.array([temperature], np.float32),
+            top_k=np.array([top_k], np.int32),
+            top_p=np.array([top_p], np.float32),
+            seed=np.array([seed], np.int32),
+        )
 
     def prefill(self, inputs: Inputs) -> Prefix:
         with on_mesh(self.mesh):
-            return prefill(self.params, inputs, ev=self.ev, capacity=self.capacity, decode_spare=self.decode_spare)
+            return prefill(
+                self.params,
+                inputs,
+                ev=self.ev,
+                capacity=self.capacity,
+                decode_spare=self.decode_spare,
+            )
 
     def insert(self, prefix: Prefix, state: Slots, slot: int) -> Slots:
         if not 0 <= slot < self.slots:
@@ -255,32 +394,57 @@ class Engine:
     def init_state(self) -> Slots:
         """Every slot free (done), its cache empty."""
         with on_mesh(self.mesh):
-            return _init_state(self.params.config, self.params.dtype, self.slots, self.ev, self.capacity,
-                               self.decode_spare)
+            return _init_state(
+                self.params.config,
+                self.params.dtype,
+                self.slots,
+                self.ev,
+                self.capacity,
+                self.decode_spare,
+            )
 
     def warmup(self) -> None:
-        """Compile everything serving runs: the prefill of every bucket, insert and generate (on a scratch
-        state; the outputs are discarded)."""
+        """Compile everything serving runs: the prefill of every bucket, insert and generate (on a
+        scratch state; the outputs are discarded)."""
         state = self.init_state()
         for bucket in self.buckets:
             n = min(bucket, self.max_prompt)
-            state = self.insert(self.prefill(self.inputs(np.zeros(n, np.int32), max_new_tokens=1)), state, 0)
+            state = self.insert(
+                self.prefill(self.inputs(np.zeros(n, np.int32), max_new_tokens=1)), state, 0
+            )
         jax.block_until_ready(self.generate(state))
 
 
 def _bucket_probes(max_prompt: int) -> list[int]:
-    """Prompt lengths that reach every bucket up to ``max_prompt``: the powers of two below it and itself."""
+    """Prompt lengths that reach every bucket up to ``max_prompt``: the powers of two below it and
+    itself."""
     return [1 << i for i in range(max_prompt.bit_length()) if 1 << i < max_prompt] + [max_prompt]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "slots", "ev", "capacity", "spare"))
 def _init_state(cfg, dtype, slots: int, ev: Eviction | None, capacity: int, spare: int) -> Slots:
-    cache = FullCache.init(cfg, slots, capacity, dtype) if ev is None else ev.empty_cache(cfg, slots, spare, dtype)
-    settings = Settings(max_new=jnp.zeros(slots, jnp.int32), stop=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
-                        temperature=jnp.zeros(slots, jnp.float32), top_k=jnp.zeros(slots, jnp.int32),
-                        top_p=jnp.ones(slots, jnp.float32))
+    cache = (
+        FullCache.init(cfg, slots, capacity, dtype)
+        if ev is None
+        else ev.empty_cache(cfg, slots, spare, dtype)
+    )
+    settings = Settings(
+        max_new=jnp.zeros(slots, jnp.int32),
+        stop=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
+        temperature=jnp.zeros(slots, jnp.float32),
+        top_k=jnp.zeros(slots, jnp.int32),
+        top_p=jnp.ones(slots, jnp.float32),
+    )
     keys = jax.vmap(jax.random.key)(jnp.zeros(slots, jnp.int32))
-    return constrain(Slots(cache=cache, logits=jnp.zeros((slots, cfg.vocab_size), jnp.float32),
-                           lengths=jnp.zeros(slots, jnp.int32), n_new=jnp.zeros(slots, jnp.int32),
-                           done=jnp.ones(slots, bool), key=keys, step=jnp.zeros((), jnp.int32),
-                           settings=settings))
+    return constrain(
+        Slots(
+            cache=cache,
+            logits=jnp.zeros((slots, cfg.vocab_size), jnp.float32),
+            lengths=jnp.zeros(slots, jnp.int32),
+            n_new=jnp.zeros(slots, jnp.int32),
+            done=jnp.ones(slots, bool),
+            key=keys,
+            step=jnp.zeros((), jnp.int32),
+            settings=settings,
+        )
+    )

@@ -1,13 +1,13 @@
-"""An OpenAI-compatible HTTP server over a ``Driver``: ``/v1/completions`` and ``/v1/chat/completions`` (with
-``stream: true`` as server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``),
-``/v1/models`` and ``/health``.
+"""An OpenAI-compatible HTTP server over a ``Driver``: ``/v1/completions`` and
+``/v1/chat/completions`` (with ``stream: true`` as server-sent events in OpenAI's chunk format,
+ending with ``data: [DONE]``), ``/v1/models`` and ``/health``.
 
-Every error is a 4xx or 5xx with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
-JSON that does not parse and for values the engine rejects (prompt beyond ``max_prompt`` or the context,
-``max_tokens`` above the engine's limit, ``n`` other than 1, bad stop strings), 422 for a body that does not
-fit the schema (missing, wrong-typed or unsupported fields, sampling values out of range), 404 for an
-unknown model or route, 429 when the driver's queue is full, 503 while shutting down. A client that
-disconnects cancels its request, which frees its slot.
+Every error is a 4xx or 5xx with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
+400 for JSON that does not parse and for values the engine rejects (prompt beyond ``max_prompt`` or
+the context, ``max_tokens`` above the engine's limit, ``n`` other than 1, bad stop strings), 422 for
+a body that does not fit the schema (missing, wrong-typed or unsupported fields, sampling values out
+of range), 404 for an unknown model or route, 429 when the driver's queue is full, 503 while
+shutting down. A client that disconnects cancels its request, which frees its slot.
 """
 
 from __future__ import annotations
@@ -38,20 +38,40 @@ POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client 
 class APIError(Exception):
     """An error answered with OpenAI's body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.status, self.message, self.param, self.code, self.type = (
+            status,
+            message,
+            param,
+            code,
+            type,
+        )
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
 
 
 class _Strict(BaseModel):
-    """Unknown fields are refused, types are not coerced, and null stands for the default (as in OpenAI's API)."""
+    """Unknown fields are refused, types are not coerced, and null stands for the default
+    (as in OpenAI's API)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -66,7 +86,8 @@ class StreamOptions(_Strict):
 
 
 class _Sampling(_Strict):
-    """The fields both endpoints take (OpenAI's names and defaults; ``top_k`` is an extension, as in vLLM)."""
+    """The fields both endpoints take (OpenAI's names and defaults; ``top_k`` is an extension, as in
+    vLLM)."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -102,8 +123,9 @@ class ChatBody(_Sampling):
 
 
 class _Text:
-    """Incremental detokenization: the text of the tokens so far, cut at the first stop string, without a
-    trailing incomplete character or what could still become a stop string (unless final)."""
+    """Incremental detokenization: the text of the tokens so far, cut at the first stop string,
+    without a trailing incomplete character or what could still become a stop string
+    (unless final)."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop, self.ids, self.sent = tokenizer, stop, [], ""
@@ -119,13 +141,14 @@ class _Text:
             text = text.rstrip("\ufffd")
             if self.stop:
                 text = text[: len(text) - max(map(len, self.stop)) + 1]
-        delta = text[len(self.sent):]
+        delta = text[len(self.sent) :]
         self.sent += delta
         return delta, cut >= 0
 
 
 def create_app(driver: Driver, model_name: str, tokenizer) -> FastAPI:
-    """The FastAPI app serving ``driver`` (started and stopped by the caller) as model ``model_name``."""
+    """The FastAPI app serving ``driver`` (started and stopped by the caller) as model
+    ``model_name``."""
     app = FastAPI(title="kvjax", description="OpenAI-compatible serving of a kvjax engine")
     engine, created = driver.engine, int(time.time())
     context = engine.params.config.max_seq_len
@@ -138,22 +161,36 @@ def create_app(driver: Driver, model_name: str, tokenizer) -> FastAPI:
     async def _invalid(_, e: RequestValidationError):
         error = e.errors()[0]
         if error["type"] == "json_invalid":
-            return APIError(400, f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}",
-                            code="invalid_json").response()
+            return APIError(
+                400,
+                f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}",
+                code="invalid_json",
+            ).response()
         loc = [str(part) for part in error["loc"][1:]]
         message = "unsupported field" if error["type"] == "extra_forbidden" else error["msg"]
-        return APIError(422, f"{'.'.join(loc) or 'body'}: {message}", param=loc[0] if loc else None,
-                        code=error["type"]).response()
+        return APIError(
+            422,
+            f"{'.'.join(loc) or 'body'}: {message}",
+            param=loc[0] if loc else None,
+            code=error["type"],
+        ).response()
 
     @app.exception_handler(HTTPException)
     async def _http(http: HTTPRequest, e: HTTPException):
-        return APIError(e.status_code, f"{http.method} {http.url.path}: {e.detail}",
-                        code="not_found" if e.status_code == 404 else None).response()
+        return APIError(
+            e.status_code,
+            f"{http.method} {http.url.path}: {e.detail}",
+            code="not_found" if e.status_code == 404 else None,
+        ).response()
 
     @app.get("/health")
     async def health():
-        body = {"status": "ok" if driver.running else "unavailable", "slots": engine.slots, "active": driver.active,
-                "waiting": driver.waiting}
+        body = {
+            "status": "ok" if driver.running else "unavailable",
+            "slots": engine.slots,
+            "active": driver.active,
+            "waiting": driver.waiting,
+        }
         return JSONResponse(body, status_code=200 if driver.running else 503)
 
     def model_card():
@@ -170,16 +207,23 @@ def create_app(driver: Driver, model_name: str, tokenizer) -> FastAPI:
 
     def check_model(name: str) -> None:
         if name != model_name:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
-                raise APIError(400, f"prompt: a batch of {len(prompt)} prompts; this server takes one per request",
-                               param="prompt")
+                raise APIError(
+                    400,
+                    f"prompt: a batch of {len(prompt)} prompts; this server takes one per request",
+                    param="prompt",
+                )
             prompt = prompt[0]
         ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
         max_tokens = body.max_tokens or COMPLETION_MAX_TOKENS
@@ -187,43 +231,77 @@ def create_app(driver: Driver, model_name: str, tokenizer) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-                    for m in body.messages]
+        messages = [
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.content
+                if isinstance(m.content, str)
+                else "".join(p.text for p in m.content),
+            }
+            for m in body.messages
+        ]
         try:
             ids = chat_tokens(tokenizer, messages)
         except Exception as e:  # noqa: BLE001 - the chat template rejects the conversation
-            raise APIError(400, f"messages: the chat template rejects them: {e}", param="messages") from None
+            raise APIError(
+                400, f"messages: the chat template rejects them: {e}", param="messages"
+            ) from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's default: as many as fit
             max_tokens = max(1, min(engine.max_new_tokens, context - len(ids)))
         return await respond(http, body, ids, "messages", max_tokens, chat=True)
 
-    async def respond(http: HTTPRequest, body: _Sampling, ids: list[int], prompt_param: str, max_tokens: int,
-                      chat: bool):
+    async def respond(
+        http: HTTPRequest,
+        body: _Sampling,
+        ids: list[int],
+        prompt_param: str,
+        max_tokens: int,
+        chat: bool,
+    ):
         check_model(body.model)
         if body.n != 1:
-            raise APIError(400, f"n={body.n}: this server returns one choice per request", param="n")
+            raise APIError(
+                400, f"n={body.n}: this server returns one choice per request", param="n"
+            )
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > MAX_STOP_STRINGS or not all(stop):
             raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
         if not ids:
             raise APIError(400, f"{prompt_param}: the prompt is empty", param=prompt_param)
         if len(ids) > engine.max_prompt or len(ids) + max_tokens > context:
-            raise APIError(400, f"{prompt_param}: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed the limits:"
-                           f" prompts up to {engine.max_prompt} tokens, {context} tokens in all",
-                           param=prompt_param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"{prompt_param}: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed the "
+                f"limits: prompts up to {engine.max_prompt} tokens, {context} tokens in all",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         if max_tokens > engine.max_new_tokens:
-            raise APIError(400, f"max_tokens={max_tokens} must be in [1, {engine.max_new_tokens}] (the server's limit)",
-                           param="max_tokens")
+            raise APIError(
+                400,
+                f"max_tokens={max_tokens} must be in [1, {engine.max_new_tokens}] "
+                "(the server's limit)",
+                param="max_tokens",
+            )
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()
         try:
-            request = driver.submit(ids, on_update=lambda *u: loop.call_soon_threadsafe(updates.put_nowait, u),
-                                    max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
-                                    top_p=body.top_p, seed=0 if body.seed is None else body.seed)
+            request = driver.submit(
+                ids,
+                on_update=lambda *u: loop.call_soon_threadsafe(updates.put_nowait, u),
+                max_new_tokens=max_tokens,
+                temperature=body.temperature,
+                top_k=body.top_k,
+                top_p=body.top_p,
+                seed=0 if body.seed is None else body.seed,
+            )
         except QueueFull as e:
-            raise APIError(429, f"the server is busy: {e}; retry later", code="queue_full",
-                           type="rate_limit_error") from None
+            raise APIError(
+                429,
+                f"the server is busy: {e}; retry later",
+                code="queue_full",
+                type="rate_limit_error",
+            ) from None
         except Closed as e:
             raise APIError(503, str(e), code="unavailable", type="server_error") from None
         except ValueError as e:
@@ -232,9 +310,14 @@ def create_app(driver: Driver, model_name: str, tokenizer) -> FastAPI:
         reply = _Reply(model_name, chat, len(ids), request)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            # The background task also cancels a request whose client left before its stream started.
-            return StreamingResponse(reply.events(pieces, usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(request.cancel))
+            # The background task also cancels a request whose client left before its stream
+            # started.
+            return StreamingResponse(
+                reply.events(pieces, usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+                background=BackgroundTask(request.cancel),
+            )
         text, reason = "", None
         async for delta, reason in pieces:
             text += delta
@@ -247,11 +330,12 @@ def create_app(driver: Driver, model_name: str, tokenizer) -> FastAPI:
     return app
 
 
-async def _pieces(request: Request, updates: asyncio.Queue, text: _Text,
-                  http: HTTPRequest | None) -> AsyncIterator[tuple[str, str | None]]:
-    """(new text, finish reason) as the driver delivers tokens; the last has a reason. ``http``: the request to
-    poll for a disconnect (streaming responses are cancelled by Starlette instead). Whatever ends it early
-    cancels the engine request."""
+async def _pieces(
+    request: Request, updates: asyncio.Queue, text: _Text, http: HTTPRequest | None
+) -> AsyncIterator[tuple[str, str | None]]:
+    """(new text, finish reason) as the driver delivers tokens; the last has a reason. ``http``: the
+    request to poll for a disconnect (streaming responses are cancelled by Starlette instead).
+    Whatever ends it early cancels the engine request."""
     try:
         while True:
             try:
@@ -274,37 +358,59 @@ class _Reply:
     """OpenAI's response objects for one request: whole, or as server-sent event chunks."""
 
     def __init__(self, model: str, chat: bool, prompt_tokens: int, request: Request):
-        self.model, self.chat, self.prompt_tokens, self.request = model, chat, prompt_tokens, request
+        self.model, self.chat, self.prompt_tokens, self.request = (
+            model,
+            chat,
+            prompt_tokens,
+            request,
+        )
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     def usage(self) -> dict:
         n = len(self.request.tokens)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": self.prompt_tokens + n,
+        }
 
     def head(self, stream: bool) -> dict:
-        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        kind = (
+            ("chat.completion.chunk" if stream else "chat.completion")
+            if self.chat
+            else "text_completion"
+        )
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def whole(self, text: str, reason: str) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         return self.head(False) | {"choices": [choice], "usage": self.usage()}
 
     def chunk(self, text: str, reason: str | None = None, role: bool = False) -> dict:
         if self.chat:
-            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text or role else {})
+            delta = ({"role": "assistant"} if role else {}) | (
+                {"content": text} if text or role else {}
+            )
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         return self.head(True) | {"choices": [choice]}
 
-    async def events(self, pieces: AsyncIterator[tuple[str, str | None]], usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: (chat: a first chunk with the role) a chunk per piece of text, one with the
-        finish reason, (``usage``: one with the usage), then ``[DONE]``."""
+    async def events(
+        self, pieces: AsyncIterator[tuple[str, str | None]], usage: bool
+    ) -> AsyncIterator[str]:
+        """Server-sent events: (chat: a first chunk with the role) a chunk per piece of text, one
+        with the finish reason, (``usage``: one with the usage), then ``[DONE]``."""
+
         def event(data) -> str:
             return f"data: {json.dumps(data)}\n\n"
 
@@ -312,7 +418,11 @@ class _Reply:
             yield event(self.chunk("", role=True))
         async for delta, reason in pieces:
             if reason == "error":
-                yield event(APIError(500, f"the engine failed: {self.request.error}", type="server_error").body())
+                yield event(
+                    APIError(
+                        500, f"the engine failed: {self.request.error}", type="server_error"
+                    ).body()
+                )
                 break
             if delta:
                 yield event(self.chunk(delta))
@@ -324,9 +434,9 @@ class _Reply:
 
 
 class ServerThread:
-    """uvicorn serving an app from a background thread on ``host``:``port`` (0: a free port), for tests,
-    notebooks and benchmarks: ``with ServerThread(app) as server: ... server.url``. Leaving it shuts uvicorn
-    down gracefully (the requests in flight finish first)."""
+    """uvicorn serving an app from a background thread on ``host``:``port`` (0: a free port), for
+    tests, notebooks and benchmarks: ``with ServerThread(app) as server: ... server.url``. Leaving
+    it shuts uvicorn down gracefully (the requests in flight finish first)."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
         import uvicorn
