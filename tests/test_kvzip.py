@@ -17,6 +17,7 @@ from kvjax.runtime.kvzip_pass import (
     load_head_scores,
     save_head_scores,
 )
+from kvjax.runtime.options import EvictionOptions
 from kvjax.runtime.prefilled import prefill_full
 
 PROMPT = RepeatPrompt(first=(5, 6, 7), later=(5, 6, 8), colon=(9,))
@@ -168,14 +169,30 @@ def test_repeat_option_errors():
     made = RepeatPrompt(first=(5,), later=(6,), colon=(7,), form="kvpress")
     with pytest.raises(ValueError, match="repeat='paper', but repeat_prompt was made in the 'kvpress' form"):
         eviction_from(scorer="kvzip", budget=8, repeat="paper", repeat_prompt=made)
-    assert eviction_from(scorer="kvzip", budget=8, repeat_prompt=made).policy.repeat_prompt == made
+    options = EvictionOptions.of(scorer="kvzip", budget=8, repeat_prompt=made)
+    assert options.resolve() is not None and options.scoring_data(None).repeat_prompt == made
 
 
-def test_repeat_prompt_survives_a_saved_context():
-    """A saved context's eviction settings (JSON) bring back the repeat prompt whole: ids, skip, sinks, form."""
+def test_repeat_prompt_is_data_beside_the_static_settings():
+    """The repeat prompt travels as data (a pytree whose leaves are its ids), not in the static ``Policy``:
+    two prompts resolve to the same settings, so jitted functions compile once for both."""
+    from kvjax.runtime.options import eviction_from
+
+    a = RepeatPrompt(first=(5, 6), later=(7,), colon=(8, 9), skip=3, sinks=4, form="kvpress")
+    b = RepeatPrompt(first=(1, 2, 3), later=(4,), colon=(8,), skip=3, sinks=4, form="kvpress")
+    assert eviction_from(scorer="kvzip", budget=8, repeat_prompt=a) == eviction_from(scorer="kvzip", budget=8,
+                                                                                     repeat_prompt=b)
+    assert jax.tree.leaves(a) == [5, 6, 7, 8, 9]
+
+
+def test_a_saved_contexts_settings_come_back_whole():
+    """A saved context's eviction settings (JSON) come back equal, and those saved while the policy still held
+    the scoring data (repeat prompt, head budgets) load without it."""
     from kvjax.runtime.options import eviction_from
     from kvjax.runtime.saved_context import _eviction_from_json, _eviction_to_json
 
-    prompt = RepeatPrompt(first=(5, 6), later=(7,), colon=(8, 9), skip=3, sinks=4, form="kvpress")
-    ev = eviction_from(scorer="kvzip", budget=8, repeat_prompt=prompt)
-    assert _eviction_from_json(json.loads(json.dumps(_eviction_to_json(ev)))) == ev
+    ev = eviction_from(scorer="kvzip", budget=8, repeat_prompt=PROMPT)
+    raw = json.loads(json.dumps(_eviction_to_json(ev)))
+    assert _eviction_from_json(raw) == ev
+    raw["policy"] |= {"repeat_prompt": {"first": [5], "later": [6], "colon": [7]}, "head_budgets": [8, 9]}
+    assert _eviction_from_json(raw) == ev

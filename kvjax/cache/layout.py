@@ -54,9 +54,17 @@ class Dense:
     def fit(self, cache: BudgetCache, cfg, policy, spare: int) -> BudgetCache:
         return cache.resize(policy.budget + spare)
 
-    def compress(self, policy, k, v, pos, state, stats, seen) -> BudgetCache:
-        """The full cache k, v [L, B, Hk, S, K] (positions pos [L, B, Hk, S], scorer state state
-        [L, B, Hk, G, S] and statistics stats) after one eviction point; seen: [B]."""
+    def compress(self, policy, k, v, pos, state, stats, seen, head_budgets=None) -> BudgetCache:
+        """The full cache after one eviction point.
+
+        Args:
+            k, v: [L, B, Hk, S, K] the full cache.
+            pos: [L, B, Hk, S] original positions.
+            state: [L, B, Hk, G, S] the scorer's state.
+            stats: the base scorer's statistics.
+            seen: [B] one past each row's newest position.
+            head_budgets: [L, Hk] the "heads" allocation's budgets (paged only; None here).
+        """
         L, B, Hk, S, K = k.shape
         order = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), pos.shape)
         full = BudgetCache(k=k, v=v, pos=pos, state=state, order=order, moments=Moments.zeros((L, B, Hk), K),
@@ -83,9 +91,10 @@ class Paged:
     def fit(self, cache: PagedCache, cfg, policy, spare: int) -> PagedCache:
         return cache.resize(*self.geometry(cfg, policy, spare))
 
-    def compress(self, policy, k, v, pos, state, stats, seen) -> PagedCache:
+    def compress(self, policy, k, v, pos, state, stats, seen, head_budgets=None) -> PagedCache:
         full = PagedCache.from_dense(k, v, pos, state, self.page_size).replace(stats=stats)
-        return full.evict(policy, seen, max_evict=k.shape[3])  # a head may lose every token of the prompt
+        # a head may lose every token of the prompt
+        return full.evict(policy, seen, max_evict=k.shape[3], head_budgets=head_budgets)
 
 
 def cache_layout(page_size: int | None) -> Dense | Paged:

@@ -205,19 +205,20 @@ class PagedCache:
         return out, cache
 
     def evict(self, p: Policy, seen: jax.Array, max_evict: int | None = None,
-              layer: jax.Array | None = None) -> PagedCache:
+              layer: jax.Array | None = None, head_budgets: jax.Array | None = None) -> PagedCache:
         """Every layer at once: the allocation's kept count per (layer, row, KV head), the scorer's choice of
         slots, the moments, compaction and page release. seen: [B] one past the newest position; max_evict:
         the most slots one (layer, row, KV head) can lose (static). None: the bound when every layer held at
         most its total budget before the newest tokens (decoding, prompt blocks): the spare slots of a head
         (C − cap) times the heads that share a budget; a cache filled otherwise (a full prefill being
-        compressed) must give it. layer: only that layer (a traced index; not under a "global" allocation)."""
+        compressed) must give it. layer: only that layer (a traced index; not under a "global" allocation).
+        head_budgets: [L, Hk] int32 each head's budget under the "heads" allocation (kvzip-head)."""
         L, B, Hk, C = self.pos.shape
         cap = p.head_capacity(L, Hk)
         if max_evict is None:
             max_evict = min(C, (C - cap) * {None: 1, "layer": Hk, "all": L * Hk}[ALLOCATIONS[p.allocation].shared])
         if layer is None:
-            return self._evict(p, seen, max_evict, cap, p.layer_budgets(L))
+            return self._evict(p, seen, max_evict, cap, p.layer_budgets(L), head_budgets)
         one = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1)  # noqa: E731
         small = ("table", "n_pages", "pos", "state", "order")
         part = self.replace(**{name: one(getattr(self, name)) for name in small},
@@ -227,7 +228,8 @@ class PagedCache:
         return part.replace(**{name: put(getattr(self, name), getattr(part, name)) for name in small},
                             moments=jax.tree.map(put, self.moments, part.moments), stats=self.stats)
 
-    def _evict(self, p: Policy, seen: jax.Array, max_evict: int, cap: int, budgets) -> PagedCache:
+    def _evict(self, p: Policy, seen: jax.Array, max_evict: int, cap: int, budgets,
+               head_budgets: jax.Array | None = None) -> PagedCache:
         """``evict`` over this cache's layers (every layer, or one cut out with a leading axis of 1), whose
         budgets are ``budgets``."""
         kv = (None, None)
@@ -239,7 +241,7 @@ class PagedCache:
             self.state, self.pos, *kv, self.order, self.stats)
         valid = self.pos >= 0
         count = valid.sum(-1)
-        kept = targets(p.allocation, key, self.pos, budgets, p.floor_count(), cap, p.head_budgets)
+        kept = targets(p.allocation, key, self.pos, budgets, p.floor_count(), cap, head_budgets)
         if p.moment_eviction:
             evicted = over_layers(lambda a: moment_informed_eviction(*a, p.zeroth_order, max_evict, p.mi_batch),
                                   (prio, unprotected, count - kept, kv[0], kv[1], self.pos, self.moments),

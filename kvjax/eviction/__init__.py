@@ -12,7 +12,8 @@ from kvjax.eviction.modifiers import MODIFIERS, Modifier
 from kvjax.eviction.names import ALIASES, BASES, SCORERS, scorer_table, split_name
 from kvjax.eviction.policy import Policy, make_policy
 from kvjax.eviction.priority import AGGREGATES, POOLS, eviction_keys
+from kvjax.eviction.scoring_data import ScoringData
 
 __all__ = ["AGGREGATES", "ALIASES", "ALLOCATIONS", "BASES", "DEFAULT_FORM", "FLOOR_MODES", "FORMS", "MODIFIERS",
-           "POOLS", "SCORERS", "Base", "Modifier", "Policy", "RepeatPrompt", "allocation_table",
+           "POOLS", "SCORERS", "Base", "Modifier", "Policy", "RepeatPrompt", "ScoringData", "allocation_table",
            "eviction_keys", "kvzip_prompt", "make_policy", "scorer_table", "split_name"]

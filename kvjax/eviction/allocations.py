@@ -14,6 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,14 @@ def head_capacity(allocation: str, budget: int, window: int, n_layers: int, n_kv
     return max(layer_budgets(allocation, budget, window, n_layers))
 
 
+def whole_head_count(budget: int, reduced: int, context: int, heads: int) -> int:
+    """How many of ``heads`` (layer, KV head) pairs keep a whole context of ``context`` tokens under
+    kvzip-head, the others keeping their ``reduced`` sinks and window: as many as the budget pays for,
+    round(heads · (budget − reduced) / (context − reduced))."""
+    share = np.clip((budget - reduced) / max(context - reduced, 1), 0.0, 1.0)
+    return round(share * heads)
+
+
 def floor_count(floor: float, budget: int, protected: int, mode: str) -> int:
     """Tokens every head keeps at least under a shared allocation, its ``protected`` ones (sinks and window)
     included, by ``FLOOR_MODES``: "adakv" protected + ⌊floor × (budget − protected)⌋; "kvpress" ⌊floor ×
@@ -125,11 +134,14 @@ def shared_targets(key: jax.Array, pos: jax.Array, total: int, floor: int, cap: 
 
 
 def targets(allocation: str, key: jax.Array, pos: jax.Array, budgets: tuple[int, ...], floor: int,
-            cap: int, head_budgets: tuple[int, ...] | None = None) -> jax.Array:
+            cap: int, head_budgets: jax.Array | None = None) -> jax.Array:
     """[L, B, Hk] kept counts from the eviction keys and positions [L, B, Hk, S] of every slot.
 
-    budgets: the per-layer budgets (``layer_budgets``, or an int array of them); floor: ``floor_count``; cap:
-    ``head_capacity``; head_budgets: the "heads" allocation's budget of each (layer, KV head), flattened.
+    Args:
+        budgets: the per-layer budgets (``layer_budgets``, or an int array of them).
+        floor: ``floor_count``.
+        cap: ``head_capacity``.
+        head_budgets: [L, Hk] int32, the "heads" allocation's budget of each (layer, KV head).
     """
     count = (key > -jnp.inf).sum(-1)
     spec = ALLOCATIONS[allocation]

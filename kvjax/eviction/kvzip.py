@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from flax import struct
 
 from kvjax.eviction.base import Base
 
@@ -18,20 +19,27 @@ DEFAULT_FORM = "kvpress"  # measured against "paper" on prose (docs/results.md, 
 KVPRESS_SINKS = 4  # KVzipPress's n_sink: the first tokens in every score's softmax (and never evicted)
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class RepeatPrompt:
-    """Token ids of the repeat prompt: ``first`` before chunk 1, ``later`` + the previous chunk's last
-    ``TRAIL`` tokens + ``colon`` before each later chunk. skip: the context's first tokens (a chat template's
-    head) that are neither repeated nor scored (score 0); sinks: the first tokens of the context that join
-    every score's softmax beside the chunk and the repeat input; form: the ``FORMS`` entry ``kvzip_prompt`` made
-    it from ("" for one built by hand)."""
+    """Token ids of KVzip's repeat prompt (a pytree: the ids are its leaves).
+
+    Fields:
+        first: the ids before chunk 1.
+        later: the ids before each later chunk, followed by the previous chunk's last ``TRAIL`` tokens
+            and ``colon``.
+        colon: the ids after those trailing tokens.
+        skip: the context's first tokens (a chat template's head), neither repeated nor scored (score 0).
+        sinks: the context's first tokens that join every score's softmax beside the chunk and the
+            repeat input.
+        form: the ``FORMS`` entry ``kvzip_prompt`` made it from ("" for one built by hand).
+    """
 
     first: tuple[int, ...]
     later: tuple[int, ...]
     colon: tuple[int, ...]
-    skip: int = 0
-    sinks: int = 0
-    form: str = ""
+    skip: int = struct.field(pytree_node=False, default=0)
+    sinks: int = struct.field(pytree_node=False, default=0)
+    form: str = struct.field(pytree_node=False, default="")
 
     def input_for(self, context: np.ndarray, start: int, stop: int) -> np.ndarray:
         """The repeat input of the chunk ``context[start:stop]``."""

@@ -11,9 +11,9 @@ from kvjax.eviction.allocations import (
     floor_count,
     head_capacity,
     layer_budgets,
+    whole_head_count,
 )
 from kvjax.eviction.base import Base
-from kvjax.eviction.kvzip import RepeatPrompt
 from kvjax.eviction.modifiers import MODIFIERS, NO_MODIFIER, Modifier
 from kvjax.eviction.names import BASES, split_name
 from kvjax.eviction.priority import AGGREGATES, POOLS
@@ -22,23 +22,29 @@ from kvjax.kernels import IMPLS
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Everything static about which tokens a cache keeps: the scorer, the budget and the protected slots.
+    """Everything static about which tokens a cache keeps: the scorer, the budget, the protected slots.
 
-    base, modifier: the scorer by name (``BASES``, ``MODIFIERS``; modifier "" = none); budget: slots kept per (layer,
-    row, KV head); n_sink: first tokens never evicted; window: most recent tokens never evicted; obs_window:
-    scoring queries of "window" bases; pool/kernel: 1-D pooling of the priorities along positions;
-    aggregate: how the G query heads of a KV head combine ("layer": every query head of the layer, the same
-    tokens kept in every KV head); mi_batch: tokens MomentKV's moment-informed eviction removes per
-    statistics update (1 = Algorithm 1's exact rule); impl: how attention with scores runs
-    (``kvjax.kernels``: None = per platform, XLA on CPU; "xla"; "pallas"; "pallas_tpu" / "pallas_gpu");
-    allocation: how many slots each (layer, KV head) keeps (``kvjax.eviction.allocations.ALLOCATIONS``); floor: the
-    fraction of the budget every head keeps at least under a shared allocation; chunk: tokens of ``chunk``
-    consecutive positions share the mean of their priorities (1 = each token by itself); repeat_prompt:
-    KVzip's repeat prompt (``kvjax.eviction.RepeatPrompt``); head_scores: the file of ``kvzip-head``'s saved head
-    scores; cap: the most tokens one head keeps, when the allocation's own rule does not apply (``kvzip-head``,
-    whose whole heads hold the context); head_budgets: the "heads" allocation's budget of every (layer, KV
-    head), flattened (set when a prompt is compressed); floor_mode: how the floor counts the protected tokens
-    (``kvjax.eviction.allocations.FLOOR_MODES``).
+    Fields:
+        base: the base scorer's name (``BASES``).
+        budget: slots kept per (layer, row, KV head).
+        n_sink: first tokens never evicted.
+        window: most recent tokens never evicted.
+        obs_window: the scoring queries of "window" bases.
+        pool, kernel: 1-D pooling of the priorities along positions.
+        aggregate: how the G query heads of a KV head combine ("layer": every query head of the layer,
+            the same tokens kept in every KV head).
+        modifier: the modifier's name (``MODIFIERS``; "" = none).
+        mi_batch: tokens MomentKV's moment-informed eviction removes per statistics update (1 =
+            Algorithm 1's exact rule).
+        impl: how attention with scores runs (``kvjax.kernels.IMPLS``; None = per platform).
+        allocation: how many slots each (layer, KV head) keeps (``allocations.ALLOCATIONS``).
+        floor: the fraction of the budget every head keeps at least under a shared allocation.
+        chunk: tokens of ``chunk`` consecutive positions share the mean of their priorities.
+        cap: the most tokens one head keeps where the allocation's own rule does not apply
+            (``kvzip-head``: the context length, set when a prompt is compressed).
+        floor_mode: how the floor counts the protected tokens (``allocations.FLOOR_MODES``).
+
+    Data a scoring pass reads (repeat prompt, head scores) is not here: see ``ScoringData``.
     """
 
     base: str
@@ -55,10 +61,7 @@ class Policy:
     allocation: str = "uniform"
     floor: float = 0.0
     chunk: int = 1
-    repeat_prompt: RepeatPrompt | None = None
-    head_scores: str | None = None
     cap: int | None = None
-    head_budgets: tuple[int, ...] | None = None
     floor_mode: str = "adakv"
 
     @property
@@ -118,8 +121,10 @@ class Policy:
 
     def total_budget(self, n_layers: int, n_kv_heads: int) -> int:
         """Tokens kept over every layer and KV head of a row after an eviction point."""
-        if self.head_budgets is not None:
-            return sum(self.head_budgets)
+        if self.allocation == "heads" and self.cap is not None:  # compressed: whole heads and reduced ones
+            reduced, heads = self.n_sink + self.window, n_layers * n_kv_heads
+            full = whole_head_count(self.budget, reduced, self.cap, heads)
+            return full * self.cap + (heads - full) * reduced
         return n_kv_heads * sum(self.layer_budgets(n_layers))
 
     def check_model(self, n_layers: int) -> None:
@@ -133,8 +138,7 @@ class Policy:
 
 def make_policy(scorer: str, budget: int, *, n_sink: int, window: int | None, obs_window: int, pool: str | None,
                 kernel: int, aggregate: str | None, mi_batch: int, impl: str | None, allocation: str | None,
-                floor: float | None, chunk: int, repeat_prompt: RepeatPrompt | None, head_scores: str | None,
-                floor_mode: str) -> Policy:
+                floor: float | None, chunk: int, floor_mode: str) -> Policy:
     """The validated ``Policy`` of the eviction keywords (``kvjax.runtime.options.EvictionOptions``, which holds their
     defaults), with the scorer's own settings for what is left as None: window and pool the base's;
     aggregate ``sum`` for OBCache as in its App. B.5, else ``mean`` as kvpress (the two rank identically);
@@ -159,12 +163,6 @@ def make_policy(scorer: str, budget: int, *, n_sink: int, window: int | None, ob
         raise ValueError(f"floor_mode={floor_mode!r} must be one of {FLOOR_MODES}")
     if not (isinstance(chunk, int) and chunk >= 1):
         raise ValueError(f"chunk={chunk!r} must be an integer >= 1")
-    if (repeat_prompt is not None) != (spec.scoring_pass == "kvzip"):
-        raise ValueError("scorer='kvzip' needs repeat_prompt=kvjax.kvzip_prompt(tokenizer) (the repeat prompt's "
-                         "token ids)" if repeat_prompt is None else f"repeat_prompt is KVzip's; scorer={scorer!r}")
-    if (head_scores is not None) != (spec.scoring_pass == "heads"):
-        raise ValueError("scorer='kvzip-head' needs head_scores=<file of kvjax.runtime.kvzip_pass.save_head_scores>"
-                         if head_scores is None else f"head_scores is kvzip-head's; scorer={scorer!r}")
     mod = MODIFIERS[modifier] if modifier else NO_MODIFIER
     for name, value in (("budget", budget), ("obs_window", obs_window), ("kernel", kernel), ("mi_batch", mi_batch)):
         if not (isinstance(value, int) and value >= 1):
@@ -197,4 +195,4 @@ def make_policy(scorer: str, budget: int, *, n_sink: int, window: int | None, ob
         raise ValueError(f"aggregate='layer' keeps the same tokens in every KV head, which allocation="
                          f"{allocation!r} shares unevenly among them")
     return Policy(base, budget, n_sink, window, obs_window, pool, kernel, aggregate, modifier, mi_batch, impl,
-                  allocation, float(floor), chunk, repeat_prompt, head_scores, floor_mode=floor_mode)
+                  allocation, float(floor), chunk, floor_mode=floor_mode)

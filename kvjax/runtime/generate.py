@@ -16,7 +16,7 @@ from kvjax.model.segment import Segment
 from kvjax.runtime.context import resume
 from kvjax.runtime.decoding import Generation
 from kvjax.runtime.inputs import check_context, check_max_new, check_tokens
-from kvjax.runtime.options import eviction_from
+from kvjax.runtime.options import EvictionOptions
 from kvjax.runtime.prefilled import prefill_rows
 from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import auto_mesh, data_size, shard
@@ -78,7 +78,8 @@ def _generation(params: Params, rows: list[np.ndarray], max_new_tokens: int, sam
     ``kvjax.prefill``) and return the decoding ``Generation``. On a mesh, rows of one pad token fill
     the batch up to a multiple of its ``data`` axis (their outputs come last)."""
     longest = max(len(r) for r in rows)
-    ev = eviction_from(context=longest, **eviction)
+    options = EvictionOptions.of(**eviction)
+    ev = options.resolve(context=longest)
     mesh = auto_mesh(mesh)
     max_new = check_max_new(max_new_tokens)
     check_context(params.config, longest, max_new)
@@ -86,6 +87,6 @@ def _generation(params: Params, rows: list[np.ndarray], max_new_tokens: int, sam
     if mesh is not None:
         params = shard(params, mesh)
     if ev is not None and ev.policy.scorer.scoring_pass is not None:
-        context = prefill_rows(params, rows, True, ev, mesh)
+        context = prefill_rows(params, rows, True, ev, options.scoring_data(params.config), mesh)
         return resume(params, context, None, max_new, sampling, seed, stop_ids)
     return Generation.from_prompts(params, rows, max_new, sampling, seed, stop_ids, ev, mesh)

@@ -20,11 +20,13 @@ from kvjax.eviction import (
     FORMS,
     POOLS,
     RepeatPrompt,
+    ScoringData,
     kvzip_prompt,
     make_policy,
     split_name,
 )
 from kvjax.kernels import IMPLS
+from kvjax.runtime.kvzip_pass import load_head_scores
 from kvjax.runtime.protocol import DECODE_ORDERS, PAGE_SIZE, PROTOCOLS, Eviction
 
 
@@ -104,6 +106,15 @@ class EvictionOptions:
                 raise ValueError(f"impl={self.impl!r} chooses the attention of the budget cache; the full cache "
                                  "(budget=None) always runs XLA attention")
             return None
+        scoring_pass = BASES[split_name(self.scorer)[1]].scoring_pass
+        if (self.repeat_prompt is not None) != (scoring_pass == "kvzip"):
+            raise ValueError("scorer='kvzip' needs repeat_prompt=kvjax.kvzip_prompt(tokenizer) (the repeat "
+                             "prompt's token ids)" if self.repeat_prompt is None
+                             else f"repeat_prompt is KVzip's; scorer={self.scorer!r}")
+        if (self.head_scores is not None) != (scoring_pass == "heads"):
+            raise ValueError("scorer='kvzip-head' needs head_scores=<file of "
+                             "kvjax.runtime.kvzip_pass.save_head_scores>" if self.head_scores is None
+                             else f"head_scores is kvzip-head's; scorer={self.scorer!r}")
         if isinstance(budget, float):
             if not 0 < budget < 1:
                 raise ValueError(f"budget={budget!r}: a fractional budget must lie in (0, 1)")
@@ -112,7 +123,7 @@ class EvictionOptions:
                              obs_window=self.obs_window, pool=self.pool, kernel=self.kernel,
                              aggregate=self.aggregate, mi_batch=self.mi_batch, impl=self.impl,
                              allocation=self.allocation, floor=self.floor, floor_mode=self.floor_mode,
-                             chunk=self.chunk, repeat_prompt=self.repeat_prompt, head_scores=self.head_scores)
+                             chunk=self.chunk)
         own_pass = policy.scorer.scoring_pass is not None
         protocol = self.protocol or ("prefill" if own_pass else "blockwise")
         decode_evict = (not own_pass) if self.decode_evict is None else self.decode_evict
@@ -122,6 +133,12 @@ class EvictionOptions:
         page_size = self.page_size if self.page_size is not None else (PAGE_SIZE if policy.paged else None)
         return Eviction(policy, protocol=protocol, block_size=self.block_size, evict_every=self.evict_every,
                         decode_evict=decode_evict, page_size=page_size, decode_order=self.decode_order)
+
+    def scoring_data(self, cfg) -> ScoringData:
+        """The data the scorer's own scoring pass reads for the model ``cfg`` (its repeat prompt, or its
+        head scores loaded and checked against the model; empty for other scorers)."""
+        scores = None if self.head_scores is None else load_head_scores(self.head_scores, cfg)
+        return ScoringData(repeat_prompt=self.repeat_prompt, head_scores=scores)
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(EvictionOptions))

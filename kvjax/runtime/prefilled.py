@@ -21,7 +21,8 @@ from jax.sharding import Mesh
 
 from kvjax.cache.full import PREFILL_CHUNK, FullCache
 from kvjax.cache.layout import EvictingCache
-from kvjax.eviction import Policy, RepeatPrompt
+from kvjax.eviction import Policy, RepeatPrompt, ScoringData
+from kvjax.eviction.allocations import whole_head_count
 from kvjax.kernels import attention_with_scores
 from kvjax.model.decoder import decode_hidden, logits_from_hidden
 from kvjax.model.params import Params
@@ -36,8 +37,8 @@ from kvjax.runtime.inputs import (
     prompt_bucket,
     round_capacity,
 )
-from kvjax.runtime.kvzip_pass import head_scores, kvzip_scores, load_head_scores
-from kvjax.runtime.options import EvictionOptions, eviction_from
+from kvjax.runtime.kvzip_pass import head_scores, kvzip_scores
+from kvjax.runtime.options import EvictionOptions
 from kvjax.runtime.protocol import Eviction
 from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import auto_mesh, check_batch, constrain, on_mesh, shard
@@ -126,29 +127,35 @@ def _scoring_stats(cfg, policy: Policy, q: jax.Array, lengths: jax.Array):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ev"))
 def _compress(cfg, ev: Eviction, k: jax.Array, v: jax.Array, state: jax.Array, stats,
-              lengths: jax.Array) -> EvictingCache:
-    """Evict every layer once down to the budget (the cache's ``evict``: dense or paged as ``ev`` says), into
-    a cache fitted for decoding. k, v: [L, B, Hk, C, K] the full cache; state: [L, B, Hk, G, P], P <= C;
-    stats: the base scorer's statistics (``_scoring_stats``)."""
+              lengths: jax.Array, head_budgets: jax.Array | None) -> EvictingCache:
+    """Evict every layer once down to the budget (the cache's ``evict``: dense or paged as ``ev`` says),
+    into a cache fitted for decoding.
+
+    Args:
+        k, v: [L, B, Hk, C, K] the full cache.
+        state: [L, B, Hk, G, P] the scorer's state, P <= C.
+        stats: the base scorer's statistics (``_scoring_stats``).
+        lengths: [B] each row's prompt length.
+        head_budgets: [L, Hk] int32 each head's budget under the "heads" allocation (``whole_heads``).
+    """
     C = k.shape[3]
     slots = jnp.arange(C, dtype=jnp.int32)
     pos = jnp.broadcast_to(jnp.where(slots < lengths[:, None], slots, -1)[None, :, None], k.shape[:4])
     state = jnp.pad(state, [(0, 0)] * 4 + [(0, C - state.shape[-1])])
-    cache = ev.layout.compress(ev.policy, k, v, pos, state, stats, lengths)
+    cache = ev.layout.compress(ev.policy, k, v, pos, state, stats, lengths, head_budgets)
     return constrain(ev.fit(cache, cfg, ev.decode_spare(0)))
 
 
-def whole_heads(policy: Policy, cfg, context: int) -> Policy:
-    """kvzip-head's policy for a context of ``context`` tokens: the best heads by the saved head scores keep
-    the whole context, the others their sinks and window, as many full heads as the budget pays for
-    (round(L·Hk·(budget − s) / (context − s)) with s = n_sink + window)."""
-    scores = load_head_scores(policy.head_scores, cfg).reshape(-1)
+def whole_heads(policy: Policy, scores: np.ndarray, context: int) -> tuple[Policy, np.ndarray]:
+    """kvzip-head's policy for a context of ``context`` tokens and its head budgets [L, Hk] int32: the
+    best heads by the saved head scores [L, Hk] keep the whole context, the others their sinks and window,
+    as many full heads as the budget pays for (``whole_head_count``)."""
     reduced = policy.n_sink + policy.window
-    share = np.clip((policy.budget - reduced) / max(context - reduced, 1), 0.0, 1.0)
-    full = np.argsort(-scores, kind="stable")[: round(share * scores.size)]
-    budgets = np.full(scores.size, reduced)
+    full = np.argsort(-scores.reshape(-1), kind="stable")[: whole_head_count(policy.budget, reduced, context,
+                                                                             scores.size)]
+    budgets = np.full(scores.size, reduced, np.int32)
     budgets[full] = context
-    return dataclasses.replace(policy, cap=context, head_budgets=tuple(int(b) for b in budgets))
+    return dataclasses.replace(policy, cap=context), budgets.reshape(scores.shape)
 
 
 class Prefilled:
@@ -173,11 +180,12 @@ class Prefilled:
             self.cache, self.hidden = _prefill_full(self.params, jnp.asarray(padded), room)
         self._states: dict = {}
 
-    def _state(self, policy: Policy, lengths: np.ndarray) -> jax.Array:
-        """The scorer state [L, B, Hk, G, P] after the prompts' first ``lengths`` tokens (cached per kind)."""
+    def _state(self, policy: Policy, data: ScoringData, lengths: np.ndarray) -> jax.Array:
+        """The scorer state [L, B, Hk, G, P] after the prompts' first ``lengths`` tokens (cached per kind);
+        data: what the scorer's own scoring pass reads."""
         spec, full = policy.scorer, self.cache.full
         key = (spec.queries, policy.score_kind, spec.replace, policy.obs_window if spec.queries == "window" else 0,
-               spec.scoring_pass, policy.repeat_prompt, policy.head_scores, tuple(lengths))
+               spec.scoring_pass, data.key(), tuple(lengths))
         if key in self._states:
             return self._states[key]
         cfg = self.params.config
@@ -186,9 +194,9 @@ class Prefilled:
         else:
             if spec.scoring_pass == "kvzip":
                 rows = [r[:n] for r, n in zip(self.rows, lengths, strict=True)]
-                scores = kvzip_scores(self.params, full, rows, policy.repeat_prompt)[..., : self.hidden.shape[1]]
+                scores = kvzip_scores(self.params, full, rows, data.repeat_prompt)[..., : self.hidden.shape[1]]
             else:  # "heads": every token of a head scores its saved head score
-                heads = jnp.asarray(load_head_scores(policy.head_scores, cfg), jnp.float32)
+                heads = jnp.asarray(data.head_scores, jnp.float32)
                 scores = jnp.broadcast_to(heads[:, None, :, None], (cfg.n_layers, len(lengths), cfg.n_kv_heads,
                                                                      self.hidden.shape[1]))
             state = jnp.broadcast_to(scores[:, :, :, None], scores.shape[:3] + (cfg.group_size,) + scores.shape[3:])
@@ -204,21 +212,24 @@ class Prefilled:
         lengths = self.lengths if upto is None else np.minimum(self.lengths, np.asarray(upto, np.int32))
         if np.any(lengths < 1):
             raise ValueError(f"upto={upto!r} must keep at least one token of every prompt")
-        ev = EvictionOptions.of(**(eviction | {"protocol": "prefill"})).resolve(context=int(lengths.max()))
+        options = EvictionOptions.of(**(eviction | {"protocol": "prefill"}))
+        ev = options.resolve(context=int(lengths.max()))
         if ev is None:
             raise ValueError("budget=None: compress needs a budget")
-        return self.compressed(ev, lengths)
+        return self.compressed(ev, options.scoring_data(self.params.config), lengths)
 
-    def compressed(self, ev: Eviction, lengths: np.ndarray) -> Context:
+    def compressed(self, ev: Eviction, data: ScoringData, lengths: np.ndarray) -> Context:
         """The context of the prompts' first ``lengths`` tokens compressed under ``ev`` (resolved for a
-        prefill protocol)."""
+        prefill protocol); data: what the scorer's own scoring pass reads."""
+        head_budgets = None
         if ev.policy.scorer.scoring_pass == "heads":
-            ev = dataclasses.replace(ev, policy=whole_heads(ev.policy, self.params.config, int(lengths.max())))
+            policy, head_budgets = whole_heads(ev.policy, data.head_scores, int(lengths.max()))
+            ev = dataclasses.replace(ev, policy=policy)
         with on_mesh(self.mesh):
-            state = self._state(ev.policy, lengths)
+            state = self._state(ev.policy, data, lengths)
             stats = _scoring_stats(self.params.config, ev.policy, self.cache.q, jnp.asarray(lengths))
             cache = _compress(self.params.config, ev, self.cache.full.k, self.cache.full.v, state, stats,
-                              jnp.asarray(lengths))
+                              jnp.asarray(lengths), head_budgets)
             last = jnp.take_along_axis(self.hidden, jnp.asarray(lengths - 1)[:, None, None], axis=1)[:, 0]
             logits = logits_from_hidden(self.params, last)
         return Context(cache=cache, lengths=lengths, logits=logits, ev=ev, batched=self.batched, mesh=self.mesh)
@@ -263,21 +274,23 @@ def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> 
     ``data`` axis); the context's ``decode`` runs there too."""
     rows, batched = check_tokens(tokens, params.config.vocab_size)
     longest = max(len(r) for r in rows)
-    ev = eviction_from(context=longest, **eviction)
+    options = EvictionOptions.of(**eviction)
+    ev = options.resolve(context=longest)
     if ev is None:
         raise ValueError("budget=None: prefill builds a compressed context and needs a budget; use "
                          "kvjax.generate (or kvjax.prefill_full) for a full cache")
     check_context(params.config, longest, 0)
     mesh = auto_mesh(mesh)
     check_batch(len(rows), mesh)
-    return prefill_rows(params, rows, batched, ev, mesh)
+    return prefill_rows(params, rows, batched, ev, options.scoring_data(params.config), mesh)
 
 
-def prefill_rows(params: Params, rows: list[np.ndarray], batched: bool, ev: Eviction,
+def prefill_rows(params: Params, rows: list[np.ndarray], batched: bool, ev: Eviction, data: ScoringData,
                  mesh: Mesh | None) -> Context:
     """``prefill`` of validated prompt rows (``check_tokens``, ``check_context``; they split over
-    ``mesh``) under the resolved eviction settings ``ev``."""
+    ``mesh``) under the resolved eviction settings ``ev``; data: what a scoring pass of the scorer's own
+    reads (``EvictionOptions.scoring_data``)."""
     if ev.policy.scorer.scoring_pass is not None:  # KVzip: a scoring pass over the whole prefilled prompt
         prefilled = Prefilled(params, rows, batched, mesh=mesh)
-        return prefilled.compressed(ev, prefilled.lengths)  # a scoring pass runs under the prefill protocol
+        return prefilled.compressed(ev, data, prefilled.lengths)  # a scoring pass runs under "prefill"
     return prefill_budget(params, rows, batched, ev, mesh)

@@ -21,7 +21,7 @@ from kvjax.cache.dense import BudgetCache
 from kvjax.cache.paged import PagedCache
 from kvjax.checkpoint.errors import CheckpointError
 from kvjax.checkpoint.store import atomic_directory
-from kvjax.eviction import Policy, RepeatPrompt
+from kvjax.eviction import Policy
 from kvjax.model.config import ModelConfig
 from kvjax.model.params import Params
 from kvjax.runtime.context import Context
@@ -38,13 +38,12 @@ def _eviction_to_json(ev: Eviction) -> dict:
     return dataclasses.asdict(ev)
 
 
+SCORING_DATA = ("repeat_prompt", "head_scores", "head_budgets")  # in the policy of contexts saved before
+# ScoringData: what compressed them, which a compressed context no longer needs
+
+
 def _eviction_from_json(raw: dict) -> Eviction:
-    policy = dict(raw["policy"])
-    if policy.get("repeat_prompt") is not None:
-        policy["repeat_prompt"] = RepeatPrompt(**{k: tuple(v) if isinstance(v, list) else v
-                                                  for k, v in policy["repeat_prompt"].items()})
-    if policy.get("head_budgets") is not None:
-        policy["head_budgets"] = tuple(policy["head_budgets"])
+    policy = {k: v for k, v in raw["policy"].items() if k not in SCORING_DATA}
     return Eviction(**(raw | {"policy": Policy(**policy)}))
 
 
