@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from reference_eviction import shared_counts
 
 import kvjax
-from kvjax.eviction.allocations import FLOOR_MODES, floor_count, targets
+from kvjax.eviction.allocations import FLOOR_MODES, AdaKV, floor_count
 from kvjax.runtime.decoding import Generation
 from kvjax.runtime.options import eviction_from
 from kvjax.runtime.sampling import Sampling
@@ -131,8 +131,8 @@ def test_adakv_targets_match_brute_force(floor_mode):
         scale = rng.uniform(0.01, 10.0, (L, B, Hk, 1))  # unequal heads, so the floor binds
         key = np.where(protected, np.inf, np.where(pos >= 0, rng.random((L, B, Hk, S)) * scale, -np.inf))
         floor = floor_count(alpha, b, n_sink + window, floor_mode)
-        got = np.asarray(targets("adakv", jnp.asarray(key, jnp.float32), jnp.asarray(pos, jnp.int32), (b,) * L,
-                                 floor, Hk * b))
+        got = np.asarray(AdaKV().targets(jnp.asarray(key, jnp.float32), jnp.asarray(pos, jnp.int32),
+                                        (b,) * L, floor, Hk * b))
         for layer in range(L):
             for row in range(B):
                 heads = [dict(positions=pos[layer, row, h, :count[layer, row, h]],

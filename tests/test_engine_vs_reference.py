@@ -11,7 +11,7 @@ from helpers import kept_positions as kept
 from reference_eviction import run_reference
 
 import kvjax
-from kvjax.runtime.decoding import Generation, prefill_budget_cache
+from kvjax.runtime.decoding import Generation, feed_budget
 from kvjax.runtime.inputs import pad_rows, prompt_bucket, round_capacity
 from kvjax.runtime.options import eviction_from
 from kvjax.runtime.sampling import Sampling
@@ -197,7 +197,7 @@ def test_blockwise_matches_reference_after_every_block(model, case):
     for block, expected in enumerate(ref["kept_after_blocks"]):
         chunk = prompt[fed: fed + BLOCK]
         padded, lengths = pad_rows([chunk], BLOCK, 0)
-        state = prefill_budget_cache(model, cache, jnp.asarray(padded), jnp.array([fed], jnp.int32),
+        state = feed_budget(model, cache, jnp.asarray(padded), jnp.array([fed], jnp.int32),
                                      jnp.asarray(lengths), jax.random.key(0), ev=ev, out_width=round_capacity(1),
                                      decode_spare=1)
         cache, fed = state.cache, fed + len(chunk)

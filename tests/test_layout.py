@@ -145,3 +145,11 @@ def test_imports_point_down_the_layers():
     edges = _imports(_modules())
     back = [(m, n) for m, targets in edges.items() for n in targets if _layer(n) > _layer(m)]
     assert not back, back
+
+
+def test_library_lines_are_at_most_100_characters():
+    """pyproject.toml's ruff line length, checked without ruff: every line of kvjax/ and kernels/."""
+    paths = [path for folder in ("kvjax", "kernels") for path in (ROOT / folder).rglob("*.py")]
+    long = [f"{path.relative_to(ROOT)}:{n}" for path in paths
+            for n, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 100]
+    assert not long, f"{len(long)} lines over 100 characters: {', '.join(long[:10])}"

@@ -111,7 +111,7 @@ def test_appending_without_eviction_keeps_the_question_and_the_answer(tiny_llama
     context and nothing leaves it."""
     import jax
 
-    from kvjax.runtime.decoding import Generation, prefill_budget_cache
+    from kvjax.runtime.decoding import Generation, feed_budget
     from kvjax.runtime.inputs import pad_rows, prompt_bucket
     from kvjax.runtime.sampling import Sampling
 
@@ -119,7 +119,7 @@ def test_appending_without_eviction_keeps_the_question_and_the_answer(tiny_llama
     questions = [np.arange(60, 66, dtype=np.int32), np.arange(70, 73, dtype=np.int32)]
     ev = context.ev.without_eviction()
     padded, lengths = pad_rows(questions, prompt_bucket(6, ev.block_size), 0)
-    state = prefill_budget_cache(tiny_llama, context.cache, padded, context.lengths, lengths, jax.random.key(0), ev=ev,
+    state = feed_budget(tiny_llama, context.cache, padded, context.lengths, lengths, jax.random.key(0), ev=ev,
                                  out_width=4, decode_spare=ev.extend_spare(padded.shape[1]) + 4)
     gen = Generation(tiny_llama, state, 4, Sampling(), (), ev)
     gen.run(4)

@@ -45,8 +45,8 @@ from kvjax.model.config import ModelConfig
 from kvjax.runtime.decoding import (
     DecodeState,
     decode_steps,
-    prefill_budget_cache,
-    prefill_full_cache,
+    feed_budget,
+    feed_full,
 )
 from kvjax.runtime.inputs import round_capacity
 from kvjax.runtime.options import eviction_from
@@ -152,9 +152,9 @@ class ModelRun:
         key = jax.eval_shape(lambda: jax.random.key(0))
         ev = eviction(cache, self.sz, context, impl)
         if ev is None:
-            return (prefill_full_cache, (self.params, tokens, lengths, key),
+            return (feed_full, (self.params, tokens, lengths, key),
                     dict(capacity=round_capacity(context + NEW), out_width=OUT_WIDTH))
-        return (prefill_budget_cache, (self.params, None, tokens, lengths, lengths, key),
+        return (feed_budget, (self.params, None, tokens, lengths, lengths, key),
                 dict(ev=ev, out_width=OUT_WIDTH, decode_spare=ev.decode_spare(OUT_WIDTH)))
 
     def call_prefill(self, compiled, cache: Cache, context: int) -> DecodeState:

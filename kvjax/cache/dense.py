@@ -21,6 +21,7 @@ from kvjax.cache.attention import (
     kept_attention,
     scored_attention,
 )
+from kvjax.cache.slots_view import SlotsView
 from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.moments import Moments, moment_informed_eviction, over_layers
 from kvjax.kernels import block_attention_with_scores, decode_attention_with_scores
@@ -31,7 +32,7 @@ from kvjax.slots import set_layer_slots, set_slots
 
 
 @struct.dataclass
-class BudgetCache:
+class BudgetCache(SlotsView):
     """k, v: [L, B, Hk, S, K]; pos: [L, B, Hk, S] int32 original positions (-1 = empty);
     state: [L, B, Hk, G, S] float32 per-slot, per-query-head scorer state (zero in empty slots);
     order: [L, B, Hk, S] int32 the slots by position, valid ones first; moments: ``Moments``;
@@ -62,17 +63,8 @@ class BudgetCache:
                    moments=Moments.zeros((L, batch, Hk), K))
 
     @property
-    def slots(self) -> int:
-        return self.pos.shape[-1]
-
-    @property
     def kv(self) -> tuple[jax.Array, jax.Array]:
         return self.k, self.v
-
-    @property
-    def sorted_pos(self) -> jax.Array:
-        """Positions in ``order``: each (layer, row, KV head)'s valid positions ascending, then -1s."""
-        return jnp.take_along_axis(self.pos, self.order, -1)
 
     def resize(self, slots: int) -> BudgetCache:
         """Same contents in ``slots`` slots laid out in position order (the valid tokens must fit).

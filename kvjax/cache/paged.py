@@ -28,8 +28,9 @@ from kvjax.cache.attention import (
     kept_attention,
     scored_attention,
 )
+from kvjax.cache.slots_view import SlotsView
 from kvjax.eviction import Policy, eviction_keys
-from kvjax.eviction.allocations import ALLOCATIONS, ranks, targets
+from kvjax.eviction.allocations import ranks
 from kvjax.eviction.moments import Moments, moment_informed_eviction, over_layers
 from kvjax.kernels.paged_attention import (
     paged_block_attention_with_scores,
@@ -51,7 +52,7 @@ def pool_pages(total_tokens: int, spare: int, n_layers: int, n_kv_heads: int, pa
 
 
 @struct.dataclass
-class PagedCache:
+class PagedCache(SlotsView):
     """k_pages, v_pages: [B, N, P, K] each row's page pool; table: [L, B, Hk, M] int32 the pages of each
     (layer, row, KV head) in logical order; n_pages: [L, B, Hk] int32 pages in use; free: [B, N] bool;
     pos: [L, B, Hk, C] int32 original positions by logical slot (C = M·P; valid slots are 0 … n−1, -1 =
@@ -114,21 +115,12 @@ class PagedCache:
                    moments=Moments.zeros((L, B, Hk), K))
 
     @property
-    def slots(self) -> int:
-        return self.pos.shape[-1]
-
-    @property
     def page_size(self) -> int:
         return self.k_pages.shape[2]
 
     @property
     def kv(self) -> tuple[jax.Array, jax.Array]:
         return self.k_pages, self.v_pages
-
-    @property
-    def sorted_pos(self) -> jax.Array:
-        """Positions in ``order``: each (layer, row, KV head)'s valid positions ascending, then -1s."""
-        return jnp.take_along_axis(self.pos, self.order, -1)
 
     def _rows(self, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values [L, B, Hk, E, K] of logical slots [L, B, Hk, E] (their pages must be in use)."""
@@ -216,7 +208,7 @@ class PagedCache:
         L, B, Hk, C = self.pos.shape
         cap = p.head_capacity(L, Hk)
         if max_evict is None:
-            max_evict = min(C, (C - cap) * {None: 1, "layer": Hk, "all": L * Hk}[ALLOCATIONS[p.allocation].shared])
+            max_evict = min(C, (C - cap) * p.allocation_spec.sharing(L, Hk))
         if layer is None:
             return self._evict(p, seen, max_evict, cap, p.layer_budgets(L), head_budgets)
         one = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1)  # noqa: E731
@@ -233,7 +225,7 @@ class PagedCache:
         """``evict`` over this cache's layers (every layer, or one cut out with a leading axis of 1), whose
         budgets are ``budgets``."""
         kv = (None, None)
-        if p.moment_eviction or p.meta is not None or p.scorer.reads_kv:  # reads every slot's keys, values
+        if p.reads_kv:  # reads every slot's keys, values
             kv = jax.vmap(lambda t, n, s: gather_pages(self.k_pages, self.v_pages, t, n, s)[:2])(
                 self.table, self.n_pages, self.pos)
         key, prio, unprotected = jax.vmap(
@@ -241,7 +233,7 @@ class PagedCache:
             self.state, self.pos, *kv, self.order, self.stats)
         valid = self.pos >= 0
         count = valid.sum(-1)
-        kept = targets(p.allocation, key, self.pos, budgets, p.floor_count(), cap, head_budgets)
+        kept = p.allocation_spec.targets(key, self.pos, budgets, p.floor_count(), cap, head_budgets)
         if p.moment_eviction:
             evicted = over_layers(lambda a: moment_informed_eviction(*a, p.zeroth_order, max_evict, p.mi_batch),
                                   (prio, unprotected, count - kept, kv[0], kv[1], self.pos, self.moments),

@@ -1,8 +1,8 @@
 """Budget allocation: how many slots each (layer, row, KV head) keeps at an eviction point.
 
-One table, ``ALLOCATIONS``. An allocation turns the eviction keys of every slot (``+inf`` protected, ``-inf``
-empty, else the scorer's priority) into a kept count per (layer, row, KV head), ``targets``; which slots a
-head then keeps is the scorer's business (its highest keys, or MomentKV's moment-informed eviction down to
+Each allocation is one class (``Allocation`` and its subclasses, listed in ``ALLOCATIONS``). It turns
+the eviction keys of every slot (``+inf`` protected, ``-inf`` empty, else the scorer's priority) into a
+kept count per (layer, row, KV head), ``targets``; which slots a head then keeps is the scorer's business (its highest keys, or MomentKV's moment-informed eviction down to
 the count). Allocations whose per-head counts differ run on the paged cache (``kvjax.cache.paged``), whose
 memory follows the total budget. Semantics: ``docs/eviction.md`` ("Allocations").
 """
@@ -11,37 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-@dataclasses.dataclass(frozen=True)
-class AllocationSpec:
-    """shared: None (every head by itself), "layer" (the KV heads of a layer share its budget) or "all"
-    (every layer and KV head of a row share one threshold); paged: per-head counts differ, so the cache is
-    paged; default_floor: the fraction of the budget every head keeps at least (shared allocations)."""
-
-    description: str
-    shared: str | None = None
-    paged: bool = True
-    default_floor: float = 0.0
-
-
-ALLOCATIONS: dict[str, AllocationSpec] = {
-    "uniform": AllocationSpec("every layer and KV head keeps `budget` tokens", paged=False),
-    "pyramidkv": AllocationSpec("layer budgets decreasing linearly with depth, averaging `budget` (PyramidKV, "
-                                "β = 20); the KV heads of a layer keep the same number"),
-    "adakv": AllocationSpec("each layer keeps `n_kv_heads × budget` tokens, shared among its KV heads by score "
-                            "(top-k over the layer's heads), every head at least its sinks and window plus `floor × "
-                            "(budget − sinks − window)` (AdaKV, α = 0.2; `floor_mode`)", shared="layer",
-                            default_floor=0.2),
-    "global": AllocationSpec("one threshold over every layer and KV head: `n_layers × n_kv_heads × budget` "
-                             "tokens in all, at most `n_kv_heads × budget` in one head", shared="all"),
-    "heads": AllocationSpec("a fixed budget per layer and KV head (kvzip-head: the best heads by saved head "
-                            "scores keep the whole context, the others their sinks and window)"),
-}
 PYRAMID_BETA = 20
 # How a shared allocation's floor counts a head's protected tokens (sinks and window): "adakv" keeps
 # floor × (budget − protected) of its best unprotected tokens on top of them (AdaKV's code); "kvpress" keeps
@@ -69,20 +45,6 @@ def pyramid_budgets(budget: int, window: int, n_layers: int) -> tuple[int, ...]:
     for layer in by_remainder[: n_layers * m - sum(whole)]:
         whole[layer] += 1
     return tuple(w + window for w in whole)
-
-
-def layer_budgets(allocation: str, budget: int, window: int, n_layers: int) -> tuple[int, ...]:
-    """The budget of each layer's every KV head (its average under the shared allocations)."""
-    if allocation == "pyramidkv":
-        return pyramid_budgets(budget, window, n_layers)
-    return (budget,) * n_layers
-
-
-def head_capacity(allocation: str, budget: int, window: int, n_layers: int, n_kv_heads: int) -> int:
-    """The most tokens one (layer, row, KV head) may keep after an eviction point."""
-    if ALLOCATIONS[allocation].shared is not None:
-        return n_kv_heads * budget
-    return max(layer_budgets(allocation, budget, window, n_layers))
 
 
 def whole_head_count(budget: int, reduced: int, context: int, heads: int) -> int:
@@ -133,27 +95,117 @@ def shared_targets(key: jax.Array, pos: jax.Array, total: int, floor: int, cap: 
     return jnp.where(count.sum(-1, keepdims=True) <= total, count, kept)
 
 
-def targets(allocation: str, key: jax.Array, pos: jax.Array, budgets: tuple[int, ...], floor: int,
-            cap: int, head_budgets: jax.Array | None = None) -> jax.Array:
-    """[L, B, Hk] kept counts from the eviction keys and positions [L, B, Hk, S] of every slot.
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """Every head by itself keeps its layer's budget; the allocations below subclass it.
 
-    Args:
-        budgets: the per-layer budgets (``layer_budgets``, or an int array of them).
-        floor: ``floor_count``.
-        cap: ``head_capacity``.
-        head_budgets: [L, Hk] int32, the "heads" allocation's budget of each (layer, KV head).
+    Class attributes:
+        name: its name in the scorer grammar (a prefix, or the ``allocation`` keyword).
+        description: one line for the README's table.
+        shared: None (every head by itself), "layer" (the KV heads of a layer share its budget) or
+            "all" (every layer and KV head of a row share one threshold).
+        paged: per-head counts differ, so the cache is paged.
+        default_floor: the fraction of the budget every head keeps at least (shared allocations).
     """
-    count = (key > -jnp.inf).sum(-1)
-    spec = ALLOCATIONS[allocation]
-    if allocation == "heads":
-        L, _, Hk, _ = key.shape
-        return jnp.minimum(count, jnp.asarray(head_budgets, jnp.int32).reshape(L, 1, Hk))
-    if spec.shared is None:
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    shared: ClassVar[str | None] = None
+    paged: ClassVar[bool] = True
+    default_floor: ClassVar[float] = 0.0
+
+    def layer_budgets(self, budget: int, window: int, n_layers: int) -> tuple[int, ...]:
+        """The budget of each layer's every KV head (its average under a shared allocation)."""
+        return (budget,) * n_layers
+
+    def head_capacity(self, budget: int, window: int, n_layers: int, n_kv_heads: int) -> int:
+        """The most tokens one (layer, row, KV head) may keep after an eviction point."""
+        return max(self.layer_budgets(budget, window, n_layers))
+
+    def sharing(self, n_layers: int, n_kv_heads: int) -> int:
+        """How many heads share one budget (what one head may gain from the others)."""
+        return 1
+
+    def targets(self, key: jax.Array, pos: jax.Array, budgets, floor: int, cap: int,
+                head_budgets: jax.Array | None = None) -> jax.Array:
+        """[L, B, Hk] kept counts from the eviction keys and positions [L, B, Hk, S] of every slot.
+
+        Args:
+            budgets: the per-layer budgets (``layer_budgets``, or an int array of them).
+            floor: ``floor_count``.
+            cap: ``head_capacity``.
+            head_budgets: [L, Hk] int32 each head's budget (``Heads`` only).
+        """
+        count = (key > -jnp.inf).sum(-1)
         return jnp.minimum(count, jnp.asarray(budgets, jnp.int32)[:, None, None])
-    L, B, Hk, S = key.shape
-    if spec.shared == "layer":
+
+
+@dataclasses.dataclass(frozen=True)
+class Uniform(Allocation):
+    name = "uniform"
+    description = "every layer and KV head keeps `budget` tokens"
+    paged = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PyramidKV(Allocation):
+    name = "pyramidkv"
+    description = ("layer budgets decreasing linearly with depth, averaging `budget` (PyramidKV, β = 20); "
+                   "the KV heads of a layer keep the same number")
+
+    def layer_budgets(self, budget: int, window: int, n_layers: int) -> tuple[int, ...]:
+        return pyramid_budgets(budget, window, n_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaKV(Allocation):
+    name = "adakv"
+    description = ("each layer keeps `n_kv_heads × budget` tokens, shared among its KV heads by score "
+                   "(top-k over the layer's heads), every head at least its sinks and window plus `floor × "
+                   "(budget − sinks − window)` (AdaKV, α = 0.2; `floor_mode`)")
+    shared = "layer"
+    default_floor = 0.2
+
+    def head_capacity(self, budget, window, n_layers, n_kv_heads):
+        return n_kv_heads * budget
+
+    def sharing(self, n_layers, n_kv_heads):
+        return n_kv_heads
+
+    def targets(self, key, pos, budgets, floor, cap, head_budgets=None):
+        Hk = key.shape[2]
         return shared_targets(key, pos, Hk * budgets[0], floor, cap).astype(jnp.int32)
-    # "all": one threshold over the row's layers and heads
-    rows = lambda x: x.transpose(1, 0, 2, 3).reshape(B, L * Hk, S)  # noqa: E731
-    kept = shared_targets(rows(key), rows(pos), L * Hk * budgets[0], floor, cap)
-    return kept.reshape(B, L, Hk).transpose(1, 0, 2).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Global(AdaKV):
+    name = "global"
+    description = ("one threshold over every layer and KV head: `n_layers × n_kv_heads × budget` tokens in "
+                   "all, at most `n_kv_heads × budget` in one head")
+    shared = "all"
+    default_floor = 0.0
+
+    def sharing(self, n_layers, n_kv_heads):
+        return n_layers * n_kv_heads
+
+    def targets(self, key, pos, budgets, floor, cap, head_budgets=None):
+        L, B, Hk, S = key.shape
+        rows = lambda x: x.transpose(1, 0, 2, 3).reshape(B, L * Hk, S)  # noqa: E731
+        kept = shared_targets(rows(key), rows(pos), L * Hk * budgets[0], floor, cap)
+        return kept.reshape(B, L, Hk).transpose(1, 0, 2).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads(Allocation):
+    name = "heads"
+    description = ("a fixed budget per layer and KV head (kvzip-head: the best heads by saved head scores "
+                   "keep the whole context, the others their sinks and window)")
+
+    def targets(self, key, pos, budgets, floor, cap, head_budgets=None):
+        L, _, Hk, _ = key.shape
+        count = (key > -jnp.inf).sum(-1)
+        return jnp.minimum(count, jnp.asarray(head_budgets, jnp.int32).reshape(L, 1, Hk))
+
+
+ALLOCATIONS: dict[str, Allocation] = {a.name: a for a in (Uniform(), PyramidKV(), AdaKV(), Global(),
+                                                          Heads())}

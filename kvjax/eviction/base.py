@@ -17,7 +17,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.eviction.priority import aggregate, caote, pool
+from kvjax.eviction.priority import aggregate, pool
 
 ATTENTION_MODIFIERS = ("obcache-value", "obcache-key", "obcache-joint", "caote", "fastcaote",
                        "momentkv", "momentkv-mi", "momentkv-nc", "momentkv-zeroth")
@@ -100,20 +100,14 @@ class Base:
         state: [B, Hk, G, S] the per-slot state;
         pos: [B, Hk, S] positions (-1 = empty);
         unprotected: [B, Hk, S] valid and evictable;
-        k, v: [B, Hk, S, K] the cached keys and values (read by CAOTE and ``reads_kv`` scorers);
+        k, v: [B, Hk, S, K] the cached keys and values (read by ``reads_kv`` scorers and CAOTE);
         order: [B, Hk, S] the slots by position (for pooling);
         stats: this layer's ``observe`` statistics;
         seen: [B] one past the newest position.
 
-        The default: plain scores aggregate the query heads, then pool; CAOTE pools and scores per query
-        head, then aggregates (its normalisation is per attention distribution).
+        The default: the scores aggregate the query heads, then pool. (A modifier may wrap this:
+        ``kvjax.eviction.modifiers.Modifier.priority``.)
         """
-        if policy.meta is not None:
-            per_head = state
-            if policy.pool != "none":
-                per_head = pool(per_head, unprotected, policy.pool, policy.kernel, order)
-            meta = caote(per_head, v, pos >= 0, fast=policy.meta == "fastcaote")
-            return aggregate(policy.aggregate, meta)
         agg = aggregate(policy.aggregate, state)
         if policy.pool != "none":
             agg = pool(agg, unprotected, policy.pool, policy.kernel, order)

@@ -8,9 +8,8 @@ import dataclasses
 from kvjax.eviction.allocations import (
     ALLOCATIONS,
     FLOOR_MODES,
+    Allocation,
     floor_count,
-    head_capacity,
-    layer_budgets,
     whole_head_count,
 )
 from kvjax.eviction.base import Base
@@ -86,8 +85,9 @@ class Policy:
         return self.modifier_spec.score_kind
 
     @property
-    def meta(self) -> str | None:
-        return self.modifier_spec.meta
+    def reads_kv(self) -> bool:
+        """An eviction point reads every slot's keys and values (not only its scores)."""
+        return self.moment_eviction or self.modifier_spec.reads_v or self.scorer.reads_kv
 
     @property
     def moment_eviction(self) -> bool:
@@ -102,19 +102,24 @@ class Policy:
         return self.modifier_spec.zeroth
 
     @property
+    def allocation_spec(self) -> Allocation:
+        """The allocation (``kvjax.eviction.allocations.ALLOCATIONS``)."""
+        return ALLOCATIONS[self.allocation]
+
+    @property
     def paged(self) -> bool:
         """Per-head budgets differ: the cache is paged so that memory follows the total budget."""
-        return ALLOCATIONS[self.allocation].paged
+        return self.allocation_spec.paged
 
     def layer_budgets(self, n_layers: int) -> tuple[int, ...]:
         """Each layer's budget per KV head (the average under a shared allocation)."""
-        return layer_budgets(self.allocation, self.budget, self.window, n_layers)
+        return self.allocation_spec.layer_budgets(self.budget, self.window, n_layers)
 
     def head_capacity(self, n_layers: int, n_kv_heads: int) -> int:
         """The most tokens one (layer, row, KV head) keeps after an eviction point."""
         if self.cap is not None:
             return self.cap
-        return head_capacity(self.allocation, self.budget, self.window, n_layers, n_kv_heads)
+        return self.allocation_spec.head_capacity(self.budget, self.window, n_layers, n_kv_heads)
 
     def floor_count(self) -> int:
         return floor_count(self.floor, self.budget, self.n_sink + self.window, self.floor_mode)

@@ -98,7 +98,7 @@ def eviction_keys(policy, state: jax.Array, pos: jax.Array, k: jax.Array | None,
     valid = pos >= 0
     protected = valid & ((pos < policy.n_sink) | (pos >= seen[:, None, None] - policy.window))
     unprotected = valid & ~protected
-    prio = policy.scorer.priority(policy, state, pos, unprotected, k, v, order, stats, seen)
+    prio = policy.modifier_spec.priority(policy.scorer, policy, state, pos, unprotected, k, v, order, stats, seen)
     if policy.chunk > 1:
         prio = _chunk_mean(prio, unprotected, pos, order, policy.chunk)
     return jnp.where(unprotected, prio, jnp.where(protected, jnp.inf, -jnp.inf)), prio, unprotected

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from kvjax.cache.dense import BudgetCache
 from kvjax.cache.paged import PagedCache
 from kvjax.model.params import Params
-from kvjax.runtime.decoding import Generation, prefill_budget_cache, resume_state
+from kvjax.runtime.decoding import Generation, feed_budget, resume_state
 from kvjax.runtime.inputs import (
     check_context,
     check_max_new,
@@ -50,7 +50,7 @@ class Context:
     mesh: Mesh | None = None
 
 
-def prefill_budget(params: Params, rows: list[np.ndarray], batched: bool, ev: Eviction,
+def compress_by_protocol(params: Params, rows: list[np.ndarray], batched: bool, ev: Eviction,
                    mesh: Mesh | None) -> Context:
     """Validated prompt rows (``check_tokens``; they split over ``mesh``) prefilled into a budget cache
     under ``ev`` by the engine's protocol (scorers without a scoring pass of their own)."""
@@ -58,7 +58,7 @@ def prefill_budget(params: Params, rows: list[np.ndarray], batched: bool, ev: Ev
                                params.config.pad_token_id)
     params = params if mesh is None else shard(params, mesh)
     with on_mesh(mesh):
-        state = prefill_budget_cache(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
+        state = feed_budget(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
                                      jnp.asarray(lengths), jax.random.key(0), ev=ev, out_width=1,
                                      decode_spare=ev.decode_spare(0))
     return Context(cache=state.cache, lengths=lengths, logits=state.logits, ev=ev, batched=batched, mesh=mesh)
@@ -154,6 +154,6 @@ def resume(params: Params, context: Context, rows: list[np.ndarray] | None, max_
         if ev.protocol == APPEND:  # room for the appended tokens too
             spare = ev.extend_spare(padded.shape[1]) + out_width
         with on_mesh(mesh):
-            state = prefill_budget_cache(params, context.cache, jnp.asarray(padded), jnp.asarray(context.lengths),
+            state = feed_budget(params, context.cache, jnp.asarray(padded), jnp.asarray(context.lengths),
                                          jnp.asarray(lengths), key, ev=ev, out_width=out_width, decode_spare=spare)
     return Generation(params, state, max_new, sampling, stop_ids, ev, mesh)

@@ -64,9 +64,10 @@ def start_state(cfg, cache, lengths: jax.Array, logits: jax.Array, key: jax.Arra
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "out_width"))
-def prefill_full_cache(params: Params, tokens: jax.Array, lengths: jax.Array, key: jax.Array, capacity: int,
+def feed_full(params: Params, tokens: jax.Array, lengths: jax.Array, key: jax.Array, capacity: int,
             out_width: int) -> DecodeState:
-    """Full cache. tokens: [B, P] right-padded prompts with ``lengths`` [B] valid tokens each."""
+    """The decode state after feeding prompts tokens [B, P] (right-padded, ``lengths`` [B] valid tokens
+    each) into a new full cache of ``capacity`` slots."""
     B, P = tokens.shape
     cache = constrain(FullCache.init(params.config, B, capacity, params.dtype))
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
@@ -77,10 +78,11 @@ def prefill_full_cache(params: Params, tokens: jax.Array, lengths: jax.Array, ke
 
 
 @functools.partial(jax.jit, static_argnames=("ev", "out_width", "decode_spare"))
-def prefill_budget_cache(params: Params, cache: BudgetCache | PagedCache | None, tokens: jax.Array,
+def feed_budget(params: Params, cache: BudgetCache | PagedCache | None, tokens: jax.Array,
                          start: jax.Array, lengths: jax.Array, key: jax.Array, ev: Eviction, out_width: int,
                          decode_spare: int) -> DecodeState:
-    """Budget cache: feed tokens [B, P] at ``start`` [B] into ``cache`` (None = empty) under the protocol."""
+    """The decode state after feeding tokens [B, P] at positions ``start`` [B] + t into a budget
+    ``cache`` (None = a new one) under the eviction protocol of ``ev``."""
     cfg, spare = params.config, ev.extend_spare(tokens.shape[1])
     if cache is None:
         cache = ev.empty_cache(cfg, tokens.shape[0], spare, params.dtype)
@@ -164,10 +166,10 @@ class Generation:
         out_width, key = round_capacity(max_new_tokens), jax.random.key(seed)
         with on_mesh(mesh):
             if ev is None:
-                state = prefill_full_cache(params, jnp.asarray(padded), jnp.asarray(lengths), key,
+                state = feed_full(params, jnp.asarray(padded), jnp.asarray(lengths), key,
                                            capacity=round_capacity(bucket + max_new_tokens), out_width=out_width)
             else:
-                state = prefill_budget_cache(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
+                state = feed_budget(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
                                              jnp.asarray(lengths), key, ev=ev, out_width=out_width,
                                              decode_spare=ev.decode_spare(out_width))
         return cls(params, state, max_new_tokens, sampling, stop_ids, ev, mesh)

@@ -17,7 +17,7 @@ from kvjax.runtime.context import resume
 from kvjax.runtime.decoding import Generation
 from kvjax.runtime.inputs import check_context, check_max_new, check_tokens
 from kvjax.runtime.options import EvictionOptions
-from kvjax.runtime.prefilled import prefill_rows
+from kvjax.runtime.prefilled import compress_rows
 from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import auto_mesh, data_size, shard
 
@@ -87,6 +87,6 @@ def _generation(params: Params, rows: list[np.ndarray], max_new_tokens: int, sam
     if mesh is not None:
         params = shard(params, mesh)
     if ev is not None and ev.policy.scorer.scoring_pass is not None:
-        context = prefill_rows(params, rows, True, ev, options.scoring_data(params.config), mesh)
+        context = compress_rows(params, rows, True, ev, options.scoring_data(params.config), mesh)
         return resume(params, context, None, max_new, sampling, seed, stop_ids)
     return Generation.from_prompts(params, rows, max_new, sampling, seed, stop_ids, ev, mesh)

@@ -27,7 +27,7 @@ from kvjax.kernels import attention_with_scores
 from kvjax.model.decoder import decode_hidden, logits_from_hidden
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment
-from kvjax.runtime.context import Context, prefill_budget
+from kvjax.runtime.context import Context, compress_by_protocol
 from kvjax.runtime.decoding import Generation, start_state
 from kvjax.runtime.inputs import (
     check_context,
@@ -59,7 +59,7 @@ class RecordingCache:
 
 
 @functools.partial(jax.jit, static_argnames=("room",))
-def _prefill_full(params: Params, tokens: jax.Array, room: int) -> tuple[RecordingCache, jax.Array]:
+def _full_pass(params: Params, tokens: jax.Array, room: int) -> tuple[RecordingCache, jax.Array]:
     cfg = params.config
     B, P = tokens.shape
     cache = constrain(RecordingCache(full=FullCache.init(cfg, B, P + room, params.dtype),
@@ -177,7 +177,7 @@ class Prefilled:
         self.params = params if mesh is None else shard(params, mesh)
         self.rows, self.mesh = rows, mesh
         with on_mesh(mesh):
-            self.cache, self.hidden = _prefill_full(self.params, jnp.asarray(padded), room)
+            self.cache, self.hidden = _full_pass(self.params, jnp.asarray(padded), room)
         self._states: dict = {}
 
     def _state(self, policy: Policy, data: ScoringData, lengths: np.ndarray) -> jax.Array:
@@ -261,10 +261,7 @@ def prefill_full(params: Params, tokens, room: int = 256, *, mesh: Mesh | None =
     """Run the full-cache prefill of ``tokens`` (1-D or a batch) once; ``room`` extra slots for decoding;
     ``mesh``: a device mesh to run on."""
     rows, batched = check_tokens(tokens, params.config.vocab_size)
-    check_context(params.config, max(len(r) for r in rows), 0)
-    mesh = auto_mesh(mesh)
-    check_batch(len(rows), mesh)
-    return Prefilled(params, rows, batched, room, mesh)
+    return Prefilled(params, rows, batched, room, _placed(params, rows, mesh))
 
 
 def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> Context:
@@ -279,13 +276,20 @@ def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> 
     if ev is None:
         raise ValueError("budget=None: prefill builds a compressed context and needs a budget; use "
                          "kvjax.generate (or kvjax.prefill_full) for a full cache")
-    check_context(params.config, longest, 0)
+    mesh = _placed(params, rows, mesh)
+    return compress_rows(params, rows, batched, ev, options.scoring_data(params.config), mesh)
+
+
+def _placed(params: Params, rows: list[np.ndarray], mesh: Mesh | None) -> Mesh | None:
+    """The mesh prompt ``rows`` run on (``auto_mesh``), once they are checked to fit the model's context
+    and to split over it."""
+    check_context(params.config, max(len(r) for r in rows), 0)
     mesh = auto_mesh(mesh)
     check_batch(len(rows), mesh)
-    return prefill_rows(params, rows, batched, ev, options.scoring_data(params.config), mesh)
+    return mesh
 
 
-def prefill_rows(params: Params, rows: list[np.ndarray], batched: bool, ev: Eviction, data: ScoringData,
+def compress_rows(params: Params, rows: list[np.ndarray], batched: bool, ev: Eviction, data: ScoringData,
                  mesh: Mesh | None) -> Context:
     """``prefill`` of validated prompt rows (``check_tokens``, ``check_context``; they split over
     ``mesh``) under the resolved eviction settings ``ev``; data: what a scoring pass of the scorer's own
@@ -293,4 +297,4 @@ def prefill_rows(params: Params, rows: list[np.ndarray], batched: bool, ev: Evic
     if ev.policy.scorer.scoring_pass is not None:  # KVzip: a scoring pass over the whole prefilled prompt
         prefilled = Prefilled(params, rows, batched, mesh=mesh)
         return prefilled.compressed(ev, data, prefilled.lengths)  # a scoring pass runs under "prefill"
-    return prefill_budget(params, rows, batched, ev, mesh)
+    return compress_by_protocol(params, rows, batched, ev, mesh)

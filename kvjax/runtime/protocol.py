@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache.layout import Dense, EvictingCache, Paged, cache_layout
-from kvjax.eviction import ALLOCATIONS, Policy
+from kvjax.eviction import Policy
 from kvjax.model.decoder import decode_hidden
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment, when
@@ -48,7 +48,7 @@ class Eviction:
             raise ValueError(f"protocol={self.protocol!r} must be one of {PROTOCOLS}")
         if self.decode_order not in DECODE_ORDERS:
             raise ValueError(f"decode_order={self.decode_order!r} must be one of {DECODE_ORDERS}")
-        if self.decode_order == "evict-first" and ALLOCATIONS[self.policy.allocation].shared == "all":
+        if self.decode_order == "evict-first" and self.policy.allocation_spec.shared == "all":
             raise ValueError(f"decode_order='evict-first' evicts each layer before the next one attends, but "
                              f"allocation={self.policy.allocation!r} ranks every layer's tokens together")
         for name in ("block_size", "evict_every"):

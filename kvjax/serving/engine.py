@@ -3,7 +3,7 @@ one decode state with its own position, token limit, stop ids and sampling setti
 jitted functions:
 
 - ``prefill(params, inputs) -> Prefix``: one prompt, padded to a bucket, prefilled at batch 1 under
-  the engine's eviction (``kvjax.runtime.decoding.prefill_budget_cache``, as ``kvjax.generate``
+  the engine's eviction (``kvjax.runtime.decoding.feed_budget``, as ``kvjax.generate``
   does), or into a full cache of a capacity fixed per engine;
 - ``insert(prefix, state, slot) -> state``: the prefix written into row ``slot`` (the state
   donated);
@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 from kvjax.cache.full import FullCache
 from kvjax.model.params import Params
-from kvjax.runtime.decoding import decode_step, prefill_budget_cache, prefill_full_cache
+from kvjax.runtime.decoding import decode_step, feed_budget, feed_full
 from kvjax.runtime.inputs import (
     check_max_new,
     check_tokens,
@@ -179,11 +179,11 @@ def prefill(
     ``decode_spare`` spare slots per head, or (ev=None) into a full cache of ``capacity`` slots."""
     key = jax.random.key(0)  # unused: the request's key comes from its seed
     if ev is None:
-        state = prefill_full_cache(
+        state = feed_full(
             params, inputs.tokens, inputs.length, key, capacity=capacity, out_width=1
         )
     else:
-        state = prefill_budget_cache(
+        state = feed_budget(
             params,
             None,
             inputs.tokens,
