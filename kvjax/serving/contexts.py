@@ -1,0 +1,213 @@
+"""Compress a document once, answer many questions on it: a store of compressed contexts by id.
+
+Each context lives on disk as ``<root>/<id>/`` (the saved-context format of
+``kvjax.runtime.saved_context``) with its record beside it in ``<root>/<id>.json``; the most
+recently used ones are also kept in memory, up to a byte limit. The id is a content hash of the
+tokens, the eviction options and the model, so adding the same document twice compresses it once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+
+import jax
+import numpy as np
+
+from kvjax.checkpoint.errors import CheckpointError
+from kvjax.model.params import Params
+from kvjax.runtime.context import Context
+from kvjax.runtime.kvzip_pass import config_fingerprint
+from kvjax.runtime.prefilled import prefill
+from kvjax.runtime.saved_context import load_context, read_meta, save_context
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextRecord:
+    """What the store knows of one compressed context, without loading it.
+
+    Fields:
+        id: the content hash (24 hex digits) naming it.
+        n_tokens: tokens of the document it was compressed from.
+        kept: valid slots of the compressed cache, over every layer and KV head.
+        bytes: bytes of its cache arrays and next-token logits.
+        seconds: wall time of the compression.
+        created: when it was compressed (unix time).
+        eviction: the eviction keywords it was compressed with, as JSON (a RepeatPrompt as a dict).
+    """
+
+    id: str
+    n_tokens: int
+    kept: int
+    bytes: int
+    seconds: float
+    created: float
+    eviction: dict
+
+
+def _as_json(value):
+    """``json.dumps`` fallback: dataclasses (RepeatPrompt) as dicts, NumPy scalars as numbers."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"eviction option {value!r} is not JSON-serializable")
+
+
+def context_bytes(context: Context) -> int:
+    """Bytes of a context's cache arrays and its logits."""
+    leaves = jax.tree.leaves(context.cache) + [context.logits]
+    return sum(int(x.nbytes) for x in leaves if isinstance(x, (jax.Array, np.ndarray)))
+
+
+class ContextStore:
+    """Compressed contexts of one model under ``root``, the recently used ones in memory.
+
+    Thread-safe: one lock guards the records and the memory (loads from disk run under it); one
+    compression runs at a time, while ``get`` of other contexts goes on.
+    """
+
+    def __init__(self, params: Params, root: str, memory_bytes: int):
+        """params: the model every context is compressed for; root: the directory of the contexts
+        (created if missing; contexts already there are listed, from their metadata only);
+        memory_bytes: the most bytes of contexts kept in memory."""
+        self.params = params
+        self.root = root
+        self.memory_bytes = memory_bytes
+        self._config = json.loads(params.config.to_json())
+        self._dtype = np.dtype(params.dtype).name
+        self._lock = threading.Lock()
+        self._compressing = threading.Lock()
+        self._records: dict[str, ContextRecord] = {}
+        self._memory: collections.OrderedDict[str, tuple[Context, int]] = (
+            collections.OrderedDict()
+        )
+        os.makedirs(root, exist_ok=True)
+        for name in sorted(os.listdir(root)):
+            path = os.path.join(root, name)
+            if not name.startswith(".") and os.path.isdir(path):  # "." : temporary while written
+                self._list(name, path)
+
+    def _list(self, name: str, path: str) -> None:
+        """Adds the record of the saved context ``path`` (a restart); skips (and logs) one that is
+        not a complete context of this model and dtype."""
+        try:
+            meta = read_meta(path)
+            if meta["config"] != self._config or meta["dtype"] != self._dtype:
+                log.warning("skipping %s: compressed for another model config or dtype", path)
+                return
+            with open(self._record_path(name)) as f:
+                self._records[name] = ContextRecord(**json.load(f))
+        except (CheckpointError, OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+            log.warning("skipping %s: not a stored context (%s: %s)", path, type(e).__name__, e)
+
+    def _record_path(self, id: str) -> str:
+        return os.path.join(self.root, f"{id}.json")
+
+    def context_id(self, tokens: np.ndarray, eviction: dict) -> str:
+        """The id of ``tokens`` [T] compressed under ``eviction`` for this store's model: sha256 of
+        the token ids, the options' canonical JSON, the model config's fingerprint and the dtype."""
+        h = hashlib.sha256(np.asarray(tokens, np.int64).tobytes())
+        for part in (
+            json.dumps(eviction, sort_keys=True, separators=(",", ":"), default=_as_json),
+            config_fingerprint(self.params.config),
+            self._dtype,
+        ):
+            h.update(b"\0" + part.encode())
+        return h.hexdigest()[:24]
+
+    def add(self, tokens: np.ndarray, **eviction) -> tuple[ContextRecord, bool]:
+        """Compress ``tokens`` [T] (one document) under ``eviction`` (the keywords of
+        ``kvjax.prefill``; a budget is required), save it and keep it in memory. Returns its record
+        and True, or, when that id is already stored, its record and False (nothing compressed).
+        Errors of ``kvjax.prefill`` (a document longer than the model's context, bad options)
+        propagate."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D (one document), got shape {tokens.shape}")
+        id = self.context_id(tokens, eviction)
+        with self._compressing:
+            with self._lock:
+                if id in self._records:
+                    return self._records[id], False
+            start = time.time()
+            context = prefill(self.params, tokens, **eviction)
+            jax.block_until_ready(context.logits)
+            seconds = time.time() - start
+            save_context(os.path.join(self.root, id), context, self.params)
+            record = ContextRecord(
+                id=id,
+                n_tokens=len(tokens),
+                kept=int((np.asarray(context.cache.pos) >= 0).sum()),
+                bytes=context_bytes(context),
+                seconds=seconds,
+                created=time.time(),
+                eviction=json.loads(json.dumps(eviction, default=_as_json)),
+            )
+            tmp = os.path.join(self.root, f".{id}.json.tmp{os.getpid()}")
+            with open(tmp, "w") as f:
+                json.dump(dataclasses.asdict(record), f, indent=1)
+            os.replace(tmp, self._record_path(id))  # written last: marks a complete context
+            with self._lock:
+                self._records[id] = record
+                self._keep(id, context, record.bytes)
+        return record, True
+
+    def get(self, id: str) -> Context:
+        """The context ``id``: from memory, else loaded from disk and kept in memory (unless larger
+        than the whole limit: then it is served but not kept). KeyError for an unknown id."""
+        with self._lock:
+            if id not in self._records:
+                raise KeyError(id)
+            if id in self._memory:
+                self._memory.move_to_end(id)
+                return self._memory[id][0]
+            context = load_context(os.path.join(self.root, id), self.params)
+            self._keep(id, context, self._records[id].bytes)
+            return context
+
+    def _keep(self, id: str, context: Context, nbytes: int) -> None:
+        """Keeps ``context`` in memory (the lock held), moving the least recently used ones out of
+        memory (not off disk) to stay within ``memory_bytes``; one larger than that is not kept."""
+        if nbytes > self.memory_bytes:
+            return
+        while sum(n for _, n in self._memory.values()) + nbytes > self.memory_bytes:
+            self._memory.popitem(last=False)
+        self._memory[id] = (context, nbytes)
+
+    def in_memory(self) -> list[str]:
+        """The ids held in memory, least recently used first."""
+        with self._lock:
+            return list(self._memory)
+
+    def records(self) -> list[ContextRecord]:
+        """Every stored context's record, oldest first."""
+        with self._lock:
+            return sorted(self._records.values(), key=lambda r: (r.created, r.id))
+
+    def record(self, id: str) -> ContextRecord:
+        """The record of ``id``; KeyError for an unknown id."""
+        with self._lock:
+            if id not in self._records:
+                raise KeyError(id)
+            return self._records[id]
+
+    def delete(self, id: str) -> None:
+        """Remove ``id`` from memory and disk; afterwards it is unknown (KeyError). A Context
+        already returned by ``get`` is an ordinary object and stays usable by whoever holds it."""
+        with self._lock:
+            if id not in self._records:
+                raise KeyError(id)
+            del self._records[id]
+            self._memory.pop(id, None)
+            os.remove(self._record_path(id))  # first: a crash leaves no listed half-deleted context
+            shutil.rmtree(os.path.join(self.root, id), ignore_errors=True)
