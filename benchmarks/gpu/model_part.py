@@ -54,13 +54,39 @@ from kvjax.runtime.sampling import Sampling
 from kvjax.serving.engine import _cache_batch_axes
 
 LLAMA_8B = ModelConfig(
-    arch="llama", vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336,
-    max_seq_len=131072, rope_theta=500000.0, rope_type="llama3",
-    rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
-                  ("original_max_position_embeddings", 8192)),
-    norm_eps=1e-5, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009), pad_token_id=128001)
-TINY = dataclasses.replace(LLAMA_8B, vocab_size=512, d_model=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16,
-                           d_ff=256, max_seq_len=4096)
+    arch="llama",
+    vocab_size=128256,
+    d_model=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    head_dim=128,
+    d_ff=14336,
+    max_seq_len=131072,
+    rope_theta=500000.0,
+    rope_type="llama3",
+    rope_scaling=(
+        ("factor", 8.0),
+        ("high_freq_factor", 4.0),
+        ("low_freq_factor", 1.0),
+        ("original_max_position_embeddings", 8192),
+    ),
+    norm_eps=1e-5,
+    bos_token_id=128000,
+    eos_token_ids=(128001, 128008, 128009),
+    pad_token_id=128001,
+)
+TINY = dataclasses.replace(
+    LLAMA_8B,
+    vocab_size=512,
+    d_model=128,
+    n_layers=2,
+    n_heads=8,
+    n_kv_heads=2,
+    head_dim=16,
+    d_ff=256,
+    max_seq_len=4096,
+)
 OUT_WIDTH = 256  # decode steps a state has room for
 NEW = 64  # max_new_tokens of the prefills (room in the full cache after the prompt)
 
@@ -112,14 +138,24 @@ def tile_state(state: DecodeState, batch: int) -> DecodeState:
     axes = _cache_batch_axes(state.cache)
     cache = jax.tree.map(lambda x, ax: jnp.repeat(x, batch, axis=ax), state.cache, axes)
     rep = lambda x: jnp.repeat(x, batch, axis=0)  # noqa: E731
-    return DecodeState(cache=cache, out=rep(state.out), lengths=rep(state.lengths), n_new=rep(state.n_new),
-                       done=rep(state.done), logits=rep(state.logits), key=state.key, step=state.step)
+    return DecodeState(
+        cache=cache,
+        out=rep(state.out),
+        lengths=rep(state.lengths),
+        n_new=rep(state.n_new),
+        done=rep(state.done),
+        logits=rep(state.logits),
+        key=state.key,
+        step=state.step,
+    )
 
 
 def kept_kv_bytes(state: DecodeState, cfg: ModelConfig) -> int:
     """Keys and values a decode step must read: every row's context (full cache) or kept tokens (budget caches)."""
     k = state.cache.kv[0]
-    per_token = 2 * cfg.head_dim * jnp.dtype(k.dtype).itemsize  # one (layer, row, KV head) token's key and value
+    per_token = (
+        2 * cfg.head_dim * jnp.dtype(k.dtype).itemsize
+    )  # one (layer, row, KV head) token's key and value
     if hasattr(state.cache, "pos"):  # BudgetCache and PagedCache: the valid slots
         return int(jnp.sum(state.cache.pos >= 0)) * per_token
     return int(jnp.sum(state.lengths)) * cfg.n_layers * cfg.n_kv_heads * per_token
@@ -128,20 +164,42 @@ def kept_kv_bytes(state: DecodeState, cfg: ModelConfig) -> int:
 class ModelRun:
     """The 8B-shaped model's weights and the measurements made with them."""
 
-    def __init__(self, results: Results, deadline: Deadline, compiler: Compiler, ceilings: Ceilings, smoke: bool):
-        self.results, self.deadline, self.compiler, self.ceilings, self.smoke = (results, deadline, compiler,
-                                                                                 ceilings, smoke)
+    def __init__(
+        self,
+        results: Results,
+        deadline: Deadline,
+        compiler: Compiler,
+        ceilings: Ceilings,
+        smoke: bool,
+    ):
+        self.results, self.deadline, self.compiler, self.ceilings, self.smoke = (
+            results,
+            deadline,
+            compiler,
+            ceilings,
+            smoke,
+        )
         self.sz = sizes(smoke)
-        log(f"model: random bfloat16 weights of {self.sz.cfg.n_layers} layers, d_model {self.sz.cfg.d_model}")
+        log(
+            f"model: random bfloat16 weights of {self.sz.cfg.n_layers} layers, d_model {self.sz.cfg.d_model}"
+        )
         self.params = jax.block_until_ready(
-            jax.jit(kvjax.init_params, static_argnums=(0, 2))(self.sz.cfg, jax.random.key(0), jnp.bfloat16))
+            jax.jit(kvjax.init_params, static_argnums=(0, 2))(
+                self.sz.cfg, jax.random.key(0), jnp.bfloat16
+            )
+        )
         leaves = jax.tree.leaves(self.params)
         embed = self.params.embed
         # one decode step reads every weight but the embedding table (of which it gathers a row per sequence)
-        self.weight_bytes = sum(x.size * x.dtype.itemsize for x in leaves) - embed.size * embed.dtype.itemsize
+        self.weight_bytes = (
+            sum(x.size * x.dtype.itemsize for x in leaves) - embed.size * embed.dtype.itemsize
+        )
         self.states: dict[tuple[Cache, int], DecodeState] = {}
-        results.meta["model"] = {"config": dataclasses.asdict(self.sz.cfg), "weight_bytes_read_per_step":
-                                 self.weight_bytes, "memory_after_weights": memory_stats()}
+        results.meta["model"] = {
+            "config": dataclasses.asdict(self.sz.cfg),
+            "weight_bytes_read_per_step": self.weight_bytes,
+            "memory_after_weights": memory_stats(),
+        }
 
     # --- prefill -----------------------------------------------------------------------------------------------
 
@@ -152,36 +210,67 @@ class ModelRun:
         key = jax.eval_shape(lambda: jax.random.key(0))
         ev = eviction(cache, self.sz, context, impl)
         if ev is None:
-            return (feed_full, (self.params, tokens, lengths, key),
-                    dict(capacity=round_capacity(context + NEW), out_width=OUT_WIDTH))
-        return (feed_budget, (self.params, None, tokens, lengths, lengths, key),
-                dict(ev=ev, out_width=OUT_WIDTH, decode_spare=ev.decode_spare(OUT_WIDTH)))
+            return (
+                feed_full,
+                (self.params, tokens, lengths, key),
+                dict(capacity=round_capacity(context + NEW), out_width=OUT_WIDTH),
+            )
+        return (
+            feed_budget,
+            (self.params, None, tokens, lengths, lengths, key),
+            dict(ev=ev, out_width=OUT_WIDTH, decode_spare=ev.decode_spare(OUT_WIDTH)),
+        )
 
     def call_prefill(self, compiled, cache: Cache, context: int) -> DecodeState:
         ids = jnp.asarray(prompt(context, self.sz.cfg.vocab_size))
         lengths = jnp.full((1,), context, jnp.int32)
         if cache == FULL:
             return compiled(self.params, ids, lengths, jax.random.key(0))
-        return compiled(self.params, None, ids, jnp.zeros((1,), jnp.int32), lengths, jax.random.key(0))
+        return compiled(
+            self.params, None, ids, jnp.zeros((1,), jnp.int32), lengths, jax.random.key(0)
+        )
 
     def prefill_plan(self) -> list[tuple[Cache, int, str | None]]:
         """(cache, context, impl) in priority order; the decode states come from the default-impl prefills."""
         c4, c32 = self.sz.contexts
         snap, snap_lo, ada, ada_lo = ("snapkv", 0), ("snapkv", 1), ("adakv", 0), ("adakv", 1)
-        plan = [(FULL, c4, None), (snap, c4, None), (snap, c4, "xla"), (FULL, c32, None), (snap, c32, None),
-                (snap, c32, "xla"), (ada, c4, None), (snap_lo, c4, None), (ada, c32, None), (snap_lo, c32, None),
-                (ada_lo, c4, None), (ada_lo, c32, None)]
+        plan = [
+            (FULL, c4, None),
+            (snap, c4, None),
+            (snap, c4, "xla"),
+            (FULL, c32, None),
+            (snap, c32, None),
+            (snap, c32, "xla"),
+            (ada, c4, None),
+            (snap_lo, c4, None),
+            (ada, c32, None),
+            (snap_lo, c32, None),
+            (ada_lo, c4, None),
+            (ada_lo, c32, None),
+        ]
         # smoke: one budget, and no impl="xla" (on CPU the default is XLA): the same code paths
         return [p for p in plan if not (self.smoke and (p[0][1] == 1 or p[2] == "xla"))]
 
     def prefill(self, futures: dict) -> None:
         for cache, context, impl in self.prefill_plan():
-            label = {"cache": cache_label(cache, self.sz), "context": context, "impl": impl or "default"}
+            label = {
+                "cache": cache_label(cache, self.sz),
+                "context": context,
+                "impl": impl or "default",
+            }
             if self.deadline.passed():
-                self.results.add("prefill", {**label, "error": "not run: the part's deadline passed"})
+                self.results.add(
+                    "prefill", {**label, "error": "not run: the part's deadline passed"}
+                )
                 continue
-            guarded(self.results, "prefill", label,
-                    functools.partial(self.prefill_row, futures[cache, context, impl], cache, context, impl))
+            guarded(
+                self.results,
+                "prefill",
+                label,
+                functools.partial(
+                    self.prefill_row, futures[cache, context, impl], cache, context, impl
+                ),
+            )
 
     def prefill_row(self, future, cache: Cache, context: int, impl: str | None) -> dict:
         compiled, compile_s = future.result(timeout=max(1.0, self.deadline.left()))
@@ -193,27 +282,46 @@ class ModelRun:
         if impl is None:
             self.states[cache, context] = state
         seconds = float(np.median(times[1:]))
-        return {"tokens_per_s": context / seconds, "seconds": seconds, "first_call_s": times[0],
-                "compile_s": compile_s, "kv_bytes_allocated": cache_bytes(state.cache, kv_only=True)}
+        return {
+            "tokens_per_s": context / seconds,
+            "seconds": seconds,
+            "first_call_s": times[0],
+            "compile_s": compile_s,
+            "kv_bytes_allocated": cache_bytes(state.cache, kv_only=True),
+        }
 
     # --- decode ------------------------------------------------------------------------------------------------
 
     def submit_decode(self, state_shape, ev):
         n = jax.ShapeDtypeStruct((), jnp.int32)
-        return self.compiler.submit(decode_steps, self.params, state_shape, n, n, Sampling(), (),
-                                    None if ev is None else ev.decoding())
+        return self.compiler.submit(
+            decode_steps,
+            self.params,
+            state_shape,
+            n,
+            n,
+            Sampling(),
+            (),
+            None if ev is None else ev.decoding(),
+        )
 
     def time_decode(self, compiled, state: DecodeState) -> tuple[float, DecodeState]:
         """(seconds per step over ``steps`` steps after a 2-step warm-up, the state after them)."""
         first = int(state.step)
-        state = jax.block_until_ready(compiled(self.params, state, jnp.int32(1 << 20), jnp.int32(first + 2)))
+        state = jax.block_until_ready(
+            compiled(self.params, state, jnp.int32(1 << 20), jnp.int32(first + 2))
+        )
         t0 = time.perf_counter()
-        state = compiled(self.params, state, jnp.int32(1 << 20), jnp.int32(first + 2 + self.sz.steps))
+        state = compiled(
+            self.params, state, jnp.int32(1 << 20), jnp.int32(first + 2 + self.sz.steps)
+        )
         jax.block_until_ready(state.logits)
         seconds = (time.perf_counter() - t0) / self.sz.steps
         if int(state.step) != first + 2 + self.sz.steps or bool(jnp.any(state.done)):
-            raise RuntimeError(f"the decode loop stopped early: step {int(state.step)}, "
-                               f"{int(jnp.sum(state.done))} rows done")
+            raise RuntimeError(
+                f"the decode loop stopped early: step {int(state.step)}, "
+                f"{int(jnp.sum(state.done))} rows done"
+            )
         return seconds, state
 
     def decode_row(self, future, source: DecodeState, batch: int) -> dict:
@@ -223,28 +331,45 @@ class ModelRun:
         kept = kept_kv_bytes(state, self.sz.cfg)
         floor = (self.weight_bytes + kept) / (self.ceilings.copy_gb_s * 1e9)
         mem = compiled.memory_analysis()
-        return {"ms_per_step": 1e3 * seconds, "tokens_per_s": batch / seconds, "floor_ms": 1e3 * floor,
-                "step_over_floor": seconds / floor, "kv_bytes_allocated": cache_bytes(state.cache, kv_only=True),
-                "kv_bytes_kept": kept, "compile_s": compile_s, "temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
+        return {
+            "ms_per_step": 1e3 * seconds,
+            "tokens_per_s": batch / seconds,
+            "floor_ms": 1e3 * floor,
+            "step_over_floor": seconds / floor,
+            "kv_bytes_allocated": cache_bytes(state.cache, kv_only=True),
+            "kv_bytes_kept": kept,
+            "compile_s": compile_s,
+            "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
+        }
 
     def decode_plan(self) -> list[tuple]:
         """(cache, impl, source prefill, batch, contexts) in priority order: one program each."""
         sz = self.sz
         c4, c32 = sz.contexts
-        plan = [(FULL, None, FULL), (("snapkv", 0), None, ("snapkv", 0)), (("snapkv", 0), "xla", ("snapkv", 0)),
-                (("momentkv", 0), None, ("snapkv", 0)), (("adakv", 0), None, ("adakv", 0)),
-                (("snapkv", 1), None, ("snapkv", 1)), (("momentkv", 1), None, ("snapkv", 1)),
-                (("adakv", 1), None, ("adakv", 1))]
+        plan = [
+            (FULL, None, FULL),
+            (("snapkv", 0), None, ("snapkv", 0)),
+            (("snapkv", 0), "xla", ("snapkv", 0)),
+            (("momentkv", 0), None, ("snapkv", 0)),
+            (("adakv", 0), None, ("adakv", 0)),
+            (("snapkv", 1), None, ("snapkv", 1)),
+            (("momentkv", 1), None, ("snapkv", 1)),
+            (("adakv", 1), None, ("adakv", 1)),
+        ]
         jobs = []
         for cache, impl, source in plan:
             for b in sz.batches:
                 if cache == FULL:
                     jobs.append((cache, impl, source, b, (c4,)))
-                    if b <= sz.probe:  # larger batches of a 32K full cache do not fit (the largest that does: below)
+                    if (
+                        b <= sz.probe
+                    ):  # larger batches of a 32K full cache do not fit (the largest that does: below)
                         jobs.append((cache, impl, source, b, (c32,)))
                 else:  # a budget cache's shape does not depend on the context: one program serves both
                     jobs.append((cache, impl, source, b, (c4, c32)))
-        return [j for j in jobs if not (self.smoke and (j[0][1] == 1 or j[1] == "xla"))]  # smoke: as prefill_plan
+        return [
+            j for j in jobs if not (self.smoke and (j[0][1] == 1 or j[1] == "xla"))
+        ]  # smoke: as prefill_plan
 
     def submit_all(self) -> tuple[dict, dict]:
         """Every prefill and decode program, compiled in the background (decode states' shapes from the prefills'
@@ -256,7 +381,9 @@ class ModelRun:
         decodes = {}
         for job in self.decode_plan():
             cache, impl, source, b, contexts = job
-            shape = jax.eval_shape(functools.partial(tile_state, batch=b), self.prefill_shape(source, contexts[0]))
+            shape = jax.eval_shape(
+                functools.partial(tile_state, batch=b), self.prefill_shape(source, contexts[0])
+            )
             decodes[job] = self.submit_decode(shape, eviction(cache, self.sz, contexts[0], impl))
         return prefills, decodes
 
@@ -268,16 +395,33 @@ class ModelRun:
         sz = self.sz
         c4, c32 = sz.contexts
         jobs = self.decode_plan()
-        first = [j for j in jobs if j[:3] in ((FULL, None, FULL), (("snapkv", 0), None, ("snapkv", 0)))]
+        first = [
+            j for j in jobs if j[:3] in ((FULL, None, FULL), (("snapkv", 0), None, ("snapkv", 0)))
+        ]
         for job in first:
             self.decode_job(futures, job)
         for cache in (FULL, ("snapkv", 0)):  # the largest batches next: they decide a target
-            label = {"cache": cache_label(cache, sz), "impl": "default", "context": c32, "largest_batch": True}
+            label = {
+                "cache": cache_label(cache, sz),
+                "impl": "default",
+                "context": c32,
+                "largest_batch": True,
+            }
             if (cache, c32) not in self.states or self.deadline.passed():
-                self.results.add("decode", {**label, "error": "not run: no prefilled state or the deadline passed"})
+                self.results.add(
+                    "decode",
+                    {**label, "error": "not run: no prefilled state or the deadline passed"},
+                )
                 continue
-            probe = next(futures[j] for j in first if j[0] == cache and j[3] == sz.probe and c32 in j[4])
-            guarded(self.results, "decode", label, functools.partial(self.largest_batch_row, cache, probe))
+            probe = next(
+                futures[j] for j in first if j[0] == cache and j[3] == sz.probe and c32 in j[4]
+            )
+            guarded(
+                self.results,
+                "decode",
+                label,
+                functools.partial(self.largest_batch_row, cache, probe),
+            )
         for job in jobs:
             if job not in first:
                 self.decode_job(futures, job)
@@ -285,14 +429,29 @@ class ModelRun:
     def decode_job(self, futures: dict, job: tuple) -> None:
         cache, impl, source, b, contexts = job
         for context in contexts:
-            label = {"cache": cache_label(cache, self.sz), "impl": impl or "default", "batch": b, "context": context}
+            label = {
+                "cache": cache_label(cache, self.sz),
+                "impl": impl or "default",
+                "batch": b,
+                "context": context,
+            }
             if (source, context) not in self.states:
-                self.results.add("decode", {**label, "error": "not run: its prefill did not run (or was freed)"})
+                self.results.add(
+                    "decode", {**label, "error": "not run: its prefill did not run (or was freed)"}
+                )
             elif self.deadline.passed():
-                self.results.add("decode", {**label, "error": "not run: the part's deadline passed"})
+                self.results.add(
+                    "decode", {**label, "error": "not run: the part's deadline passed"}
+                )
             else:
-                guarded(self.results, "decode", label,
-                        functools.partial(self.decode_row, futures[job], self.states[source, context], b))
+                guarded(
+                    self.results,
+                    "decode",
+                    label,
+                    functools.partial(
+                        self.decode_row, futures[job], self.states[source, context], b
+                    ),
+                )
 
     def largest_batch_row(self, cache: Cache, probe_future) -> dict:
         """Size the batch from the compiled probe's (the plan's program at batch ≤ 8) state and temporaries per
@@ -313,8 +472,10 @@ class ModelRun:
             batch = max(1, int(free // per_row))
         else:  # CPU (smoke): no allocator figures
             free, batch = float("nan"), 2 * max(self.sz.batches)
-        log(f"largest batch, {cache_label(cache, self.sz)} at {c32}: {batch} "
-            f"(free {free / 2**30:.1f} GiB, {per_row / 2**20:.1f} MiB per row)")
+        log(
+            f"largest batch, {cache_label(cache, self.sz)} at {c32}: {batch} "
+            f"(free {free / 2**30:.1f} GiB, {per_row / 2**20:.1f} MiB per row)"
+        )
         errors = []
         for attempt in range(3):
             if self.deadline.passed():
@@ -322,7 +483,13 @@ class ModelRun:
             try:
                 shape = jax.eval_shape(functools.partial(tile_state, batch=batch), source)
                 row = self.decode_row(self.submit_decode(shape, ev), source, batch)
-                return {**row, "batch": batch, "per_row_bytes": per_row, "free_bytes": free, "attempts": attempt + 1}
+                return {
+                    **row,
+                    "batch": batch,
+                    "per_row_bytes": per_row,
+                    "free_bytes": free,
+                    "attempts": attempt + 1,
+                }
             except Exception as e:  # noqa: BLE001 - out of memory: a smaller batch
                 errors.append(f"batch {batch}: {error_text(e, 200)}")
                 log(errors[-1])
@@ -330,13 +497,19 @@ class ModelRun:
         raise RuntimeError("no batch ran: " + "; ".join(errors))
 
 
-def run(results: Results, deadline: Deadline, compiler: Compiler, ceilings: Ceilings, smoke: bool) -> None:
+def run(
+    results: Results, deadline: Deadline, compiler: Compiler, ceilings: Ceilings, smoke: bool
+) -> None:
     """Compile everything, then the prefills (within 40% of the time left), then the decodes."""
     model = ModelRun(results, deadline, compiler, ceilings, smoke)
     prefills, decodes = model.submit_all()
-    concurrent.futures.wait(list(prefills.values()) + list(decodes.values()), timeout=deadline.left() / 3)
-    log(f"model: {sum(f.done() for f in decodes.values()) + sum(f.done() for f in prefills.values())} of "
-        f"{len(prefills) + len(decodes)} programs compiled")
+    concurrent.futures.wait(
+        list(prefills.values()) + list(decodes.values()), timeout=deadline.left() / 3
+    )
+    log(
+        f"model: {sum(f.done() for f in decodes.values()) + sum(f.done() for f in prefills.values())} of "
+        f"{len(prefills) + len(decodes)} programs compiled"
+    )
     model.deadline = Deadline(deadline.left() * 0.4)
     model.prefill(prefills)
     model.deadline = deadline
@@ -347,29 +520,44 @@ def tables(results: Results) -> list[str]:
     lines = []
     rows = results.rows("prefill")
     if rows:
-        lines += ["### Prefill, one prompt", "",
-                  "| cache | context | impl | tokens/s | s | first call s | compile s |",
-                  "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "### Prefill, one prompt",
+            "",
+            "| cache | context | impl | tokens/s | s | first call s | compile s |",
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+        ]
         for r in rows:
             if "error" in r:
-                lines.append(f"| {r['cache']} | {r['context']} | {r['impl']} | {r['error'][:200]} | | | |")
+                lines.append(
+                    f"| {r['cache']} | {r['context']} | {r['impl']} | {r['error'][:200]} | | | |"
+                )
             else:
-                lines.append(f"| {r['cache']} | {r['context']} | {r['impl']} | {r['tokens_per_s']:.0f} | "
-                             f"{r['seconds']:.3f} | {r['first_call_s']:.2f} | {r['compile_s']:.1f} |")
+                lines.append(
+                    f"| {r['cache']} | {r['context']} | {r['impl']} | {r['tokens_per_s']:.0f} | "
+                    f"{r['seconds']:.3f} | {r['first_call_s']:.2f} | {r['compile_s']:.1f} |"
+                )
         lines.append("")
     rows = results.rows("decode")
     if rows:
-        lines += ["### Decode (floor: weights + kept keys and values over the measured copy bandwidth)", "",
-                  "| cache | impl | context | batch | ms/step | tokens/s | floor ms | step / floor | K/V kept GB | "
-                  "compile s |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "### Decode (floor: weights + kept keys and values over the measured copy bandwidth)",
+            "",
+            "| cache | impl | context | batch | ms/step | tokens/s | floor ms | step / floor | K/V kept GB | "
+            "compile s |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for r in rows:
             batch = f"{r.get('batch', '')}{' (largest)' if r.get('largest_batch') else ''}"
             if "error" in r:
-                lines.append(f"| {r['cache']} | {r['impl']} | {r['context']} | {batch} | {r['error'][:200]} "
-                             "| | | | | |")
+                lines.append(
+                    f"| {r['cache']} | {r['impl']} | {r['context']} | {batch} | {r['error'][:200]} "
+                    "| | | | | |"
+                )
             else:
-                lines.append(f"| {r['cache']} | {r['impl']} | {r['context']} | {batch} | {r['ms_per_step']:.2f} | "
-                             f"{r['tokens_per_s']:.0f} | {r['floor_ms']:.2f} | {r['step_over_floor']:.2f} | "
-                             f"{r['kv_bytes_kept'] / 1e9:.2f} | {r['compile_s']:.1f} |")
+                lines.append(
+                    f"| {r['cache']} | {r['impl']} | {r['context']} | {batch} | {r['ms_per_step']:.2f} | "
+                    f"{r['tokens_per_s']:.0f} | {r['floor_ms']:.2f} | {r['step_over_floor']:.2f} | "
+                    f"{r['kv_bytes_kept'] / 1e9:.2f} | {r['compile_s']:.1f} |"
+                )
         lines.append("")
     return lines

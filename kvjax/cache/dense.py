@@ -1,10 +1,12 @@
-"""The fixed-budget KV cache: static slot count, original positions, scorer state, moments of the evicted.
+"""The fixed-budget KV cache: static slot count, original positions, scorer state, moments of the
+evicted.
 
-All leaves carry the leading layer axis L; the model's layer scan calls ``attend(layer, ...)``, which works
-on that layer's slice and writes it back. Keys and values never move once written: a new token takes a free
-slot, an evicted token frees its slot. ``order`` lists the slots of each (layer, row, KV head) by position
-(valid slots first, in increasing position, then the empty ones), which is what pooling and the
-earliest-position tie-break need; evicting edits ``order``, not the keys and values.
+All leaves carry the leading layer axis L; the model's layer scan calls ``attend(layer, ...)``,
+which works on that layer's slice and writes it back. Keys and values never move once written: a
+new token takes a free slot, an evicted token frees its slot. ``order`` lists the slots of each
+(layer, row, KV head) by position (valid slots first, in increasing position, then the empty ones),
+which is what pooling and the earliest-position tie-break need; evicting edits ``order``, not the
+keys and values.
 """
 
 from __future__ import annotations
@@ -33,10 +35,17 @@ from kvjax.slots import set_layer_slots, set_slots
 
 @struct.dataclass
 class BudgetCache(SlotsView):
-    """k, v: [L, B, Hk, S, K]; pos: [L, B, Hk, S] int32 original positions (-1 = empty);
-    state: [L, B, Hk, G, S] float32 per-slot, per-query-head scorer state (zero in empty slots);
-    order: [L, B, Hk, S] int32 the slots by position, valid ones first; moments: ``Moments``;
-    stats: the base scorer's own statistics (``Base.init_stats``), or None.
+    """The fixed-budget KV cache.
+
+    Fields:
+        k, v: [L, B, Hk, S, K].
+        pos: [L, B, Hk, S] int32 original positions (-1 = empty).
+        state: [L, B, Hk, G, S] float32 per-slot, per-query-head scorer state (zero in empty
+            slots).
+        order: [L, B, Hk, S] int32 the slots by position, valid ones first.
+        moments: ``Moments``.
+        stats: the base scorer's own statistics (``Base.init_stats``), or None.
+
     S (slots) = budget + spare, where spare holds the tokens of one step before eviction.
     """
 
@@ -48,19 +57,26 @@ class BudgetCache(SlotsView):
     moments: Moments
     stats: object = None
 
-    AXES = dict(k=("layers", "batch", "kv_heads", "slots", "head_dim"),
-                v=("layers", "batch", "kv_heads", "slots", "head_dim"), pos=("layers", "batch", "kv_heads", "slots"),
-                state=("layers", "batch", "kv_heads", "group", "slots"), order=("layers", "batch", "kv_heads", "slots"))
+    AXES = dict(
+        k=("layers", "batch", "kv_heads", "slots", "head_dim"),
+        v=("layers", "batch", "kv_heads", "slots", "head_dim"),
+        pos=("layers", "batch", "kv_heads", "slots"),
+        state=("layers", "batch", "kv_heads", "group", "slots"),
+        order=("layers", "batch", "kv_heads", "slots"),
+    )
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, slots: int, dtype) -> BudgetCache:
         L, Hk, K = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         f32 = jnp.float32
-        return cls(k=jnp.zeros((L, batch, Hk, slots, K), dtype), v=jnp.zeros((L, batch, Hk, slots, K), dtype),
-                   pos=jnp.full((L, batch, Hk, slots), -1, jnp.int32),
-                   state=jnp.zeros((L, batch, Hk, cfg.group_size, slots), f32),
-                   order=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (L, batch, Hk, slots)),
-                   moments=Moments.zeros((L, batch, Hk), K))
+        return cls(
+            k=jnp.zeros((L, batch, Hk, slots, K), dtype),
+            v=jnp.zeros((L, batch, Hk, slots, K), dtype),
+            pos=jnp.full((L, batch, Hk, slots), -1, jnp.int32),
+            state=jnp.zeros((L, batch, Hk, cfg.group_size, slots), f32),
+            order=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (L, batch, Hk, slots)),
+            moments=Moments.zeros((L, batch, Hk), K),
+        )
 
     @property
     def kv(self) -> tuple[jax.Array, jax.Array]:
@@ -77,17 +93,22 @@ class BudgetCache(SlotsView):
             k, v, pos, state = cut(k, -2), cut(v, -2), cut(pos, -1), cut(state, -1)
         else:
             pad = lambda x, axis, value=0: jnp.pad(  # noqa: E731
-                x, [(0, 0)] * (x.ndim + axis) + [(0, grow)] + [(0, 0)] * (-axis - 1), constant_values=value)
+                x,
+                [(0, 0)] * (x.ndim + axis) + [(0, grow)] + [(0, 0)] * (-axis - 1),
+                constant_values=value,
+            )
             k, v, pos, state = pad(k, -2), pad(v, -2), pad(pos, -1, -1), pad(state, -1)
         order = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), pos.shape)
         return self.replace(k=k, v=v, pos=pos, state=state, order=order)
 
-    def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-               seg: Segment) -> tuple[jax.Array, BudgetCache]:
-        """Layer ``layer``: put k, v [B, T, Hk, K] in the first free slots of ``order`` (written in place in
-        the stacked arrays: keys and values never move), attend q [B, T, H, K] and update the scores, as
-        ``seg.policy`` says. Eviction comes after the step, for every layer at once (``evict``), or with
-        ``seg.evict_in_layer`` here, before the layer's output: the attention over the tokens it keeps."""
+    def attend(
+        self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, seg: Segment
+    ) -> tuple[jax.Array, BudgetCache]:
+        """Layer ``layer``: put k, v [B, T, Hk, K] in the first free slots of ``order`` (written in
+        place in the stacked arrays: keys and values never move), attend q [B, T, H, K] and update
+        the scores, as ``seg.policy`` says. Eviction comes after the step, for every layer at once
+        (``evict``), or with ``seg.evict_in_layer`` here, before the layer's output: the attention
+        over the tokens it keeps."""
         B, T, Hk, _ = k.shape
         small = jax.tree.map(lambda x: x[layer], self.replace(k=None, v=None))
         count = (small.pos >= 0).sum(-1)  # [B, Hk]
@@ -95,38 +116,59 @@ class BudgetCache(SlotsView):
         k_all = set_layer_slots(self.k, layer, free, k.swapaxes(1, 2).astype(self.k.dtype))
         v_all = set_layer_slots(self.v, layer, free, v.swapaxes(1, 2).astype(self.v.dtype))
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
-        here = small.replace(k=k_all[layer], v=v_all[layer], pos=set_slots(small.pos, free, new_pos))
+        here = small.replace(
+            k=k_all[layer], v=v_all[layer], pos=set_slots(small.pos, free, new_pos)
+        )
         p = seg.policy
 
         def decode(h: BudgetCache):
             return lambda weights, moments: per_shard(
-                lambda *a: decode_attention_with_scores(*a[:-1], p.score_kind, a[-1], p.zeroth_order, impl=p.impl),
-                (q, h.k, h.v, h.pos, seg.positions, weights, moments), (*ATTENTION_AXES, KV), ATTENTION_OUT_AXES,
-                B, Hk)
+                lambda *a: decode_attention_with_scores(
+                    *a[:-1], p.score_kind, a[-1], p.zeroth_order, impl=p.impl
+                ),
+                (q, h.k, h.v, h.pos, seg.positions, weights, moments),
+                (*ATTENTION_AXES, KV),
+                ATTENTION_OUT_AXES,
+                B,
+                Hk,
+            )
 
         block = lambda weights: per_shard(  # noqa: E731
             lambda *a: block_attention_with_scores(*a, p.score_kind, impl=p.impl),
-            (q, here.k, here.v, here.pos, seg.positions, weights), ATTENTION_AXES, ATTENTION_OUT_AXES, B, Hk)
+            (q, here.k, here.v, here.pos, seg.positions, weights),
+            ATTENTION_AXES,
+            ATTENTION_OUT_AXES,
+            B,
+            Hk,
+        )
         out, col = scored_attention(p, seg, q, block, decode(here), here.moments)
         state, stats = fold_scores(p, seg, q, here.state, here.stats, col)
         here = here.replace(state=state, stats=stats)
         if seg.evict_in_layer:
+
             def evict_first(args):
                 h = args[0]._evict_layer(p, seg.seen)
                 return h, kept_attention(p, decode(h), h.moments)
+
             here, out = when(seg.evict, evict_first, (here, out))
-        small = jax.tree.map(lambda full, x: full.at[layer].set(x), self.replace(k=None, v=None),
-                             here.replace(k=None, v=None))
+        small = jax.tree.map(
+            lambda full, x: full.at[layer].set(x),
+            self.replace(k=None, v=None),
+            here.replace(k=None, v=None),
+        )
         return out, small.replace(k=k_all, v=v_all)
 
     def evict(self, p: Policy, seen: jax.Array) -> BudgetCache:
-        """Keep ``p.budget`` slots per (layer, row, KV head), every layer at once (a few at a time when MomentKV's
-        eviction loop is long: ``over_layers``); seen: [B] one past the newest position. Only the small per-slot
-        arrays and the moments change."""
+        """Keep ``p.budget`` slots per (layer, row, KV head), every layer at once (a few at a time
+        when MomentKV's eviction loop is long: ``over_layers``); seen: [B] one past the newest
+        position. Only the small per-slot arrays and the moments change."""
         k, v = self.k, self.v
         mi_steps = self.slots - p.budget if p.moment_eviction else 0
-        small = over_layers(lambda a: a[0].replace(k=a[1], v=a[2])._evict_layer(p, seen).replace(k=None, v=None),
-                            (self.replace(k=None, v=None), k, v), mi_steps)
+        small = over_layers(
+            lambda a: a[0].replace(k=a[1], v=a[2])._evict_layer(p, seen).replace(k=None, v=None),
+            (self.replace(k=None, v=None), k, v),
+            mi_steps,
+        )
         return small.replace(k=k, v=v)
 
     def _evict_layer(self, p: Policy, seen: jax.Array) -> BudgetCache:
@@ -135,18 +177,32 @@ class BudgetCache(SlotsView):
         if self.slots <= b:  # everything fits: only the state reset remains
             return self.replace(state=_reset(self.state)) if p.scorer.reset_after_evict else self
         pos = self.pos
-        key, prio, unprotected = eviction_keys(p, self.state, pos, self.k, self.v, self.order, self.stats, seen)
+        key, prio, unprotected = eviction_keys(
+            p, self.state, pos, self.k, self.v, self.order, self.stats, seen
+        )
         n_drop = self.slots - b
         if p.moment_eviction:
             n_evict = jnp.maximum((pos >= 0).sum(-1) - b, 0)
-            evicted = moment_informed_eviction(prio, unprotected, n_evict, self.k, self.v, pos, self.moments,
-                                               p.zeroth_order, n_drop, p.mi_batch)
+            evicted = moment_informed_eviction(
+                prio,
+                unprotected,
+                n_evict,
+                self.k,
+                self.v,
+                pos,
+                self.moments,
+                p.zeroth_order,
+                n_drop,
+                p.mi_batch,
+            )
             key = jnp.where(unprotected, jnp.where(evicted, 0.0, 1.0), key)
-        key = jnp.take_along_axis(key, self.order, -1)  # in position order: ties go to the earlier position
+        # in position order: ties go to the earlier position
+        key = jnp.take_along_axis(key, self.order, -1)
         if n_drop <= UNROLLED_DROPS:
             return self._drop_few(p, lowest_few(key, n_drop))
         drop = lowest_slots(key, n_drop)
-        # Stable partition of the order: kept slots first (valid ones stay in position order), dropped after.
+        # Stable partition of the order: kept slots first (valid ones stay in position order),
+        # dropped after.
         dest = jnp.where(drop, b + jnp.cumsum(drop, -1) - 1, jnp.cumsum(~drop, -1) - 1)
         rank = jnp.broadcast_to(jnp.arange(self.slots), pos.shape)
         index = set_slots(jnp.zeros_like(rank), dest, rank)
@@ -154,8 +210,9 @@ class BudgetCache(SlotsView):
         return self._release(p, order, order[..., b:])
 
     def _drop_few(self, p: Policy, dropped: jax.Array) -> BudgetCache:
-        """Drop the distinct places ``dropped`` [B, Hk, n] of ``order``: one shift per place, highest first,
-        each moving the freed slot to the end of the order (no sort, no gather of keys or values)."""
+        """Drop the distinct places ``dropped`` [B, Hk, n] of ``order``: one shift per place,
+        highest first, each moving the freed slot to the end of the order (no sort, no gather of
+        keys or values)."""
         order = self.order
         rank = jnp.arange(self.slots)
         slots = jnp.take_along_axis(order, dropped, -1)
@@ -168,8 +225,9 @@ class BudgetCache(SlotsView):
         return self._release(p, order, slots)
 
     def _release(self, p: Policy, order: jax.Array, dropped: jax.Array) -> BudgetCache:
-        """Free the ``dropped`` [B, Hk, E] slots (empty ones among them are left as they are): their tokens
-        join the moments, their position becomes -1 and their state 0; ``order`` is the new order."""
+        """Free the ``dropped`` [B, Hk, E] slots (empty ones among them are left as they are): their
+        tokens join the moments, their position becomes -1 and their state 0; ``order`` is the new
+        order."""
         take = lambda x: jnp.take_along_axis(x, dropped[..., None], axis=-2)  # noqa: E731
         weight = (jnp.take_along_axis(self.pos, dropped, -1) >= 0).astype(jnp.float32)
         freed = set_slots(jnp.zeros(self.pos.shape, bool), dropped, True)
@@ -177,14 +235,18 @@ class BudgetCache(SlotsView):
             state = _reset(self.state)
         else:
             state = jnp.where(freed[:, :, None, :], 0.0, self.state)
-        return self.replace(pos=jnp.where(freed, -1, self.pos), state=state, order=order,
-                            moments=self.moments.add(weight, take(self.k), take(self.v)))
+        return self.replace(
+            pos=jnp.where(freed, -1, self.pos),
+            state=state,
+            order=order,
+            moments=self.moments.add(weight, take(self.k), take(self.v)),
+        )
 
 
 def _reset(state: jax.Array) -> jax.Array:
-    """Zeros in place of a layer's (finite) state, computed from it: with a data dependency on the old slice,
-    XLA reads it before overwriting it in place; plain zeros made XLA copy the whole stacked state twice per
-    layer (floating-point x * 0 is not folded, because of NaN and inf)."""
+    """Zeros in place of a layer's (finite) state, computed from it: with a data dependency on the
+    old slice, XLA reads it before overwriting it in place; plain zeros made XLA copy the whole
+    stacked state twice per layer (floating-point x * 0 is not folded, because of NaN and inf)."""
     return state * 0.0
 
 
@@ -192,8 +254,8 @@ UNROLLED_DROPS = 8  # up to this many evictions per step, repeated argmins and s
 
 
 def lowest_few(key: jax.Array, n: int) -> jax.Array:
-    """[B, Hk, n] distinct indices of the ``n`` lowest entries of key [B, Hk, S] by repeated argmin (the
-    first of equal keys first)."""
+    """[B, Hk, n] distinct indices of the ``n`` lowest entries of key [B, Hk, S] by repeated argmin
+    (the first of equal keys first)."""
     found = []
     for _ in range(n):
         found.append(jnp.argmin(key, axis=-1))
@@ -206,4 +268,3 @@ def lowest_slots(key: jax.Array, n: int) -> jax.Array:
     index = jnp.broadcast_to(jnp.arange(key.shape[-1]), key.shape)
     _, order = jax.lax.sort((key, index), dimension=-1, num_keys=2)
     return set_slots(jnp.zeros_like(index), order, index) < n
-

@@ -1,9 +1,9 @@
 """The uncompressed cache (``FullCache``).
 
-A cache is a pytree whose leaves all carry a leading layer axis; the model's layer scan carries it and
-calls ``cache.attend(layer, q, k, v, segment)``, the one place where caching and eviction plug into
-the model. Updating the stacked cache in place (instead of scanning over per-layer slices, which copies the
-whole cache every step) keeps decoding memory traffic at one read of the cache."""
+A cache is a pytree whose leaves all carry a leading layer axis; the model's layer scan carries it
+and calls ``cache.attend(layer, q, k, v, segment)``, the one place where caching and eviction plug
+into the model. Updating the stacked cache in place (instead of scanning over per-layer slices,
+which copies the whole cache every step) keeps decoding memory traffic at one read of the cache."""
 
 from __future__ import annotations
 
@@ -22,14 +22,17 @@ PREFILL_CHUNK = 256  # query chunk of the full-cache causal prefill
 class FullCache:
     """Uncompressed cache: slot s holds the token at position s.
 
-    k, v: [L, B, Hk, S, K] with S the static capacity (prompt bucket + new tokens).
+    Fields:
+        k, v: [L, B, Hk, S, K] with S the static capacity (prompt bucket + new tokens).
     """
 
     k: jax.Array
     v: jax.Array
 
-    AXES = dict(k=("layers", "batch", "kv_heads", "slots", "head_dim"),
-                v=("layers", "batch", "kv_heads", "slots", "head_dim"))
+    AXES = dict(
+        k=("layers", "batch", "kv_heads", "slots", "head_dim"),
+        v=("layers", "batch", "kv_heads", "slots", "head_dim"),
+    )
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, capacity: int, dtype) -> FullCache:
@@ -44,16 +47,28 @@ class FullCache:
     def kv(self) -> tuple[jax.Array, jax.Array]:
         return self.k, self.v
 
-    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> FullCache:
-        """Layer ``layer`` with k, v [B, T, Hk, K] written at their ``positions`` [B, T] (in place)."""
+    def write(
+        self, layer: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
+    ) -> FullCache:
+        """Layer ``layer`` with k, v [B, T, Hk, K] written at their ``positions`` [B, T] (in
+        place)."""
         B, _, Hk, _ = k.shape
-        index = (layer, jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None], positions[:, None, :])
-        return FullCache(k=self.k.at[index].set(k.swapaxes(1, 2).astype(self.k.dtype)),
-                         v=self.v.at[index].set(v.swapaxes(1, 2).astype(self.v.dtype)))
+        index = (
+            layer,
+            jnp.arange(B)[:, None, None],
+            jnp.arange(Hk)[None, :, None],
+            positions[:, None, :],
+        )
+        return FullCache(
+            k=self.k.at[index].set(k.swapaxes(1, 2).astype(self.k.dtype)),
+            v=self.v.at[index].set(v.swapaxes(1, 2).astype(self.v.dtype)),
+        )
 
-    def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-               seg: Segment) -> tuple[jax.Array, FullCache]:
-        """Layer ``layer``: write k, v [B, T, Hk, K] at their positions (in place), attend q [B, T, H, K]."""
+    def attend(
+        self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, seg: Segment
+    ) -> tuple[jax.Array, FullCache]:
+        """Layer ``layer``: write k, v [B, T, Hk, K] at their positions (in place), attend q
+        [B, T, H, K]."""
         T = k.shape[1]
         cache = self.write(layer, k, v, seg.positions)
         k_layer, v_layer = cache.k[layer], cache.v[layer]
@@ -62,8 +77,14 @@ class FullCache:
             outs = []
             for end in range(PREFILL_CHUNK, T + 1, PREFILL_CHUNK):
                 causal = jnp.arange(end)[None, :] <= jnp.arange(end - PREFILL_CHUNK, end)[:, None]
-                outs.append(attention_with_scores(q[:, end - PREFILL_CHUNK: end], k_layer[:, :, :end],
-                                                  v_layer[:, :, :end], causal[None, None])[0])
+                outs.append(
+                    attention_with_scores(
+                        q[:, end - PREFILL_CHUNK : end],
+                        k_layer[:, :, :end],
+                        v_layer[:, :, :end],
+                        causal[None, None],
+                    )[0]
+                )
             return jnp.concatenate(outs, axis=1), cache
         slots = jnp.arange(self.capacity)
         mask = (slots[None, None, :] <= seg.positions[:, :, None])[:, None]  # [B, 1, T, S]
@@ -71,6 +92,6 @@ class FullCache:
 
 
 def cache_bytes(cache, kv_only: bool = False) -> int:
-    """Bytes a cache pytree allocates (abstract shapes from ``jax.eval_shape`` too): every array leaf, or with
-    ``kv_only`` its keys and values alone (``cache.kv``)."""
+    """Bytes a cache pytree allocates (abstract shapes from ``jax.eval_shape`` too): every array
+    leaf, or with ``kv_only`` its keys and values alone (``cache.kv``)."""
     return sum(x.size * x.dtype.itemsize for x in (cache.kv if kv_only else jax.tree.leaves(cache)))

@@ -1,7 +1,8 @@
-"""The budget caches' one interface (``EvictingCache``) and the layout that makes one from the eviction
-settings: ``Dense`` (``BudgetCache``, one block of slots per head) under a uniform allocation, ``Paged``
-(``PagedCache``, pages from a pool per row) when heads keep different counts. Callers ask the layout for
-an empty cache, a refit, or a compressed full cache, and never branch on which it is."""
+"""The budget caches' one interface (``EvictingCache``) and the layout that makes one from the
+eviction settings: ``Dense`` (``BudgetCache``, one block of slots per head) under a uniform
+allocation, ``Paged`` (``PagedCache``, pages from a pool per row) when heads keep different counts.
+Callers ask the layout for an empty cache, a refit, or a compressed full cache, and never branch on
+which it is."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from kvjax.eviction.moments import Moments
 class EvictingCache(Protocol):
     """What the engine, the model's layers and the serving slots use of a budget cache.
 
-    pos: [L, B, Hk, S] original positions (-1 = empty);
-    state: [L, B, Hk, G, S] the scorer's per-slot state;
-    order: [L, B, Hk, S] the slots by position;
-    moments: ``Moments`` of the evicted tokens;
-    stats: the base scorer's own statistics, or None.
+    Fields:
+        pos: [L, B, Hk, S] original positions (-1 = empty).
+        state: [L, B, Hk, G, S] the scorer's per-slot state.
+        order: [L, B, Hk, S] the slots by position.
+        moments: ``Moments`` of the evicted tokens.
+        stats: the base scorer's own statistics, or None.
     """
 
     pos: jax.Array
@@ -38,8 +40,9 @@ class EvictingCache(Protocol):
     @property
     def sorted_pos(self) -> jax.Array: ...
 
-    def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-               seg) -> tuple[jax.Array, EvictingCache]: ...
+    def attend(
+        self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, seg
+    ) -> tuple[jax.Array, EvictingCache]: ...
 
     def evict(self, policy, seen: jax.Array) -> EvictingCache: ...
 
@@ -67,8 +70,15 @@ class Dense:
         """
         L, B, Hk, S, K = k.shape
         order = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), pos.shape)
-        full = BudgetCache(k=k, v=v, pos=pos, state=state, order=order, moments=Moments.zeros((L, B, Hk), K),
-                           stats=stats)
+        full = BudgetCache(
+            k=k,
+            v=v,
+            pos=pos,
+            state=state,
+            order=order,
+            moments=Moments.zeros((L, B, Hk), K),
+            stats=stats,
+        )
         return full.evict(policy, seen)
 
 
@@ -81,8 +91,10 @@ class Paged:
     def geometry(self, cfg, policy, spare: int) -> tuple[int, int]:
         """Pages per head and pool pages for ``spare`` new tokens per head."""
         L, Hk, P = cfg.n_layers, cfg.n_kv_heads, self.page_size
-        return (-(-(policy.head_capacity(L, Hk) + spare) // P),
-                pool_pages(policy.total_budget(L, Hk), spare, L, Hk, P))
+        return (
+            -(-(policy.head_capacity(L, Hk) + spare) // P),
+            pool_pages(policy.total_budget(L, Hk), spare, L, Hk, P),
+        )
 
     def empty(self, cfg, policy, batch: int, spare: int, dtype) -> PagedCache:
         pages_per_head, n_pool = self.geometry(cfg, policy, spare)

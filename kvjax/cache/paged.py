@@ -1,17 +1,18 @@
 """The paged budget cache: per-head budgets that differ, in memory that follows their total.
 
-Each batch row has one pool of pages of P token slots, holding the keys and values of every layer and KV
-head. A (layer, row, KV head) holds its n tokens in logical slots 0 … n−1, backed by the first ⌈n / P⌉
-pages of its page table. What is kept per slot — original position, scorer state, the slot order by
-position — is per head in logical order with capacity C = M·P (M: the table's length), as in
-``BudgetCache``, so every scorer runs unchanged on it.
+Each batch row has one pool of pages of P token slots, holding the keys and values of every layer
+and KV head. A (layer, row, KV head) holds its n tokens in logical slots 0 … n−1, backed by the
+first ⌈n / P⌉ pages of its page table. What is kept per slot — original position, scorer state, the
+slot order by position — is per head in logical order with capacity C = M·P (M: the table's
+length), as in ``BudgetCache``, so every scorer runs unchanged on it.
 
-New tokens take the next logical slots; a head that needs a page takes one of the row's free pages. An
-eviction point (every layer at once) asks the allocation (``kvjax.eviction.allocations``) how many slots each head
-keeps, lets the scorer choose which, adds the evicted tokens to the moments, moves each head's kept tokens
-above its new count into the holes below it (one row copy per such token: the only time keys and values
-move) and returns the pages past the new count to the pool. The pool holds the total budget plus the spare
-slots of one step, plus one page per (layer, KV head) for partly filled pages (``pool_pages``).
+New tokens take the next logical slots; a head that needs a page takes one of the row's free pages.
+An eviction point (every layer at once) asks the allocation (``kvjax.eviction.allocations``) how
+many slots each head keeps, lets the scorer choose which, adds the evicted tokens to the moments,
+moves each head's kept tokens above its new count into the holes below it (one row copy per such
+token: the only time keys and values move) and returns the pages past the new count to the pool.
+The pool holds the total budget plus the spare slots of one step, plus one page per (layer, KV
+head) for partly filled pages (``pool_pages``).
 """
 
 from __future__ import annotations
@@ -43,22 +44,33 @@ from kvjax.sharding import per_shard
 from kvjax.slots import per_row, set_slots
 
 
-def pool_pages(total_tokens: int, spare: int, n_layers: int, n_kv_heads: int, page_size: int) -> int:
-    """Pages a row's pool needs: every head's kept tokens (``total_tokens`` over all layers and heads) plus
-    ``spare`` new tokens each, plus one partly filled page per (layer, KV head). (Heads holding n_h tokens use
-    Σ ⌈n_h / P⌉ ≤ ⌊Σ n_h / P⌋ + heads pages.)"""
+def pool_pages(
+    total_tokens: int, spare: int, n_layers: int, n_kv_heads: int, page_size: int
+) -> int:
+    """Pages a row's pool needs: every head's kept tokens (``total_tokens`` over all layers and
+    heads) plus ``spare`` new tokens each, plus one partly filled page per (layer, KV head). (Heads
+    holding n_h tokens use Σ ⌈n_h / P⌉ ≤ ⌊Σ n_h / P⌋ + heads pages.)"""
     heads = n_layers * n_kv_heads
     return (total_tokens + heads * spare) // page_size + heads
 
 
 @struct.dataclass
 class PagedCache(SlotsView):
-    """k_pages, v_pages: [B, N, P, K] each row's page pool; table: [L, B, Hk, M] int32 the pages of each
-    (layer, row, KV head) in logical order; n_pages: [L, B, Hk] int32 pages in use; free: [B, N] bool;
-    pos: [L, B, Hk, C] int32 original positions by logical slot (C = M·P; valid slots are 0 … n−1, -1 =
-    empty); state: [L, B, Hk, G, C] float32 scorer state; order: [L, B, Hk, C] int32 the slots by position,
-    valid ones first, then the empty ones ascending; moments: ``Moments`` of the evicted tokens; stats: the
-    base scorer's own statistics (``Base.init_stats``), or None."""
+    """The paged budget cache.
+
+    Fields:
+        k_pages, v_pages: [B, N, P, K] each row's page pool.
+        table: [L, B, Hk, M] int32 the pages of each (layer, row, KV head) in logical order.
+        n_pages: [L, B, Hk] int32 pages in use.
+        free: [B, N] bool.
+        pos: [L, B, Hk, C] int32 original positions by logical slot (C = M·P; valid slots are
+            0 … n−1, -1 = empty).
+        state: [L, B, Hk, G, C] float32 scorer state.
+        order: [L, B, Hk, C] int32 the slots by position, valid ones first, then the empty ones
+            ascending.
+        moments: ``Moments`` of the evicted tokens.
+        stats: the base scorer's own statistics (``Base.init_stats``), or None.
+    """
 
     k_pages: jax.Array
     v_pages: jax.Array
@@ -72,28 +84,47 @@ class PagedCache(SlotsView):
     stats: object = None
 
     # The pool is split by batch row only: its pages hold every KV head (see docs/sharding.md).
-    AXES = dict(k_pages=("batch", "pages", "page", "head_dim"), v_pages=("batch", "pages", "page", "head_dim"),
-                table=("layers", "batch", "kv_heads", "table"), n_pages=("layers", "batch", "kv_heads"),
-                free=("batch", "pages"), pos=("layers", "batch", "kv_heads", "slots"),
-                state=("layers", "batch", "kv_heads", "group", "slots"), order=("layers", "batch", "kv_heads", "slots"))
+    AXES = dict(
+        k_pages=("batch", "pages", "page", "head_dim"),
+        v_pages=("batch", "pages", "page", "head_dim"),
+        table=("layers", "batch", "kv_heads", "table"),
+        n_pages=("layers", "batch", "kv_heads"),
+        free=("batch", "pages"),
+        pos=("layers", "batch", "kv_heads", "slots"),
+        state=("layers", "batch", "kv_heads", "group", "slots"),
+        order=("layers", "batch", "kv_heads", "slots"),
+    )
 
     @classmethod
-    def init(cls, cfg: ModelConfig, batch: int, pages_per_head: int, page_size: int, n_pool: int,
-             dtype) -> PagedCache:
+    def init(
+        cls, cfg: ModelConfig, batch: int, pages_per_head: int, page_size: int, n_pool: int, dtype
+    ) -> PagedCache:
         L, Hk, K, M, P = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, pages_per_head, page_size
         C = M * P
-        return cls(k_pages=jnp.zeros((batch, n_pool, P, K), dtype), v_pages=jnp.zeros((batch, n_pool, P, K), dtype),
-                   table=jnp.zeros((L, batch, Hk, M), jnp.int32), n_pages=jnp.zeros((L, batch, Hk), jnp.int32),
-                   free=jnp.ones((batch, n_pool), bool), pos=jnp.full((L, batch, Hk, C), -1, jnp.int32),
-                   state=jnp.zeros((L, batch, Hk, cfg.group_size, C), jnp.float32),
-                   order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (L, batch, Hk, C)),
-                   moments=Moments.zeros((L, batch, Hk), K))
+        return cls(
+            k_pages=jnp.zeros((batch, n_pool, P, K), dtype),
+            v_pages=jnp.zeros((batch, n_pool, P, K), dtype),
+            table=jnp.zeros((L, batch, Hk, M), jnp.int32),
+            n_pages=jnp.zeros((L, batch, Hk), jnp.int32),
+            free=jnp.ones((batch, n_pool), bool),
+            pos=jnp.full((L, batch, Hk, C), -1, jnp.int32),
+            state=jnp.zeros((L, batch, Hk, cfg.group_size, C), jnp.float32),
+            order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (L, batch, Hk, C)),
+            moments=Moments.zeros((L, batch, Hk), K),
+        )
 
     @classmethod
-    def from_dense(cls, k: jax.Array, v: jax.Array, pos: jax.Array, state: jax.Array, page_size: int) -> PagedCache:
-        """The paged copy of a full cache: k, v [L, B, Hk, S, K]; pos [L, B, Hk, S] with each head's valid
-        tokens in slots 0 … n−1 in position order; state [L, B, Hk, G, S]. Head (l, h) gets the pages
-        (l·Hk + h)·M … of its row's pool (M = ⌈S / P⌉); those past its tokens are free."""
+    def from_dense(
+        cls, k: jax.Array, v: jax.Array, pos: jax.Array, state: jax.Array, page_size: int
+    ) -> PagedCache:
+        """The paged copy of a full cache. Head (l, h) gets the pages (l·Hk + h)·M … of its row's
+        pool (M = ⌈S / P⌉); those past its tokens are free.
+
+        Args:
+            k, v: [L, B, Hk, S, K].
+            pos: [L, B, Hk, S] with each head's valid tokens in slots 0 … n−1 in position order.
+            state: [L, B, Hk, G, S].
+        """
         L, B, Hk, S, K = k.shape
         P = page_size
         M = -(-S // P)
@@ -106,13 +137,22 @@ class PagedCache(SlotsView):
         pos = jnp.pad(pos, [(0, 0)] * 3 + [(0, C - S)], constant_values=-1)
         n_pages = -(-(pos >= 0).sum(-1) // P)
         first = (jnp.arange(L)[:, None] * Hk + jnp.arange(Hk)) * M  # [L, Hk]
-        table = jnp.broadcast_to((first[:, None, :, None] + jnp.arange(M)).astype(jnp.int32), (L, B, Hk, M))
+        table = jnp.broadcast_to(
+            (first[:, None, :, None] + jnp.arange(M)).astype(jnp.int32), (L, B, Hk, M)
+        )
         used = jnp.arange(M) < n_pages[..., None]  # [L, B, Hk, M]
         free = ~used.transpose(1, 0, 2, 3).reshape(B, L * Hk * M)
-        return cls(k_pages=pages(k), v_pages=pages(v), table=table, n_pages=n_pages.astype(jnp.int32), free=free,
-                   pos=pos, state=jnp.pad(state, [(0, 0)] * 4 + [(0, C - S)]),
-                   order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), pos.shape),
-                   moments=Moments.zeros((L, B, Hk), K))
+        return cls(
+            k_pages=pages(k),
+            v_pages=pages(v),
+            table=table,
+            n_pages=n_pages.astype(jnp.int32),
+            free=free,
+            pos=pos,
+            state=jnp.pad(state, [(0, 0)] * 4 + [(0, C - S)]),
+            order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), pos.shape),
+            moments=Moments.zeros((L, B, Hk), K),
+        )
 
     @property
     def page_size(self) -> int:
@@ -123,15 +163,22 @@ class PagedCache(SlotsView):
         return self.k_pages, self.v_pages
 
     def _rows(self, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Keys and values [L, B, Hk, E, K] of logical slots [L, B, Hk, E] (their pages must be in use)."""
+        """Keys and values [L, B, Hk, E, K] of logical slots [L, B, Hk, E] (their pages must be in
+        use)."""
         P = self.page_size
         page = jnp.take_along_axis(self.table, slots // P, -1)
-        read = lambda pool: per_row(lambda x, pg, off: x[pg, off], pool, page, slots % P,  # noqa: E731
-                                    axes=(0, 1, 1)).swapaxes(0, 1)
+        read = lambda pool: per_row(  # noqa: E731
+            lambda x, pg, off: x[pg, off],
+            pool,
+            page,
+            slots % P,
+            axes=(0, 1, 1),
+        ).swapaxes(0, 1)
         return read(self.k_pages), read(self.v_pages)
 
     def _take_pages(self, layer, tokens: int) -> PagedCache:
-        """Give every head of layer ``layer`` the pages for ``tokens`` more slots, from its row's free pages."""
+        """Give every head of layer ``layer`` the pages for ``tokens`` more slots, from its row's
+        free pages."""
         P = self.page_size
         count = (self.pos[layer] >= 0).sum(-1)  # [B, Hk]
         n_pages = self.n_pages[layer]
@@ -139,72 +186,129 @@ class PagedCache(SlotsView):
 
         def take(cache: PagedCache) -> PagedCache:
             B, N = cache.free.shape
-            first_free = jnp.argsort(~cache.free, axis=-1, stable=True)  # free pages first, ascending
+            # free pages first, ascending
+            first_free = jnp.argsort(~cache.free, axis=-1, stable=True)
             start = jnp.cumsum(extra, -1) - extra  # [B, Hk]
             j = jnp.arange(-(-tokens // P) + 1)
             ok = j < extra[..., None]  # [B, Hk, E]
-            page = jnp.take_along_axis(first_free[:, None, :], jnp.minimum(start[..., None] + j, N - 1), -1)
-            table = set_slots(cache.table[layer], jnp.where(ok, n_pages[..., None] + j, cache.table.shape[-1]),
-                              page, mode="drop")
+            page = jnp.take_along_axis(
+                first_free[:, None, :], jnp.minimum(start[..., None] + j, N - 1), -1
+            )
+            table = set_slots(
+                cache.table[layer],
+                jnp.where(ok, n_pages[..., None] + j, cache.table.shape[-1]),
+                page,
+                mode="drop",
+            )
             taken = jnp.where(ok, page, N).reshape(B, -1)
-            free = per_row(lambda f, t: f.at[t].set(False, mode="drop"), cache.free, taken, axes=(0, 0))
-            return cache.replace(table=cache.table.at[layer].set(table), free=free,
-                                 n_pages=cache.n_pages.at[layer].set(n_pages + extra))
+            free = per_row(
+                lambda f, t: f.at[t].set(False, mode="drop"), cache.free, taken, axes=(0, 0)
+            )
+            return cache.replace(
+                table=cache.table.at[layer].set(table),
+                free=free,
+                n_pages=cache.n_pages.at[layer].set(n_pages + extra),
+            )
 
         return jax.lax.cond(jnp.any(extra > 0), take, lambda c: c, self)
 
-    def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-               seg: Segment) -> tuple[jax.Array, PagedCache]:
-        """Layer ``layer``: put k, v [B, T, Hk, K] in each head's next logical slots (taking pages as
-        needed), attend q [B, T, H, K] and update the scores, as ``seg.policy`` says (``BudgetCache.attend``
-        on pages). Eviction comes after the step, for every layer at once (``evict``), or with
-        ``seg.evict_in_layer`` here, before the layer's output: the attention over the tokens it keeps."""
+    def attend(
+        self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, seg: Segment
+    ) -> tuple[jax.Array, PagedCache]:
+        """Layer ``layer``: put k, v [B, T, Hk, K] in each head's next logical slots (taking pages
+        as needed), attend q [B, T, H, K] and update the scores, as ``seg.policy`` says
+        (``BudgetCache.attend`` on pages). Eviction comes after the step, for every layer at once
+        (``evict``), or with ``seg.evict_in_layer`` here, before the layer's output: the attention
+        over the tokens it keeps."""
         B, T, Hk, _ = k.shape
         P = self.page_size
         cache = self._take_pages(layer, T)
         pos, table, n_pages = cache.pos[layer], cache.table[layer], cache.n_pages[layer]
         slot = (pos >= 0).sum(-1)[..., None] + jnp.arange(T)  # [B, Hk, T]: valid slots are 0 … n−1
         page = jnp.take_along_axis(table, slot // P, -1)
-        write = lambda pool, new: per_row(lambda x, pg, off, val: x.at[pg, off].set(val), pool, page,  # noqa: E731
-                                          slot % P, new.swapaxes(1, 2).astype(pool.dtype), axes=(0, 0, 0, 0))
+        write = lambda pool, new: per_row(  # noqa: E731
+            lambda x, pg, off, val: x.at[pg, off].set(val),
+            pool,
+            page,
+            slot % P,
+            new.swapaxes(1, 2).astype(pool.dtype),
+            axes=(0, 0, 0, 0),
+        )
         k_pages, v_pages = write(cache.k_pages, k), write(cache.v_pages, v)
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
         pos = set_slots(pos, slot, new_pos)
         p = seg.policy
-        axes = (ATTENTION_AXES[0], ("batch",), ("batch",), KV, KV, *ATTENTION_AXES[3:])  # pools: per row
+        # pools: per row
+        axes = (ATTENTION_AXES[0], ("batch",), ("batch",), KV, KV, *ATTENTION_AXES[3:])
 
         def decode(c: PagedCache, pos: jax.Array):
-            storage = (q, c.k_pages, c.v_pages, c.table[layer], c.n_pages[layer], pos, seg.positions)
+            storage = (
+                q,
+                c.k_pages,
+                c.v_pages,
+                c.table[layer],
+                c.n_pages[layer],
+                pos,
+                seg.positions,
+            )
             return lambda weights, moments: per_shard(
-                lambda *a: paged_decode_attention_with_scores(*a[:-1], p.score_kind, a[-1], p.zeroth_order,
-                                                              impl=p.impl),
-                (*storage, weights, moments), (*axes, KV), ATTENTION_OUT_AXES, B, Hk)
+                lambda *a: paged_decode_attention_with_scores(
+                    *a[:-1], p.score_kind, a[-1], p.zeroth_order, impl=p.impl
+                ),
+                (*storage, weights, moments),
+                (*axes, KV),
+                ATTENTION_OUT_AXES,
+                B,
+                Hk,
+            )
 
         block = lambda weights: per_shard(  # noqa: E731
             lambda *a: paged_block_attention_with_scores(*a, p.score_kind, impl=p.impl),
-            (q, k_pages, v_pages, table, n_pages, pos, seg.positions, weights), axes, ATTENTION_OUT_AXES, B, Hk)
+            (q, k_pages, v_pages, table, n_pages, pos, seg.positions, weights),
+            axes,
+            ATTENTION_OUT_AXES,
+            B,
+            Hk,
+        )
         layer_of = lambda tree: jax.tree.map(lambda x: x[layer], tree)  # noqa: E731
         cache = cache.replace(k_pages=k_pages, v_pages=v_pages)
         out, col = scored_attention(p, seg, q, block, decode(cache, pos), layer_of(cache.moments))
         state, stats = fold_scores(p, seg, q, cache.state[layer], layer_of(cache.stats), col)
-        cache = cache.replace(pos=cache.pos.at[layer].set(pos), state=cache.state.at[layer].set(state),
-                              stats=jax.tree.map(lambda full, x: full.at[layer].set(x), cache.stats, stats))
+        cache = cache.replace(
+            pos=cache.pos.at[layer].set(pos),
+            state=cache.state.at[layer].set(state),
+            stats=jax.tree.map(lambda full, x: full.at[layer].set(x), cache.stats, stats),
+        )
         if seg.evict_in_layer:
+
             def evict_first(args):
                 c = args[0].evict(p, seg.seen, layer=layer)
                 return c, kept_attention(p, decode(c, c.pos[layer]), layer_of(c.moments))
+
             cache, out = when(seg.evict, evict_first, (cache, out))
         return out, cache
 
-    def evict(self, p: Policy, seen: jax.Array, max_evict: int | None = None,
-              layer: jax.Array | None = None, head_budgets: jax.Array | None = None) -> PagedCache:
-        """Every layer at once: the allocation's kept count per (layer, row, KV head), the scorer's choice of
-        slots, the moments, compaction and page release. seen: [B] one past the newest position; max_evict:
-        the most slots one (layer, row, KV head) can lose (static). None: the bound when every layer held at
-        most its total budget before the newest tokens (decoding, prompt blocks): the spare slots of a head
-        (C − cap) times the heads that share a budget; a cache filled otherwise (a full prefill being
-        compressed) must give it. layer: only that layer (a traced index; not under a "global" allocation).
-        head_budgets: [L, Hk] int32 each head's budget under the "heads" allocation (kvzip-head)."""
+    def evict(
+        self,
+        p: Policy,
+        seen: jax.Array,
+        max_evict: int | None = None,
+        layer: jax.Array | None = None,
+        head_budgets: jax.Array | None = None,
+    ) -> PagedCache:
+        """Every layer at once: the allocation's kept count per (layer, row, KV head), the scorer's
+        choice of slots, the moments, compaction and page release.
+
+        Args:
+            seen: [B] one past the newest position.
+            max_evict: the most slots one (layer, row, KV head) can lose (static). None: the bound
+                when every layer held at most its total budget before the newest tokens (decoding,
+                prompt blocks): the spare slots of a head (C − cap) times the heads that share a
+                budget; a cache filled otherwise (a full prefill being compressed) must give it.
+            layer: only that layer (a traced index; not under a "global" allocation).
+            head_budgets: [L, Hk] int32 each head's budget under the "heads" allocation
+                (kvzip-head).
+        """
         L, B, Hk, C = self.pos.shape
         cap = p.head_capacity(L, Hk)
         if max_evict is None:
@@ -213,44 +317,63 @@ class PagedCache(SlotsView):
             return self._evict(p, seen, max_evict, cap, p.layer_budgets(L), head_budgets)
         one = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1)  # noqa: E731
         small = ("table", "n_pages", "pos", "state", "order")
-        part = self.replace(**{name: one(getattr(self, name)) for name in small},
-                            moments=jax.tree.map(one, self.moments), stats=jax.tree.map(one, self.stats))
-        part = part._evict(p, seen, max_evict, cap, jnp.asarray(p.layer_budgets(L), jnp.int32)[layer][None])
+        part = self.replace(
+            **{name: one(getattr(self, name)) for name in small},
+            moments=jax.tree.map(one, self.moments),
+            stats=jax.tree.map(one, self.stats),
+        )
+        part = part._evict(
+            p, seen, max_evict, cap, jnp.asarray(p.layer_budgets(L), jnp.int32)[layer][None]
+        )
         put = lambda full, x: jax.lax.dynamic_update_slice_in_dim(full, x, layer, 0)  # noqa: E731
-        return part.replace(**{name: put(getattr(self, name), getattr(part, name)) for name in small},
-                            moments=jax.tree.map(put, self.moments, part.moments), stats=self.stats)
+        return part.replace(
+            **{name: put(getattr(self, name), getattr(part, name)) for name in small},
+            moments=jax.tree.map(put, self.moments, part.moments),
+            stats=self.stats,
+        )
 
-    def _evict(self, p: Policy, seen: jax.Array, max_evict: int, cap: int, budgets,
-               head_budgets: jax.Array | None = None) -> PagedCache:
-        """``evict`` over this cache's layers (every layer, or one cut out with a leading axis of 1), whose
-        budgets are ``budgets``."""
+    def _evict(
+        self,
+        p: Policy,
+        seen: jax.Array,
+        max_evict: int,
+        cap: int,
+        budgets,
+        head_budgets: jax.Array | None = None,
+    ) -> PagedCache:
+        """``evict`` over this cache's layers (every layer, or one cut out with a leading axis of
+        1), whose budgets are ``budgets``."""
         kv = (None, None)
         if p.reads_kv:  # reads every slot's keys, values
             kv = jax.vmap(lambda t, n, s: gather_pages(self.k_pages, self.v_pages, t, n, s)[:2])(
-                self.table, self.n_pages, self.pos)
+                self.table, self.n_pages, self.pos
+            )
         key, prio, unprotected = jax.vmap(
-            lambda s, q, k, v, o, st: eviction_keys(p, s, q, k, v, o, st, seen))(
-            self.state, self.pos, *kv, self.order, self.stats)
+            lambda s, q, k, v, o, st: eviction_keys(p, s, q, k, v, o, st, seen)
+        )(self.state, self.pos, *kv, self.order, self.stats)
         valid = self.pos >= 0
         count = valid.sum(-1)
         kept = p.allocation_spec.targets(key, self.pos, budgets, p.floor_count(), cap, head_budgets)
         if p.moment_eviction:
-            evicted = over_layers(lambda a: moment_informed_eviction(*a, p.zeroth_order, max_evict, p.mi_batch),
-                                  (prio, unprotected, count - kept, kv[0], kv[1], self.pos, self.moments),
-                                  max_evict)
+            evicted = over_layers(
+                lambda a: moment_informed_eviction(*a, p.zeroth_order, max_evict, p.mi_batch),
+                (prio, unprotected, count - kept, kv[0], kv[1], self.pos, self.moments),
+                max_evict,
+            )
             keep = valid & ~evicted
         else:
             keep = valid & (ranks(-key, -self.pos) < kept[..., None])
         dropped = valid & ~keep
-        first_dropped = jnp.argsort(~dropped, axis=-1, stable=True)[..., :max_evict]  # [L, B, Hk, E]
+        # [L, B, Hk, E]
+        first_dropped = jnp.argsort(~dropped, axis=-1, stable=True)[..., :max_evict]
         weight = jnp.take_along_axis(dropped, first_dropped, -1).astype(jnp.float32)
         k_out, v_out = self._rows(first_dropped)
         moments = jax.vmap(Moments.add)(self.moments, weight, k_out, v_out)
         return self._compact(p, keep, moments, max_evict)
 
     def _compact(self, p: Policy, keep: jax.Array, moments: Moments, max_moves: int) -> PagedCache:
-        """Lay every head's ``keep`` [L, B, Hk, C] slots out in logical slots 0 … n−1 (the kept ones above n
-        move into the holes below it) and free the pages past ⌈n / P⌉."""
+        """Lay every head's ``keep`` [L, B, Hk, C] slots out in logical slots 0 … n−1 (the kept ones
+        above n move into the holes below it) and free the pages past ⌈n / P⌉."""
         L, B, Hk, C = self.pos.shape
         P, N = self.page_size, self.free.shape[1]
         slot = jnp.arange(C)
@@ -266,7 +389,10 @@ class PagedCache(SlotsView):
         def move(pool):  # per row: the tails' rows into the holes' rows
             def row(x, dst, dst_off, src, src_off):
                 return x.at[dst, dst_off].set(x[src, src_off], mode="drop")
-            return per_row(row, pool, dst_page, holes % P, page_of(tails), tails % P, axes=(0, 1, 1, 1, 1))
+
+            return per_row(
+                row, pool, dst_page, holes % P, page_of(tails), tails % P, axes=(0, 1, 1, 1, 1)
+            )
 
         k_pages, v_pages = move(self.k_pages), move(self.v_pages)
         identity = jnp.broadcast_to(slot, keep.shape)
@@ -277,44 +403,80 @@ class PagedCache(SlotsView):
         if p.scorer.reset_after_evict:
             state = self.state * 0.0
         else:
-            state = jnp.where(live[..., None, :], jnp.take_along_axis(self.state, source[..., None, :], -1), 0.0)
+            state = jnp.where(
+                live[..., None, :], jnp.take_along_axis(self.state, source[..., None, :], -1), 0.0
+            )
         kept_in_order = jnp.take_along_axis(keep, self.order, -1)
         rank = jnp.where(kept_in_order, jnp.cumsum(kept_in_order, -1) - 1, C)
-        order = set_slots(identity, rank, jnp.take_along_axis(new_slot, self.order, -1), lead=3, mode="drop")
+        order = set_slots(
+            identity, rank, jnp.take_along_axis(new_slot, self.order, -1), lead=3, mode="drop"
+        )
         n_pages = -(-n // P)
         released = jnp.arange(self.table.shape[-1]) >= n_pages[..., None]
         released &= jnp.arange(self.table.shape[-1]) < self.n_pages[..., None]
         returned = jnp.where(released, self.table, N).swapaxes(0, 1).reshape(B, -1)
-        free = per_row(lambda f, r: f.at[r].set(True, mode="drop"), self.free, returned, axes=(0, 0))
-        return self.replace(k_pages=k_pages, v_pages=v_pages, n_pages=n_pages.astype(jnp.int32), free=free,
-                            pos=pos.astype(jnp.int32), state=state, order=order.astype(jnp.int32), moments=moments)
+        free = per_row(
+            lambda f, r: f.at[r].set(True, mode="drop"), self.free, returned, axes=(0, 0)
+        )
+        return self.replace(
+            k_pages=k_pages,
+            v_pages=v_pages,
+            n_pages=n_pages.astype(jnp.int32),
+            free=free,
+            pos=pos.astype(jnp.int32),
+            state=state,
+            order=order.astype(jnp.int32),
+            moments=moments,
+        )
 
     def resize(self, pages_per_head: int, n_pool: int) -> PagedCache:
-        """The same contents in a new pool of ``n_pool`` pages and tables of ``pages_per_head`` pages, each
-        head's pages packed in (layer, KV head) order. Every head's tokens must be in slots 0 … n−1 (as after
-        an eviction point) and fit."""
+        """The same contents in a new pool of ``n_pool`` pages and tables of ``pages_per_head``
+        pages, each head's pages packed in (layer, KV head) order. Every head's tokens must be in
+        slots 0 … n−1 (as after an eviction point) and fit."""
         L, B, Hk, M = self.table.shape
         P = self.page_size
         M2, C2 = pages_per_head, pages_per_head * P
-        start = (jnp.cumsum(self.n_pages.transpose(1, 0, 2).reshape(B, L * Hk), -1)
-                 - self.n_pages.transpose(1, 0, 2).reshape(B, L * Hk)).reshape(B, L, Hk).transpose(1, 0, 2)
+        start = (
+            (
+                jnp.cumsum(self.n_pages.transpose(1, 0, 2).reshape(B, L * Hk), -1)
+                - self.n_pages.transpose(1, 0, 2).reshape(B, L * Hk)
+            )
+            .reshape(B, L, Hk)
+            .transpose(1, 0, 2)
+        )
         j = jnp.arange(M)
-        new_page = jnp.where(j < self.n_pages[..., None], start[..., None] + j, n_pool)  # [L, B, Hk, M]
+        # [L, B, Hk, M]
+        new_page = jnp.where(j < self.n_pages[..., None], start[..., None] + j, n_pool)
         by_row = lambda x: x.swapaxes(0, 1).reshape(B, -1)  # noqa: E731
-        source = per_row(lambda s, at, old: s.at[at].set(old, mode="drop"), jnp.zeros((B, n_pool), jnp.int32),
-                         by_row(new_page), by_row(self.table), axes=(0, 0, 0))
+        source = per_row(
+            lambda s, at, old: s.at[at].set(old, mode="drop"),
+            jnp.zeros((B, n_pool), jnp.int32),
+            by_row(new_page),
+            by_row(self.table),
+            axes=(0, 0, 0),
+        )
         gather = lambda pages: jnp.take_along_axis(pages, source[:, :, None, None], 1)  # noqa: E731
         table = start[..., None] + jnp.arange(M2)
         total = self.n_pages.sum((0, 2))  # [B]
-        fit = lambda x, fill: (jax.lax.slice_in_dim(x, 0, C2, axis=-1) if C2 <= x.shape[-1]  # noqa: E731
-                               else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, C2 - x.shape[-1])],
-                                            constant_values=fill))
+        fit = lambda x, fill: (  # noqa: E731
+            jax.lax.slice_in_dim(x, 0, C2, axis=-1)
+            if C2 <= x.shape[-1]
+            else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, C2 - x.shape[-1])], constant_values=fill)
+        )
         order = jnp.take_along_axis(self.pos, self.order, -1) >= 0  # valid first: keep their order
-        order = jnp.where(order, self.order, jnp.broadcast_to(jnp.arange(self.slots), self.order.shape))
+        order = jnp.where(
+            order, self.order, jnp.broadcast_to(jnp.arange(self.slots), self.order.shape)
+        )
         order = fit(order, 0)
         if C2 > self.slots:
             order = jnp.where(jnp.arange(C2) < self.slots, order, jnp.arange(C2))
-        return self.replace(k_pages=gather(self.k_pages), v_pages=gather(self.v_pages),
-                            table=table.astype(jnp.int32), n_pages=self.n_pages,
-                            free=jnp.arange(n_pool) >= total[:, None], pos=fit(self.pos, -1),
-                            state=fit(self.state, 0.0), order=order.astype(jnp.int32))
+        return self.replace(
+            k_pages=gather(self.k_pages),
+            v_pages=gather(self.v_pages),
+            table=table.astype(jnp.int32),
+            n_pages=self.n_pages,
+            free=jnp.arange(n_pool) >= total[:, None],
+            pos=fit(self.pos, -1),
+            state=fit(self.state, 0.0),
+            order=order.astype(jnp.int32),
+        )

@@ -1,9 +1,10 @@
 """Budget allocation: how many slots each (layer, row, KV head) keeps at an eviction point.
 
-Each allocation is one class (``Allocation`` and its subclasses, listed in ``ALLOCATIONS``). It turns
-the eviction keys of every slot (``+inf`` protected, ``-inf`` empty, else the scorer's priority) into a
-kept count per (layer, row, KV head), ``targets``; which slots a head then keeps is the scorer's business (its highest keys, or MomentKV's moment-informed eviction down to
-the count). Allocations whose per-head counts differ run on the paged cache (``kvjax.cache.paged``), whose
+Each allocation is one class (``Allocation`` and its subclasses, listed in ``ALLOCATIONS``). It
+turns the eviction keys of every slot (``+inf`` protected, ``-inf`` empty, else the scorer's
+priority) into a kept count per (layer, row, KV head), ``targets``; which slots a head then keeps is
+the scorer's business (its highest keys, or MomentKV's moment-informed eviction down to the count).
+Allocations whose per-head counts differ run on the paged cache (``kvjax.cache.paged``), whose
 memory follows the total budget. Semantics: ``docs/eviction.md`` ("Allocations").
 """
 
@@ -17,29 +18,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 PYRAMID_BETA = 20
-# How a shared allocation's floor counts a head's protected tokens (sinks and window): "adakv" keeps
-# floor × (budget − protected) of its best unprotected tokens on top of them (AdaKV's code); "kvpress" keeps
-# floor × budget of its best tokens, the protected among them (kvpress's AdaKVPress).
+# How a shared allocation's floor counts a head's protected tokens (sinks and window): "adakv"
+# keeps floor × (budget − protected) of its best unprotected tokens on top of them (AdaKV's code);
+# "kvpress" keeps floor × budget of its best tokens, the protected among them (kvpress's
+# AdaKVPress).
 FLOOR_MODES = ("adakv", "kvpress")
 
 
 def allocation_table() -> str:
     """The README's Markdown table of the allocations."""
     rows = ["| allocation | kept per (layer, KV head) | cache |", "| --- | --- | --- |"]
-    return "\n".join(rows + [f"| `{name}` | {spec.description} | {'paged' if spec.paged else 'dense'} |"
-                             for name, spec in ALLOCATIONS.items()])
+    return "\n".join(
+        rows
+        + [
+            f"| `{name}` | {spec.description} | {'paged' if spec.paged else 'dense'} |"
+            for name, spec in ALLOCATIONS.items()
+        ]
+    )
 
 
 def pyramid_budgets(budget: int, window: int, n_layers: int) -> tuple[int, ...]:
-    """PyramidKV's per-layer budgets: with m = budget − window, layer l keeps window + the linear schedule
-    from 2m − m/β (first layer) down to m/β (last layer), whose mean is m; rounded to whole tokens by largest
-    remainders so that the layers keep exactly ``n_layers × budget`` in all. (KVCache-Factory rounds m/β and the
-    step down instead, which keeps more: 3.1–3.9% at budgets 64–256 with 30 layers and window 32.)"""
+    """PyramidKV's per-layer budgets: with m = budget − window, layer l keeps window + the linear
+    schedule from 2m − m/β (first layer) down to m/β (last layer), whose mean is m; rounded to whole
+    tokens by largest remainders so that the layers keep exactly ``n_layers × budget`` in all.
+    (KVCache-Factory rounds m/β and the step down instead, which keeps more: 3.1–3.9% at budgets
+    64–256 with 30 layers and window 32.)"""
     m = budget - window
     low, high = m / PYRAMID_BETA, 2 * m - m / PYRAMID_BETA
-    exact = [high - layer * (high - low) / (n_layers - 1) for layer in range(n_layers)] if n_layers > 1 else [m]
+    exact = (
+        [high - layer * (high - low) / (n_layers - 1) for layer in range(n_layers)]
+        if n_layers > 1
+        else [m]
+    )
     whole = [math.floor(x) for x in exact]
     by_remainder = sorted(range(n_layers), key=lambda layer: (whole[layer] - exact[layer], layer))
     for layer in by_remainder[: n_layers * m - sum(whole)]:
@@ -48,25 +59,25 @@ def pyramid_budgets(budget: int, window: int, n_layers: int) -> tuple[int, ...]:
 
 
 def whole_head_count(budget: int, reduced: int, context: int, heads: int) -> int:
-    """How many of ``heads`` (layer, KV head) pairs keep a whole context of ``context`` tokens under
-    kvzip-head, the others keeping their ``reduced`` sinks and window: as many as the budget pays for,
-    round(heads · (budget − reduced) / (context − reduced))."""
+    """How many of ``heads`` (layer, KV head) pairs keep a whole context of ``context`` tokens
+    under kvzip-head, the others keeping their ``reduced`` sinks and window: as many as the budget
+    pays for, round(heads · (budget − reduced) / (context − reduced))."""
     share = np.clip((budget - reduced) / max(context - reduced, 1), 0.0, 1.0)
     return round(share * heads)
 
 
 def floor_count(floor: float, budget: int, protected: int, mode: str) -> int:
-    """Tokens every head keeps at least under a shared allocation, its ``protected`` ones (sinks and window)
-    included, by ``FLOOR_MODES``: "adakv" protected + ⌊floor × (budget − protected)⌋; "kvpress" ⌊floor ×
-    budget⌋, at least 1 when floor > 0. (Rounded down, as both codes do.)"""
+    """Tokens every head keeps at least under a shared allocation, its ``protected`` ones (sinks and
+    window) included, by ``FLOOR_MODES``: "adakv" protected + ⌊floor × (budget − protected)⌋;
+    "kvpress" ⌊floor × budget⌋, at least 1 when floor > 0. (Rounded down, as both codes do.)"""
     if mode == "adakv":
         return protected + math.floor(floor * (budget - protected))
     return max(1, math.floor(floor * budget)) if floor > 0 else 0
 
 
 def ranks(*keys: jax.Array) -> jax.Array:
-    """Rank of every entry along the last axis when sorted ascending by ``keys`` (lexicographic; ties by
-    index). keys: arrays of one shape [..., N]."""
+    """Rank of every entry along the last axis when sorted ascending by ``keys`` (lexicographic;
+    ties by index). keys: arrays of one shape [..., N]."""
     index = jnp.broadcast_to(jnp.arange(keys[0].shape[-1]), keys[0].shape)
     permutation = jax.lax.sort((*keys, index), dimension=-1, num_keys=len(keys))[-1]
     return jnp.argsort(permutation, axis=-1)
@@ -75,10 +86,10 @@ def ranks(*keys: jax.Array) -> jax.Array:
 def shared_targets(key: jax.Array, pos: jax.Array, total: int, floor: int, cap: int) -> jax.Array:
     """Kept counts [..., H] of H heads sharing ``total`` slots; key, pos: [..., H, S].
 
-    Every head keeps its protected slots (key +inf) and at least ``floor`` (its best ones); the rest of
-    ``total`` goes to the best remaining slots over all H heads (key descending, then the later position,
-    then the lower head); no head keeps more than ``cap`` or than its protected slots if those are more.
-    With no more valid slots than ``total``, every one is kept.
+    Every head keeps its protected slots (key +inf) and at least ``floor`` (its best ones); the rest
+    of ``total`` goes to the best remaining slots over all H heads (key descending, then the later
+    position, then the lower head); no head keeps more than ``cap`` or than its protected slots if
+    those are more. With no more valid slots than ``total``, every one is kept.
     """
     H, S = key.shape[-2:]
     valid = key > -jnp.inf
@@ -126,8 +137,15 @@ class Allocation:
         """How many heads share one budget (what one head may gain from the others)."""
         return 1
 
-    def targets(self, key: jax.Array, pos: jax.Array, budgets, floor: int, cap: int,
-                head_budgets: jax.Array | None = None) -> jax.Array:
+    def targets(
+        self,
+        key: jax.Array,
+        pos: jax.Array,
+        budgets,
+        floor: int,
+        cap: int,
+        head_budgets: jax.Array | None = None,
+    ) -> jax.Array:
         """[L, B, Hk] kept counts from the eviction keys and positions [L, B, Hk, S] of every slot.
 
         Args:
@@ -150,8 +168,10 @@ class Uniform(Allocation):
 @dataclasses.dataclass(frozen=True)
 class PyramidKV(Allocation):
     name = "pyramidkv"
-    description = ("layer budgets decreasing linearly with depth, averaging `budget` (PyramidKV, β = 20); "
-                   "the KV heads of a layer keep the same number")
+    description = (
+        "layer budgets decreasing linearly with depth, averaging `budget` (PyramidKV, β = 20); "
+        "the KV heads of a layer keep the same number"
+    )
 
     def layer_budgets(self, budget: int, window: int, n_layers: int) -> tuple[int, ...]:
         return pyramid_budgets(budget, window, n_layers)
@@ -160,9 +180,11 @@ class PyramidKV(Allocation):
 @dataclasses.dataclass(frozen=True)
 class AdaKV(Allocation):
     name = "adakv"
-    description = ("each layer keeps `n_kv_heads × budget` tokens, shared among its KV heads by score "
-                   "(top-k over the layer's heads), every head at least its sinks and window plus `floor × "
-                   "(budget − sinks − window)` (AdaKV, α = 0.2; `floor_mode`)")
+    description = (
+        "each layer keeps `n_kv_heads × budget` tokens, shared among its KV heads by score "
+        "(top-k over the layer's heads), every head at least its sinks and window plus `floor × "
+        "(budget − sinks − window)` (AdaKV, α = 0.2; `floor_mode`)"
+    )
     shared = "layer"
     default_floor = 0.2
 
@@ -180,8 +202,10 @@ class AdaKV(Allocation):
 @dataclasses.dataclass(frozen=True)
 class Global(AdaKV):
     name = "global"
-    description = ("one threshold over every layer and KV head: `n_layers × n_kv_heads × budget` tokens in "
-                   "all, at most `n_kv_heads × budget` in one head")
+    description = (
+        "one threshold over every layer and KV head: `n_layers × n_kv_heads × budget` tokens in "
+        "all, at most `n_kv_heads × budget` in one head"
+    )
     shared = "all"
     default_floor = 0.0
 
@@ -198,8 +222,10 @@ class Global(AdaKV):
 @dataclasses.dataclass(frozen=True)
 class Heads(Allocation):
     name = "heads"
-    description = ("a fixed budget per layer and KV head (kvzip-head: the best heads by saved head scores "
-                   "keep the whole context, the others their sinks and window)")
+    description = (
+        "a fixed budget per layer and KV head (kvzip-head: the best heads by saved head scores "
+        "keep the whole context, the others their sinks and window)"
+    )
 
     def targets(self, key, pos, budgets, floor, cap, head_budgets=None):
         L, _, Hk, _ = key.shape
@@ -207,5 +233,6 @@ class Heads(Allocation):
         return jnp.minimum(count, jnp.asarray(head_budgets, jnp.int32).reshape(L, 1, Hk))
 
 
-ALLOCATIONS: dict[str, Allocation] = {a.name: a for a in (Uniform(), PyramidKV(), AdaKV(), Global(),
-                                                          Heads())}
+ALLOCATIONS: dict[str, Allocation] = {
+    a.name: a for a in (Uniform(), PyramidKV(), AdaKV(), Global(), Heads())
+}

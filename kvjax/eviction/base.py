@@ -19,26 +19,39 @@ import jax.numpy as jnp
 
 from kvjax.eviction.priority import aggregate, pool
 
-ATTENTION_MODIFIERS = ("obcache-value", "obcache-key", "obcache-joint", "caote", "fastcaote",
-                       "momentkv", "momentkv-mi", "momentkv-nc", "momentkv-zeroth")
+ATTENTION_MODIFIERS = (
+    "obcache-value",
+    "obcache-key",
+    "obcache-joint",
+    "caote",
+    "fastcaote",
+    "momentkv",
+    "momentkv-mi",
+    "momentkv-nc",
+    "momentkv-zeroth",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Base:
-    """A base scorer. Class attributes:
+    """A base scorer.
 
-    name: its name in the scorer grammar;
-    description: one line for the README's table and the CLI's help;
-    queries: which queries score, "none", "all", "last" or "window" (the last ``obs_window``);
-    replace: a scoring step's column replaces the state instead of adding to it;
-    reset_after_evict: the state is zeroed at every eviction point;
-    default_pool: pooling of the priorities along positions ("none", "max", "avg");
-    window_rule: the default protected window, "zero", "quarter" (budget // 4) or "obs" (obs_window);
-    scoring_pass: the state comes from a pass of its own over the prefilled prompt ("kvzip": the repeat
-        pass; "heads": saved head scores): prefill protocol, no eviction while decoding;
-    default_allocation, default_floor: its own allocation setting (floor None: the allocation's);
-    modifiers: the modifiers it takes (``kvjax.eviction.modifiers``);
-    reads_kv: its priority reads the cached keys and values of every slot.
+    Class attributes:
+        name: its name in the scorer grammar.
+        description: one line for the README's table and the CLI's help.
+        queries: which queries score, "none", "all", "last" or "window" (the last ``obs_window``).
+        replace: a scoring step's column replaces the state instead of adding to it.
+        reset_after_evict: the state is zeroed at every eviction point.
+        default_pool: pooling of the priorities along positions ("none", "max", "avg").
+        window_rule: the default protected window, "zero", "quarter" (budget // 4) or "obs"
+            (obs_window).
+        scoring_pass: the state comes from a pass of its own over the prefilled prompt ("kvzip":
+            the repeat pass; "heads": saved head scores): prefill protocol, no eviction while
+            decoding.
+        default_allocation, default_floor: its own allocation setting (floor None: the
+            allocation's).
+        modifiers: the modifiers it takes (``kvjax.eviction.modifiers``).
+        reads_kv: its priority reads the cached keys and values of every slot.
     """
 
     name: ClassVar[str]
@@ -58,11 +71,14 @@ class Base:
         """The protected window when the caller gives none."""
         return {"zero": 0, "quarter": budget // 4, "obs": obs_window}[self.window_rule]
 
-    def scoring_weights(self, positions: jax.Array, valid: jax.Array, end: jax.Array,
-                        obs_window: int) -> jax.Array | None:
+    def scoring_weights(
+        self, positions: jax.Array, valid: jax.Array, end: jax.Array, obs_window: int
+    ) -> jax.Array | None:
         """[B, T] float32 weights of a step's scoring queries, or None if none score.
 
-        positions, valid: [B, T]; end: [B] one past the last position of the scoring span.
+        Args:
+            positions, valid: [B, T].
+            end: [B] one past the last position of the scoring span.
         """
         if self.queries == "none":
             return None
@@ -74,8 +90,15 @@ class Base:
             chosen = valid & (positions >= end[:, None] - obs_window)
         return chosen.astype(jnp.float32)
 
-    def update_state(self, state: jax.Array, col: jax.Array | None, has_query: jax.Array) -> jax.Array:
-        """The state after a step. state, col: [B, Hk, G, S]; has_query: [B] the row had a scoring query."""
+    def update_state(
+        self, state: jax.Array, col: jax.Array | None, has_query: jax.Array
+    ) -> jax.Array:
+        """The state after a step.
+
+        Args:
+            state, col: [B, Hk, G, S].
+            has_query: [B] the row had a scoring query.
+        """
         if col is None:
             return state
         if self.replace:
@@ -87,23 +110,34 @@ class Base:
         return None
 
     def observe(self, stats, q: jax.Array, positions: jax.Array, valid: jax.Array, policy):
-        """One layer's statistics after the step's queries q [B, T, H, K] (after RoPE) at ``positions``
-        [B, T] (``valid`` [B, T]) under ``policy`` (the ``kvjax.eviction.Policy``)."""
+        """One layer's statistics after the step's queries q [B, T, H, K] (after RoPE) at
+        ``positions`` [B, T] (``valid`` [B, T]) under ``policy`` (the ``kvjax.eviction.Policy``)."""
         return stats
 
-    def priority(self, policy, state: jax.Array, pos: jax.Array, unprotected: jax.Array,
-                 k: jax.Array | None, v: jax.Array | None, order: jax.Array, stats,
-                 seen: jax.Array) -> jax.Array:
+    def priority(
+        self,
+        policy,
+        state: jax.Array,
+        pos: jax.Array,
+        unprotected: jax.Array,
+        k: jax.Array | None,
+        v: jax.Array | None,
+        order: jax.Array,
+        stats,
+        seen: jax.Array,
+    ) -> jax.Array:
         """[B, Hk, S] float32 priority (higher = kept) of the unprotected valid slots of one layer.
 
-        policy: the ``kvjax.eviction.Policy``;
-        state: [B, Hk, G, S] the per-slot state;
-        pos: [B, Hk, S] positions (-1 = empty);
-        unprotected: [B, Hk, S] valid and evictable;
-        k, v: [B, Hk, S, K] the cached keys and values (read by ``reads_kv`` scorers and CAOTE);
-        order: [B, Hk, S] the slots by position (for pooling);
-        stats: this layer's ``observe`` statistics;
-        seen: [B] one past the newest position.
+        Args:
+            policy: the ``kvjax.eviction.Policy``.
+            state: [B, Hk, G, S] the per-slot state.
+            pos: [B, Hk, S] positions (-1 = empty).
+            unprotected: [B, Hk, S] valid and evictable.
+            k, v: [B, Hk, S, K] the cached keys and values (read by ``reads_kv`` scorers and
+                CAOTE).
+            order: [B, Hk, S] the slots by position (for pooling).
+            stats: this layer's ``observe`` statistics.
+            seen: [B] one past the newest position.
 
         The default: the scores aggregate the query heads, then pool. (A modifier may wrap this:
         ``kvjax.eviction.modifiers.Modifier.priority``.)

@@ -1,15 +1,16 @@
-"""Expected Attention (Devoto et al. 2025; NVIDIA kvpress ``ExpectedAttentionPress``): the attention
-future queries are expected to pay each token, from the statistics of the queries seen so far.
+"""Expected Attention (Devoto et al. 2025; NVIDIA kvpress ``ExpectedAttentionPress``): the
+attention future queries are expected to pay each token, from the statistics of the queries seen so
+far.
 
-The queries before RoPE of every token past the sinks are modelled as a Gaussian N(μ, Σ) per query head,
-rotated by the mean RoPE rotation R̄ of the next ``n_future`` positions. A key k gets the expected logit
-μ̃·k/√d + kᵀΣ̃k/(2d) (μ̃ = R̄μ, Σ̃ = R̄ΣR̄ᵀ); a softmax over the cached keys past the sinks turns those
-into expected attention; the query heads of a KV head are aggregated; the result is scaled by ‖v‖
-(+ ``epsilon`` first). The priority is the logarithm of that score, computed without forming it: the
-same order as kvpress's score wherever that does not underflow (in float32 or bfloat16 the
-probabilities of far-off tokens round to 0 and tie); pooling and chunk means act on the logarithms.
-Query-agnostic, no scoring pass: the statistics (sums of the queries and of their outer products) grow
-with every query the model runs, prompt and decoding alike.
+The queries before RoPE of every token past the sinks are modelled as a Gaussian N(μ, Σ) per query
+head, rotated by the mean RoPE rotation R̄ of the next ``n_future`` positions. A key k gets the
+expected logit μ̃·k/√d + kᵀΣ̃k/(2d) (μ̃ = R̄μ, Σ̃ = R̄ΣR̄ᵀ); a softmax over the cached keys past the
+sinks turns those into expected attention; the query heads of a KV head are aggregated; the result
+is scaled by ‖v‖ (+ ``epsilon`` first). The priority is the logarithm of that score, computed
+without forming it: the same order as kvpress's score wherever that does not underflow (in float32
+or bfloat16 the probabilities of far-off tokens round to 0 and tie); pooling and chunk means act on
+the logarithms. Query-agnostic, no scoring pass: the statistics (sums of the queries and of their
+outer products) grow with every query the model runs, prompt and decoding alike.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from kvjax.model.rope import apply_rope, inverse_frequencies
 class QueryStats:
     """Statistics of the queries before RoPE, per layer and query head, float32.
 
-    count: [L, B] queries summed;
-    q_sum: [L, B, Hk, G, K] their sum;
-    qq_sum: [L, B, Hk, G, K, K] the sum of their outer products;
-    inv_freq: [L, K/2] the model's RoPE frequencies (the same in every layer).
+    Fields:
+        count: [L, B] queries summed.
+        q_sum: [L, B, Hk, G, K] their sum.
+        qq_sum: [L, B, Hk, G, K, K] the sum of their outer products.
+        inv_freq: [L, K/2] the model's RoPE frequencies (the same in every layer).
     """
 
     count: jax.Array
@@ -40,14 +42,22 @@ class QueryStats:
     qq_sum: jax.Array
     inv_freq: jax.Array
 
-    AXES = dict(count=("layers", "batch"), q_sum=("layers", "batch", "kv_heads", "group", "head_dim"),
-                qq_sum=("layers", "batch", "kv_heads", "group", "head_dim", None),
-                inv_freq=("layers", None))
+    AXES = dict(
+        count=("layers", "batch"),
+        q_sum=("layers", "batch", "kv_heads", "group", "head_dim"),
+        qq_sum=("layers", "batch", "kv_heads", "group", "head_dim", None),
+        inv_freq=("layers", None),
+    )
 
 
 def mean_rotation(inv_freq: jax.Array, start: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-    """The mean over positions ``start … start + n − 1`` of RoPE's cos and sin, [B, K] each (the rotation
-    R̄ x = cos ⊙ x + sin ⊙ rotate_half(x)). inv_freq: [K/2]; start: [B]."""
+    """The mean over positions ``start … start + n − 1`` of RoPE's cos and sin, [B, K] each (the
+    rotation R̄ x = cos ⊙ x + sin ⊙ rotate_half(x)).
+
+    Args:
+        inv_freq: [K/2].
+        start: [B].
+    """
     angles = (start[:, None, None] + jnp.arange(n)[None, :, None]).astype(jnp.float32) * inv_freq
     angles = jnp.concatenate([angles, angles], -1)  # [B, n, K]
     return jnp.cos(angles).mean(1), jnp.sin(angles).mean(1)
@@ -65,13 +75,21 @@ def rotation_matrix(cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class ExpectedAttention(Base):
-    """n_future: future positions the rotation is averaged over; covariance: use Σ; vnorm: scale by ‖v‖;
-    epsilon: added to the expected attention before the scaling (kvpress's defaults)."""
+    """Expected Attention (kvpress's defaults).
+
+    Fields:
+        n_future: future positions the rotation is averaged over.
+        covariance: use Σ.
+        vnorm: scale by ‖v‖.
+        epsilon: added to the expected attention before the scaling.
+    """
 
     name = "expected-attention"
-    description = ("Expected Attention: the softmax of the expected logit of future queries, a Gaussian fitted "
-                   "to the queries seen so far (past the sinks) and rotated to the next 512 positions, "
-                   "times ‖v‖; no scoring pass")
+    description = (
+        "Expected Attention: the softmax of the expected logit of future queries, a Gaussian "
+        "fitted to the queries seen so far (past the sinks) and rotated to the next 512 "
+        "positions, times ‖v‖; no scoring pass"
+    )
     modifiers = ()
     reads_kv = True
 
@@ -84,20 +102,26 @@ class ExpectedAttention(Base):
         L, Hk, G, K = cfg.n_layers, cfg.n_kv_heads, cfg.group_size, cfg.head_dim
         f32 = jnp.float32
         inv_freq = jnp.broadcast_to(jnp.asarray(inverse_frequencies(cfg)), (L, K // 2))
-        return QueryStats(count=jnp.zeros((L, batch), f32), q_sum=jnp.zeros((L, batch, Hk, G, K), f32),
-                          qq_sum=jnp.zeros((L, batch, Hk, G, K, K), f32), inv_freq=inv_freq)
+        return QueryStats(
+            count=jnp.zeros((L, batch), f32),
+            q_sum=jnp.zeros((L, batch, Hk, G, K), f32),
+            qq_sum=jnp.zeros((L, batch, Hk, G, K, K), f32),
+            inv_freq=inv_freq,
+        )
 
     def observe(self, stats: QueryStats, q, positions, valid, policy) -> QueryStats:
-        """Adds the queries at positions >= ``n_sink`` (kvpress drops the first hidden states as outliers),
-        un-rotated by RoPE."""
+        """Adds the queries at positions >= ``n_sink`` (kvpress drops the first hidden states as
+        outliers), un-rotated by RoPE."""
         B, T, H, K = q.shape
         Hk = stats.q_sum.shape[1]
         raw = apply_rope(q.astype(jnp.float32), -positions, stats.inv_freq)
         take = (valid & (positions >= policy.n_sink)).astype(jnp.float32)  # [B, T]
         raw = (raw * take[:, :, None, None]).reshape(B, T, Hk, H // Hk, K)
-        return stats.replace(count=stats.count + take.sum(-1),
-                             q_sum=stats.q_sum + raw.sum(1),
-                             qq_sum=stats.qq_sum + jnp.einsum("bthgi,bthgj->bhgij", raw, raw))
+        return stats.replace(
+            count=stats.count + take.sum(-1),
+            q_sum=stats.q_sum + raw.sum(1),
+            qq_sum=stats.qq_sum + jnp.einsum("bthgi,bthgj->bhgij", raw, raw),
+        )
 
     def priority(self, policy, state, pos, unprotected, k, v, order, stats: QueryStats, seen):
         K = k.shape[-1]
@@ -110,7 +134,8 @@ class ExpectedAttention(Base):
             cov = stats.qq_sum / n[..., None] - mean[..., :, None] * mean[..., None, :]
             cov = jnp.einsum("bij,bhgjl,bml->bhgim", rot, cov, rot)
             logits += jnp.einsum("bhsi,bhgim,bhsm->bhgs", kf, cov, kf) / (2 * K)
-        scored = (pos >= policy.n_sink)[:, :, None, :]  # the softmax runs over the keys past the sinks
+        # the softmax runs over the keys past the sinks
+        scored = (pos >= policy.n_sink)[:, :, None, :]
         log_p = jax.nn.log_softmax(jnp.where(scored, logits, -jnp.inf), axis=-1)
         prio = log_aggregate(policy.aggregate, jnp.where(scored, log_p, -jnp.inf))
         if self.vnorm:

@@ -1,9 +1,9 @@
-"""MomentKV's statistics of the evicted tokens (``Moments``) and its moment-informed eviction (MI) on one layer's
-slice. Its normalization-corrected attention (NC) is part of the attention kernels' semantics:
-``kvjax.kernels.decode_attention.reference.corrected_attention``.
+"""MomentKV's statistics of the evicted tokens (``Moments``) and its moment-informed eviction (MI)
+on one layer's slice. Its normalization-corrected attention (NC) is part of the attention kernels'
+semantics: ``kvjax.kernels.decode_attention.reference.corrected_attention``.
 
-Statistics per (row, KV head) of the evicted set E: n = |E|, s_k = Σ k, s_v = Σ v, S = Σ v kᵀ. Means
-k̄ = s_k/n, v̄ = s_v/n; centred S̃ = S − s_v s_kᵀ/n (MomentKV Eq. 9).
+Statistics per (row, KV head) of the evicted set E: n = |E|, s_k = Σ k, s_v = Σ v, S = Σ v kᵀ.
+Means k̄ = s_k/n, v̄ = s_v/n; centred S̃ = S − s_v s_kᵀ/n (MomentKV Eq. 9).
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from kvjax.slots import max_slots
 class Moments:
     """Statistics of the evicted tokens per (layer, row, KV head), float32.
 
-    count: [L, B, Hk]; k_sum, v_sum: [L, B, Hk, K]; vk_sum: [L, B, Hk, K, K] with [i, j] = Σ v_i k_j.
+    Fields:
+        count: [L, B, Hk].
+        k_sum, v_sum: [L, B, Hk, K].
+        vk_sum: [L, B, Hk, K, K] with [i, j] = Σ v_i k_j.
     """
 
     count: jax.Array
@@ -27,44 +30,58 @@ class Moments:
     v_sum: jax.Array
     vk_sum: jax.Array
 
-    AXES = dict(count=("layers", "batch", "kv_heads"), k_sum=("layers", "batch", "kv_heads", "head_dim"),
-                v_sum=("layers", "batch", "kv_heads", "head_dim"),
-                vk_sum=("layers", "batch", "kv_heads", "head_dim", "head_dim"))
+    AXES = dict(
+        count=("layers", "batch", "kv_heads"),
+        k_sum=("layers", "batch", "kv_heads", "head_dim"),
+        v_sum=("layers", "batch", "kv_heads", "head_dim"),
+        vk_sum=("layers", "batch", "kv_heads", "head_dim", "head_dim"),
+    )
 
     @classmethod
     def zeros(cls, lead: tuple[int, ...], head_dim: int) -> Moments:
         """Empty statistics for the leading axes ``lead`` (e.g. (L, B, Hk))."""
         f32 = jnp.float32
-        return cls(count=jnp.zeros(lead, f32), k_sum=jnp.zeros(lead + (head_dim,), f32),
-                   v_sum=jnp.zeros(lead + (head_dim,), f32), vk_sum=jnp.zeros(lead + (head_dim, head_dim), f32))
+        return cls(
+            count=jnp.zeros(lead, f32),
+            k_sum=jnp.zeros(lead + (head_dim,), f32),
+            v_sum=jnp.zeros(lead + (head_dim,), f32),
+            vk_sum=jnp.zeros(lead + (head_dim, head_dim), f32),
+        )
 
     def add(self, weight: jax.Array, k: jax.Array, v: jax.Array) -> Moments:
         """Add tokens k, v [B, Hk, E, K] with 0/1 weight [B, Hk, E] (one layer's slice)."""
         k, v = k.astype(jnp.float32), v.astype(jnp.float32)
-        return Moments(count=self.count + weight.sum(-1),
-                       k_sum=self.k_sum + jnp.einsum("bhe,bhek->bhk", weight, k),
-                       v_sum=self.v_sum + jnp.einsum("bhe,bhek->bhk", weight, v),
-                       vk_sum=self.vk_sum + jnp.einsum("bhe,bhei,bhej->bhij", weight, v, k))
+        return Moments(
+            count=self.count + weight.sum(-1),
+            k_sum=self.k_sum + jnp.einsum("bhe,bhek->bhk", weight, k),
+            v_sum=self.v_sum + jnp.einsum("bhe,bhek->bhk", weight, v),
+            vk_sum=self.vk_sum + jnp.einsum("bhe,bhei,bhej->bhij", weight, v, k),
+        )
 
 
 LAYER_CHUNK = 5  # layers whose moment-informed eviction loops run together in a long loop
-LONG_LOOP = 64  # more evictions than this per (layer, row, KV head): a prefill's, not a decoding step's
+# more evictions than this per (layer, row, KV head): a prefill's, not a decoding step's
+LONG_LOOP = 64
 SCREEN = 4  # candidates of lowest screening score that are scored exactly
-FLOOR = 2.0**-16  # bounds the screening sums' rounding relative to their terms (measured: under 2**-19)
+# bounds the screening sums' rounding relative to their terms
+FLOOR = 2.0**-16
 TIE = 1e-6  # relative: exact scores this close are a tie (a few float32 ulps)
 
 
 def over_layers(fn, xs, max_evict: int):
-    """``fn`` over the leading (layer) axis of the pytree ``xs``: every layer at once (vmap), or, when more than
-    ``LONG_LOOP`` evictions run, ``LAYER_CHUNK`` layers at a time, so that a chunk's keys and values stay in the
-    CPU's cache through the loop's steps (2K prompt to 128: 14.8 s all at once, 9.7 s by 5)."""
-    return jax.lax.map(fn, xs, batch_size=LAYER_CHUNK) if max_evict > LONG_LOOP else jax.vmap(fn)(xs)
+    """``fn`` over the leading (layer) axis of the pytree ``xs``: every layer at once (vmap), or,
+    when more than ``LONG_LOOP`` evictions run, ``LAYER_CHUNK`` layers at a time, so that a chunk's
+    keys and values stay in the CPU's cache through the loop's steps."""
+    return (
+        jax.lax.map(fn, xs, batch_size=LAYER_CHUNK) if max_evict > LONG_LOOP else jax.vmap(fn)(xs)
+    )
 
 
 def lowest_slots(score: jax.Array, pos: jax.Array, n: int) -> jax.Array:
-    """The ``n`` slots [..., n] of lowest finite ``score`` [..., S] in ``pos`` order (of those tied at the n-th
-    lowest value, the earliest; the first repeated when fewer are finite). Min-reductions only: XLA's CPU argmin
-    is ~14× slower than a min, and ``lax.top_k`` makes a mesh gather the scores."""
+    """The ``n`` slots [..., n] of lowest finite ``score`` [..., S] in ``pos`` order (of those tied
+    at the n-th lowest value, the earliest; the first repeated when fewer are finite).
+    Min-reductions only: XLA's CPU argmin is slower than a min, and ``lax.top_k`` makes a mesh
+    gather the scores."""
     slot, last, size = jnp.arange(score.shape[-1]), jnp.iinfo(jnp.int32).max, score.shape[-1]
     bound = score.min(-1, keepdims=True)
     for _ in range(n - 1):  # the n-th lowest value
@@ -81,40 +98,76 @@ def lowest_slots(score: jax.Array, pos: jax.Array, n: int) -> jax.Array:
     return jnp.where(chosen == size, chosen[..., :1], chosen)
 
 
-def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict: jax.Array, k: jax.Array,
-                             v: jax.Array, pos: jax.Array, moments, zeroth: bool, max_evict: int,
-                             batch: int = 1) -> jax.Array:
+def moment_informed_eviction(
+    priority: jax.Array,
+    candidates: jax.Array,
+    n_evict: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    pos: jax.Array,
+    moments,
+    zeroth: bool,
+    max_evict: int,
+    batch: int = 1,
+) -> jax.Array:
     """Algorithm 1's eviction loop: evict the candidate of lowest ``priority · ‖r_j‖`` with
-    r_j = v_j − v̄ − S̃ k_j/(n√d) (r_j = v_j − v̄ if zeroth; r_j = v_j while nothing is evicted), add it to the
-    statistics, then choose the next. Ties evict the earlier position. MI uses S̃ without the App. C.2 clamp,
-    which guards S̃ q in the correction.
+    r_j = v_j − v̄ − S̃ k_j/(n√d) (r_j = v_j − v̄ if zeroth; r_j = v_j while nothing is evicted),
+    add it to the statistics, then choose the next. Ties evict the earlier position. MI uses S̃
+    without the App. C.2 clamp, which guards S̃ q in the correction.
 
-    priority, candidates, pos: [B, Hk, S]; n_evict: [B, Hk] tokens to evict; k, v: [B, Hk, S, K]; moments: one
-    layer's Moments; max_evict: static bound on n_evict. Returns the evicted mask [B, Hk, S].
+    Args:
+        priority, candidates, pos: [B, Hk, S].
+        n_evict: [B, Hk] tokens to evict.
+        k, v: [B, Hk, S, K].
+        moments: one layer's Moments.
+        max_evict: static bound on n_evict.
 
-    ‖r_j‖² is kept as per-candidate scalars: with A = S̃/(n√d) = (S − v̄ s_kᵀ)/(n√d) and m_j = s_k·k_j,
-    ‖r_j‖² = ‖v_j‖² − 2 v̄·v_j + ‖v̄‖² + ‖A k_j‖² − 2 v_j·A k_j + 2 v̄·A k_j, whose terms need only m_j,
-    v_jᵀS k_j, ‖S k_j‖², s_v·v_j and v̄·S k_j; an eviction updates them with one pass over the keys (by k_e,
-    Sᵀv_e and the next Sᵀv̄) and one over the values (by v_e), so a step reads K and V once and writes nothing
-    of size S·K. Those terms cancel, so the scalars only screen: the ``SCREEN`` candidates of lowest lower
-    bound (the sum less its rounding, ``FLOOR``) are scored from their vectors, and exact scores within ``TIE``
-    are a tie, so that equal tokens evict alike on any mesh. The rule is exact unless more than ``SCREEN``
-    candidates are within rounding of the lowest (then the earliest of those are scored). The loop stops when
-    every (row, KV head) has evicted its ``n_evict``. With ``max_evict`` = 1 (a decoding step) every candidate is
-    scored from its vectors at once: no screening and no loop.
+    Returns the evicted mask [B, Hk, S].
+
+    ‖r_j‖² is kept as per-candidate scalars: with A = S̃/(n√d) = (S − v̄ s_kᵀ)/(n√d) and
+    m_j = s_k·k_j, ‖r_j‖² = ‖v_j‖² − 2 v̄·v_j + ‖v̄‖² + ‖A k_j‖² − 2 v_j·A k_j + 2 v̄·A k_j, whose
+    terms need only m_j, v_jᵀS k_j, ‖S k_j‖², s_v·v_j and v̄·S k_j; an eviction updates them with
+    one pass over the keys (by k_e, Sᵀv_e and the next Sᵀv̄) and one over the values (by v_e), so a
+    step reads K and V once and writes nothing of size S·K. Those terms cancel, so the scalars only
+    screen: the ``SCREEN`` candidates of lowest lower bound (the sum less its rounding, ``FLOOR``)
+    are scored from their vectors, and exact scores within ``TIE`` are a tie, so that equal tokens
+    evict alike on any mesh. The rule is exact unless more than ``SCREEN`` candidates are within
+    rounding of the lowest (then the earliest of those are scored). The loop stops when every (row,
+    KV head) has evicted its ``n_evict``. With ``max_evict`` = 1 (a decoding step) every candidate
+    is scored from its vectors at once: no screening and no loop.
 
     batch > 1 (``mi_batch``), a faster approximation when a prefill evicts thousands of tokens:
     ``_batched_eviction``.
     """
     if batch > 1:
-        return _batched_eviction(priority, candidates, n_evict, k, v, pos, moments, zeroth, max_evict, batch)
+        return _batched_eviction(
+            priority, candidates, n_evict, k, v, pos, moments, zeroth, max_evict, batch
+        )
     f32 = jnp.float32
-    if max_evict == 1:  # a decoding step: every candidate scored from its vectors, nothing to screen or update
-        score = jnp.where(candidates, _exact_scores(priority, k.astype(f32), v.astype(f32), moments.count,
-                                                    moments.k_sum, moments.v_sum, moments.vk_sum, zeroth), jnp.inf)
+    # a decoding step: every candidate scored from its vectors, nothing to screen or update
+    if max_evict == 1:
+        score = jnp.where(
+            candidates,
+            _exact_scores(
+                priority,
+                k.astype(f32),
+                v.astype(f32),
+                moments.count,
+                moments.k_sum,
+                moments.v_sum,
+                moments.vk_sum,
+                zeroth,
+            ),
+            jnp.inf,
+        )
         tied = _tied_with_lowest(score)  # the earliest position among them, as the loop chooses
         first = jnp.where(tied, pos, jnp.iinfo(jnp.int32).max).min(-1, keepdims=True)
-        return tied & (pos == first) & (n_evict > 0)[..., None] & jnp.isfinite(score.min(-1, keepdims=True))
+        return (
+            tied
+            & (pos == first)
+            & (n_evict > 0)[..., None]
+            & jnp.isfinite(score.min(-1, keepdims=True))
+        )
     kf, vf = k.astype(f32), v.astype(f32)
     root_d = jnp.sqrt(f32(k.shape[-1]))
 
@@ -123,17 +176,24 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
 
     sk = jnp.einsum("bhij,bhsj->bhsi", moments.vk_sum, kf)  # S k_j, once
     vv = jnp.einsum("bhsk,bhsk->bhs", vf, vf)  # ‖v_j‖²
-    init = dict(evicted=jnp.zeros(priority.shape, bool), done=jnp.zeros_like(n_evict), count=moments.count,
-                k_sum=moments.k_sum, v_sum=moments.v_sum, S=moments.vk_sum, step=jnp.int32(0),
-                m=jnp.einsum("bhk,bhsk->bhs", moments.k_sum, kf),  # s_k·k_j
-                vSk=jnp.einsum("bhsk,bhsk->bhs", vf, sk),  # v_jᵀ S k_j
-                Sk2=jnp.einsum("bhsk,bhsk->bhs", sk, sk),  # ‖S k_j‖²
-                sv=jnp.einsum("bhk,bhsk->bhs", moments.v_sum, vf),  # s_v·v_j
-                g=jnp.einsum("bhi,bhsi->bhs", mean(moments.count, moments.v_sum), sk))  # v̄·S k_j
+    init = dict(
+        evicted=jnp.zeros(priority.shape, bool),
+        done=jnp.zeros_like(n_evict),
+        count=moments.count,
+        k_sum=moments.k_sum,
+        v_sum=moments.v_sum,
+        S=moments.vk_sum,
+        step=jnp.int32(0),
+        m=jnp.einsum("bhk,bhsk->bhs", moments.k_sum, kf),  # s_k·k_j
+        vSk=jnp.einsum("bhsk,bhsk->bhs", vf, sk),  # v_jᵀ S k_j
+        Sk2=jnp.einsum("bhsk,bhsk->bhs", sk, sk),  # ‖S k_j‖²
+        sv=jnp.einsum("bhk,bhsk->bhs", moments.v_sum, vf),  # s_v·v_j
+        g=jnp.einsum("bhi,bhsi->bhs", mean(moments.count, moments.v_sum), sk),  # v̄·S k_j
+    )
 
     def screening_score(c):
-        """A lower bound of priority · ‖r_j‖ from the scalars: ‖r_j‖² less ``FLOOR`` × the sum of its terms'
-        magnitudes, which bounds the rounding of their cancelling sum."""
+        """A lower bound of priority · ‖r_j‖ from the scalars: ‖r_j‖² less ``FLOOR`` × the sum of
+        its terms' magnitudes, which bounds the rounding of their cancelling sum."""
         n = jnp.maximum(c["count"], 1.0)[..., None]
         v_bar = mean(c["count"], c["v_sum"])
         vb2 = jnp.einsum("bhk,bhk->bh", v_bar, v_bar)[..., None]
@@ -142,22 +202,39 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
         if not zeroth:
             a = 1.0 / (n * root_d)
             m, g = c["m"], c["g"]
-            r2 = r2 + a * a * (c["Sk2"] - 2.0 * m * g + m * m * vb2) - 2.0 * a * (c["vSk"] - m * vbv) \
+            r2 = (
+                r2
+                + a * a * (c["Sk2"] - 2.0 * m * g + m * m * vb2)
+                - 2.0 * a * (c["vSk"] - m * vbv)
                 + 2.0 * a * (g - m * vb2)
-            size = size + a * a * (c["Sk2"] + 2.0 * jnp.abs(m * g) + m * m * vb2) \
+            )
+            size = (
+                size
+                + a * a * (c["Sk2"] + 2.0 * jnp.abs(m * g) + m * m * vb2)
                 + 2.0 * a * (jnp.abs(c["vSk"]) + jnp.abs(m * vbv) + jnp.abs(g) + jnp.abs(m) * vb2)
+            )
         r2 = jnp.where((c["count"] > 0)[..., None], r2 - FLOOR * size, vv)
         return priority * jnp.sqrt(jnp.maximum(r2, 0.0))
 
     def exact_score(c, screened):
-        """priority · ‖r_j‖ of the screened slots [B, Hk, M] from the vectors themselves (no cancellation)."""
+        """priority · ‖r_j‖ of the screened slots [B, Hk, M] from the vectors themselves (no
+        cancellation)."""
         k_s, v_s = (jnp.take_along_axis(x, screened[..., None], axis=2) for x in (kf, vf))
-        return _exact_scores(jnp.take_along_axis(priority, screened, -1), k_s, v_s, c["count"], c["k_sum"],
-                             c["v_sum"], c["S"], zeroth)
+        return _exact_scores(
+            jnp.take_along_axis(priority, screened, -1),
+            k_s,
+            v_s,
+            c["count"],
+            c["k_sum"],
+            c["v_sum"],
+            c["S"],
+            zeroth,
+        )
 
     def step(c):
         score = jnp.where(candidates & ~c["evicted"], screening_score(c), jnp.inf)
-        # the scalars screen (their terms cancel: a bound, not a score); the lowest few are scored exactly
+        # the scalars screen (their terms cancel: a bound, not a score); the lowest few are scored
+        # exactly
         screened = lowest_slots(score, pos, SCREEN)
         finite = jnp.isfinite(jnp.take_along_axis(score, screened, -1))
         exact = jnp.where(finite, exact_score(c, screened), jnp.inf)
@@ -170,15 +247,33 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
         v_e = jnp.take_along_axis(vf, chosen[..., None], axis=2)[:, :, 0] * w
         S = c["S"] + v_e[..., :, None] * k_e[..., None, :]
         count, v_sum = c["count"] + w[..., 0], c["v_sum"] + v_e
-        # one pass over the keys: k_e·k_j, (Sᵀ v_e)·k_j = v_e·S k_j (S before), (Sᵀ v̄)·k_j = v̄·S k_j (after)
-        by = jnp.stack([k_e, jnp.einsum("bhij,bhi->bhj", c["S"], v_e),
-                        jnp.einsum("bhij,bhi->bhj", S, mean(count, v_sum))], 2)
+        # one pass over the keys: k_e·k_j, (Sᵀ v_e)·k_j = v_e·S k_j (S before),
+        # (Sᵀ v̄)·k_j = v̄·S k_j (after)
+        by = jnp.stack(
+            [
+                k_e,
+                jnp.einsum("bhij,bhi->bhj", c["S"], v_e),
+                jnp.einsum("bhij,bhi->bhj", S, mean(count, v_sum)),
+            ],
+            2,
+        )
         kk, vSk_e, g = jnp.moveaxis(jnp.einsum("bhsk,bhxk->bhsx", kf, by), -1, 0)
         vd = jnp.einsum("bhsk,bhk->bhs", vf, v_e)  # v_e·v_j, the one pass over the values
         ve2 = jnp.einsum("bhk,bhk->bh", v_e, v_e)[..., None]
-        return dict(evicted=max_slots(c["evicted"], chosen, take[..., None]), done=c["done"] + take, count=count,
-                    k_sum=c["k_sum"] + k_e, v_sum=v_sum, S=S, step=c["step"] + 1, m=c["m"] + kk,
-                    vSk=c["vSk"] + vd * kk, Sk2=c["Sk2"] + 2.0 * kk * vSk_e + kk * kk * ve2, sv=c["sv"] + vd, g=g)
+        return dict(
+            evicted=max_slots(c["evicted"], chosen, take[..., None]),
+            done=c["done"] + take,
+            count=count,
+            k_sum=c["k_sum"] + k_e,
+            v_sum=v_sum,
+            S=S,
+            step=c["step"] + 1,
+            m=c["m"] + kk,
+            vSk=c["vSk"] + vd * kk,
+            Sk2=c["Sk2"] + 2.0 * kk * vSk_e + kk * kk * ve2,
+            sv=c["sv"] + vd,
+            g=g,
+        )
 
     def pending(c):
         return (c["step"] < max_evict) & jnp.any(c["done"] < n_evict)
@@ -187,15 +282,16 @@ def moment_informed_eviction(priority: jax.Array, candidates: jax.Array, n_evict
 
 
 def _tied_with_lowest(score: jax.Array) -> jax.Array:
-    """Where ``score`` [..., M] is within ``TIE`` of its lowest: equal tokens under equal priorities tie exactly
-    but round apart when read at other slots."""
+    """Where ``score`` [..., M] is within ``TIE`` of its lowest: equal tokens under equal priorities
+    tie exactly but round apart when read at other slots."""
     lowest = score.min(-1, keepdims=True)
     return score <= lowest + TIE * jnp.abs(lowest)
 
 
 def _exact_scores(priority, k, v, count, k_sum, v_sum, S, zeroth: bool) -> jax.Array:
-    """priority · ‖r_j‖ [B, Hk, M] of the slots whose keys and values are k, v [B, Hk, M, K] (float32) under the
-    statistics count [B, Hk], k_sum, v_sum [B, Hk, K], S [B, Hk, K, K], from the vectors (no cancellation)."""
+    """priority · ‖r_j‖ [B, Hk, M] of the slots whose keys and values are k, v [B, Hk, M, K]
+    (float32) under the statistics count [B, Hk], k_sum, v_sum [B, Hk, K], S [B, Hk, K, K], from the
+    vectors (no cancellation)."""
     v_bar = (v_sum / jnp.maximum(count, 1.0)[..., None])[:, :, None]
     r = v - v_bar
     if not zeroth:
@@ -206,11 +302,22 @@ def _exact_scores(priority, k, v, count, k_sum, v_sum, S, zeroth: bool) -> jax.A
     return priority * jnp.linalg.norm(r, axis=-1)
 
 
-def _batched_eviction(priority: jax.Array, candidates: jax.Array, n_evict: jax.Array, k: jax.Array, v: jax.Array,
-                      pos: jax.Array, moments, zeroth: bool, max_evict: int, batch: int) -> jax.Array:
-    """``mi_batch`` > 1: per step, the ``batch`` candidates of lowest score under the current statistics are
-    evicted, then all added. S k_j and s_k·k_j are kept up to date by rank-``batch`` updates (a step costs
-    O(S·K·batch), fewer flops than the exact loop's scalar updates would need at this width)."""
+def _batched_eviction(
+    priority: jax.Array,
+    candidates: jax.Array,
+    n_evict: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    pos: jax.Array,
+    moments,
+    zeroth: bool,
+    max_evict: int,
+    batch: int,
+) -> jax.Array:
+    """``mi_batch`` > 1: per step, the ``batch`` candidates of lowest score under the current
+    statistics are evicted, then all added. S k_j and s_k·k_j are kept up to date by rank-``batch``
+    updates (a step costs O(S·K·batch), fewer flops than the exact loop's scalar updates would need
+    at this width)."""
     kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
     scale = jnp.sqrt(jnp.float32(k.shape[-1]))
     sk = jnp.einsum("bhij,bhsj->bhsi", moments.vk_sum, kf)  # S k_j
@@ -223,7 +330,9 @@ def _batched_eviction(priority: jax.Array, candidates: jax.Array, n_evict: jax.A
         if not zeroth:
             resid = resid - (sk - v_sum[:, :, None, :] * kk_sum[..., None] / n) / (n * scale)
         resid = jnp.where((count > 0)[..., None, None], resid, vf)
-        score = jnp.where(candidates & ~evicted, priority * jnp.linalg.norm(resid, axis=-1), jnp.inf)
+        score = jnp.where(
+            candidates & ~evicted, priority * jnp.linalg.norm(resid, axis=-1), jnp.inf
+        )
         index = jnp.broadcast_to(jnp.arange(k.shape[2]), pos.shape)
         chosen = jax.lax.sort((score, pos, index), dimension=-1, num_keys=2)[2][..., :batch]
         # [B, Hk, batch] chosen slots, of which the first ``take`` are evicted (the rest weigh 0)
@@ -233,8 +342,21 @@ def _batched_eviction(priority: jax.Array, candidates: jax.Array, n_evict: jax.A
         v_c = jnp.take_along_axis(vf, chosen[..., None], axis=2)
         dots = jnp.einsum("bhck,bhsk->bhsc", k_c, kf)  # w_c (k_c·k_j)
         evicted = max_slots(evicted, chosen, w > 0)
-        return (evicted, count + w.sum(-1), k_sum + k_c.sum(2), v_sum + jnp.einsum("bhc,bhck->bhk", w, v_c),
-                sk + jnp.einsum("bhsc,bhck->bhsk", dots, v_c), kk_sum + dots.sum(-1))
+        return (
+            evicted,
+            count + w.sum(-1),
+            k_sum + k_c.sum(2),
+            v_sum + jnp.einsum("bhc,bhck->bhk", w, v_c),
+            sk + jnp.einsum("bhsc,bhck->bhsk", dots, v_c),
+            kk_sum + dots.sum(-1),
+        )
 
-    init = (jnp.zeros(priority.shape, bool), moments.count, moments.k_sum, moments.v_sum, sk, kk_sum)
+    init = (
+        jnp.zeros(priority.shape, bool),
+        moments.count,
+        moments.k_sum,
+        moments.v_sum,
+        sk,
+        kk_sum,
+    )
     return jax.lax.fori_loop(0, -(-max_evict // batch), step, init)[0]

@@ -1,8 +1,10 @@
-"""The scorer grammar: every base, the names it makes with the modifiers and allocations, and aliases.
+"""The scorer grammar: every base, the names it makes with the modifiers and allocations, and
+aliases.
 
-A scorer name is a base (``BASES``), ``base+modifier`` (a modifier the base takes), or an alias, optionally
-prefixed by an allocation (``"adakv+snapkv+caote"``). ``SCORERS`` maps every valid name to what it computes;
-the error for an unknown name, the CLI help and the README's table come from here.
+A scorer name is a base (``BASES``), ``base+modifier`` (a modifier the base takes), or an alias,
+optionally prefixed by an allocation (``"adakv+snapkv+caote"``). ``SCORERS`` maps every valid name
+to what it computes; the error for an unknown name, the CLI help and the README's table come from
+here.
 """
 
 from __future__ import annotations
@@ -19,11 +21,30 @@ from kvjax.eviction.snapkv import SnapKV
 from kvjax.eviction.streamingllm import StreamingLLM
 from kvjax.eviction.tova import TOVA
 
-BASES: dict[str, Base] = {b.name: b for b in (StreamingLLM(), H2O(), H2OWindow(), TOVA(), SnapKV(), KVzip(),
-                                               KVzipHead(), ExpectedAttention())}
-ALIASES = {"momentkv": ("snapkv+momentkv", "MomentKV's own setting: SnapKV scoring, MI + NC"),
-           "adakv": ("adakv+snapkv", "AdaKV: SnapKV scoring, each layer's budget shared among its KV heads"),
-           "pyramidkv": ("pyramidkv+snapkv", "PyramidKV: SnapKV scoring, layer budgets decreasing with depth")}
+BASES: dict[str, Base] = {
+    b.name: b
+    for b in (
+        StreamingLLM(),
+        H2O(),
+        H2OWindow(),
+        TOVA(),
+        SnapKV(),
+        KVzip(),
+        KVzipHead(),
+        ExpectedAttention(),
+    )
+}
+ALIASES = {
+    "momentkv": ("snapkv+momentkv", "MomentKV's own setting: SnapKV scoring, MI + NC"),
+    "adakv": (
+        "adakv+snapkv",
+        "AdaKV: SnapKV scoring, each layer's budget shared among its KV heads",
+    ),
+    "pyramidkv": (
+        "pyramidkv+snapkv",
+        "PyramidKV: SnapKV scoring, layer budgets decreasing with depth",
+    ),
+}
 
 
 def _describe(base: str, modifier: str) -> str:
@@ -33,7 +54,12 @@ def _describe(base: str, modifier: str) -> str:
 
 SCORERS: dict[str, str] = (
     {base: _describe(base, "") for base in BASES}
-    | {f"{base}+{m}": _describe(base, m) for base, b in BASES.items() for m in MODIFIERS if m in b.modifiers}
+    | {
+        f"{base}+{m}": _describe(base, m)
+        for base, b in BASES.items()
+        for m in MODIFIERS
+        if m in b.modifiers
+    }
     | {alias: f"alias of `{full}` ({why})" for alias, (full, why) in ALIASES.items()}
 )
 """Every valid scorer name and what it computes."""
@@ -48,9 +74,11 @@ def split_name(name: str) -> tuple[str | None, str, str]:
         allocation, _, rest = name.partition("+")
     if not isinstance(rest, str) or rest not in SCORERS:
         names = sorted(n for n in SCORERS if n not in ALIASES)
-        raise ValueError(f"scorer={name!r} is unknown; valid scorers: {', '.join(names)}; aliases: "
-                         f"{', '.join(sorted(ALIASES))}; each may be prefixed by an allocation: "
-                         f"{', '.join(a + '+' for a in ALLOCATIONS if a != 'heads')}")
+        raise ValueError(
+            f"scorer={name!r} is unknown; valid scorers: {', '.join(names)}; aliases: "
+            f"{', '.join(sorted(ALIASES))}; each may be prefixed by an allocation: "
+            f"{', '.join(a + '+' for a in ALLOCATIONS if a != 'heads')}"
+        )
     full = ALIASES.get(rest, (rest,))[0]
     if full.partition("+")[0] in ALLOCATIONS:  # an alias that names its allocation
         if allocation is not None:

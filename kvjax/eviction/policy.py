@@ -1,5 +1,5 @@
-"""``Policy``: everything static about which tokens a cache keeps, and ``make_policy``, the one place where
-eviction settings are validated and the scorers' defaults filled in."""
+"""``Policy``: everything static about which tokens a cache keeps, and ``make_policy``, the one
+place where eviction settings are validated and the scorers' defaults filled in."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from kvjax.kernels import IMPLS
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Everything static about which tokens a cache keeps: the scorer, the budget, the protected slots.
+    """Everything static about which tokens a cache keeps: the scorer, the budget, the protected
+    slots.
 
     Fields:
         base: the base scorer's name (``BASES``).
@@ -30,8 +31,8 @@ class Policy:
         window: most recent tokens never evicted.
         obs_window: the scoring queries of "window" bases.
         pool, kernel: 1-D pooling of the priorities along positions.
-        aggregate: how the G query heads of a KV head combine ("layer": every query head of the layer,
-            the same tokens kept in every KV head).
+        aggregate: how the G query heads of a KV head combine ("layer": every query head of the
+            layer, the same tokens kept in every KV head).
         modifier: the modifier's name (``MODIFIERS``; "" = none).
         mi_batch: tokens MomentKV's moment-informed eviction removes per statistics update (1 =
             Algorithm 1's exact rule).
@@ -69,7 +70,8 @@ class Policy:
         return BASES[self.base]
 
     def query_weights(self, positions, valid, end):
-        """[B, T] float32 weights of a step's scoring queries, or None (``Base.scoring_weights``)."""
+        """[B, T] float32 weights of a step's scoring queries, or None
+        (``Base.scoring_weights``)."""
         return self.scorer.scoring_weights(positions, valid, end, self.obs_window)
 
     @property
@@ -126,7 +128,8 @@ class Policy:
 
     def total_budget(self, n_layers: int, n_kv_heads: int) -> int:
         """Tokens kept over every layer and KV head of a row after an eviction point."""
-        if self.allocation == "heads" and self.cap is not None:  # compressed: whole heads and reduced ones
+        # compressed: whole heads and reduced ones
+        if self.allocation == "heads" and self.cap is not None:
             reduced, heads = self.n_sink + self.window, n_layers * n_kv_heads
             full = whole_head_count(self.budget, reduced, self.cap, heads)
             return full * self.cap + (heads - full) * reduced
@@ -136,19 +139,35 @@ class Policy:
         """Errors that depend on the model: every layer's budget must exceed the protected slots."""
         low = min(self.layer_budgets(n_layers))
         if low <= self.n_sink + self.window:
-            raise ValueError(f"budget={self.budget} with allocation={self.allocation!r} gives layer "
-                             f"{self.layer_budgets(n_layers).index(low)} a budget of {low}, which must be larger "
-                             f"than n_sink + window = {self.n_sink} + {self.window}")
+            raise ValueError(
+                f"budget={self.budget} with allocation={self.allocation!r} gives layer "
+                f"{self.layer_budgets(n_layers).index(low)} a budget of {low}, which must be "
+                f"larger than n_sink + window = {self.n_sink} + {self.window}"
+            )
 
 
-def make_policy(scorer: str, budget: int, *, n_sink: int, window: int | None, obs_window: int, pool: str | None,
-                kernel: int, aggregate: str | None, mi_batch: int, impl: str | None, allocation: str | None,
-                floor: float | None, chunk: int, floor_mode: str) -> Policy:
-    """The validated ``Policy`` of the eviction keywords (``kvjax.runtime.options.EvictionOptions``, which holds their
-    defaults), with the scorer's own settings for what is left as None: window and pool the base's;
-    aggregate ``sum`` for OBCache as in its App. B.5, else ``mean`` as kvpress (the two rank identically);
-    allocation the name's prefix, else the base's (uniform but for KVzip); floor the base's, else the
-    allocation's."""
+def make_policy(
+    scorer: str,
+    budget: int,
+    *,
+    n_sink: int,
+    window: int | None,
+    obs_window: int,
+    pool: str | None,
+    kernel: int,
+    aggregate: str | None,
+    mi_batch: int,
+    impl: str | None,
+    allocation: str | None,
+    floor: float | None,
+    chunk: int,
+    floor_mode: str,
+) -> Policy:
+    """The validated ``Policy`` of the eviction keywords (``kvjax.runtime.options.EvictionOptions``,
+    which holds their defaults), with the scorer's own settings for what is left as None: window and
+    pool the base's; aggregate ``sum`` for OBCache as in its App. B.5, else ``mean`` as kvpress (the
+    two rank identically); allocation the name's prefix, else the base's (uniform but for KVzip);
+    floor the base's, else the allocation's."""
     named, base, modifier = split_name(scorer)
     spec = BASES[base]
     if allocation is not None and named is not None and allocation != named:
@@ -157,8 +176,10 @@ def make_policy(scorer: str, budget: int, *, n_sink: int, window: int | None, ob
     if allocation not in ALLOCATIONS:
         raise ValueError(f"allocation={allocation!r} must be one of {tuple(ALLOCATIONS)}")
     if (allocation == "heads") != (base == "kvzip-head"):
-        raise ValueError(f"allocation='heads' belongs to scorer 'kvzip-head' (got allocation={allocation!r} with "
-                         f"scorer={scorer!r})")
+        raise ValueError(
+            f"allocation='heads' belongs to scorer 'kvzip-head' (got allocation={allocation!r} "
+            f"with scorer={scorer!r})"
+        )
     if floor is None:
         own = spec.default_floor is not None and allocation == spec.default_allocation
         floor = spec.default_floor if own else ALLOCATIONS[allocation].default_floor
@@ -169,7 +190,12 @@ def make_policy(scorer: str, budget: int, *, n_sink: int, window: int | None, ob
     if not (isinstance(chunk, int) and chunk >= 1):
         raise ValueError(f"chunk={chunk!r} must be an integer >= 1")
     mod = MODIFIERS[modifier] if modifier else NO_MODIFIER
-    for name, value in (("budget", budget), ("obs_window", obs_window), ("kernel", kernel), ("mi_batch", mi_batch)):
+    for name, value in (
+        ("budget", budget),
+        ("obs_window", obs_window),
+        ("kernel", kernel),
+        ("mi_batch", mi_batch),
+    ):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
     if not (isinstance(n_sink, int) and n_sink >= 0):
@@ -179,7 +205,9 @@ def make_policy(scorer: str, budget: int, *, n_sink: int, window: int | None, ob
     if not (isinstance(window, int) and window >= 0):
         raise ValueError(f"window={window!r} must be an integer >= 0")
     if budget <= n_sink + window:
-        raise ValueError(f"budget={budget} must be larger than n_sink + window = {n_sink} + {window}")
+        raise ValueError(
+            f"budget={budget} must be larger than n_sink + window = {n_sink} + {window}"
+        )
     pool = spec.default_pool if pool is None else pool
     if pool not in POOLS:
         raise ValueError(f"pool={pool!r} must be one of {POOLS}")
@@ -189,15 +217,36 @@ def make_policy(scorer: str, budget: int, *, n_sink: int, window: int | None, ob
     if aggregate not in AGGREGATES:
         raise ValueError(f"aggregate={aggregate!r} must be one of {AGGREGATES}")
     if aggregate == "layer" and mod.mi:
-        raise ValueError(f"aggregate='layer' cannot be combined with {modifier!r}: its moment-informed eviction "
-                         "scores every KV head by its own statistics, so the heads' kept tokens diverge")
+        raise ValueError(
+            f"aggregate='layer' cannot be combined with {modifier!r}: its moment-informed eviction "
+            "scores every KV head by its own statistics, so the heads' kept tokens diverge"
+        )
     if mi_batch > 1 and not mod.mi:
-        raise ValueError(f"mi_batch={mi_batch} only applies to MomentKV's moment-informed eviction (scorers "
-                         f"ending in {', '.join('+' + m for m, s in MODIFIERS.items() if s.mi)})")
+        raise ValueError(
+            f"mi_batch={mi_batch} only applies to MomentKV's moment-informed eviction (scorers "
+            f"ending in {', '.join('+' + m for m, s in MODIFIERS.items() if s.mi)})"
+        )
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
     if aggregate == "layer" and ALLOCATIONS[allocation].shared is not None:
-        raise ValueError(f"aggregate='layer' keeps the same tokens in every KV head, which allocation="
-                         f"{allocation!r} shares unevenly among them")
-    return Policy(base, budget, n_sink, window, obs_window, pool, kernel, aggregate, modifier, mi_batch, impl,
-                  allocation, float(floor), chunk, floor_mode=floor_mode)
+        raise ValueError(
+            f"aggregate='layer' keeps the same tokens in every KV head, which allocation="
+            f"{allocation!r} shares unevenly among them"
+        )
+    return Policy(
+        base,
+        budget,
+        n_sink,
+        window,
+        obs_window,
+        pool,
+        kernel,
+        aggregate,
+        modifier,
+        mi_batch,
+        impl,
+        allocation,
+        float(floor),
+        chunk,
+        floor_mode=floor_mode,
+    )

@@ -1,6 +1,6 @@
-"""The math scorers share, per (row, KV head) of one layer: the aggregate over query heads, pooling along
-positions, chunk means, CAOTE's meta-score, and ``eviction_keys`` (protected and empty slots around the
-scorer's priority). The semantics are in ``docs/eviction.md``.
+"""The math scorers share, per (row, KV head) of one layer: the aggregate over query heads, pooling
+along positions, chunk means, CAOTE's meta-score, and ``eviction_keys`` (protected and empty slots
+around the scorer's priority). The semantics are in ``docs/eviction.md``.
 """
 
 from __future__ import annotations
@@ -19,32 +19,43 @@ POOLS = ("none", "max", "avg")
 def pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.Array) -> jax.Array:
     """1-D pooling of x [B, Hk, ..., S] along positions, among the ``present`` [B, Hk, S] slots.
 
-    ``order`` [B, Hk, S] lists the slots by position. In that order the present (unprotected) slots are one
-    contiguous run: valid slots come first, the sinks are a prefix and the recent window a suffix of them.
-    So a token's neighbours are the present tokens within ``kernel // 2`` places on either side; absent
-    ones are left out (``max``) or counted as 0 (``avg``, divided by ``kernel``). Absent entries of x are
-    returned unchanged.
+    ``order`` [B, Hk, S] lists the slots by position. In that order the present (unprotected) slots
+    are one contiguous run: valid slots come first, the sinks are a prefix and the recent window a
+    suffix of them. So a token's neighbours are the present tokens within ``kernel // 2`` places on
+    either side; absent ones are left out (``max``) or counted as 0 (``avg``, divided by
+    ``kernel``). Absent entries of x are returned unchanged.
     """
     extra = x.ndim - 3
     by_pos = order.reshape(order.shape[:2] + (1,) * extra + order.shape[2:])
-    present = jnp.broadcast_to(jnp.take_along_axis(present, order, -1).reshape(by_pos.shape), x.shape)
+    present = jnp.broadcast_to(
+        jnp.take_along_axis(present, order, -1).reshape(by_pos.shape), x.shape
+    )
     xs = jnp.take_along_axis(x, jnp.broadcast_to(by_pos, x.shape), -1)
     S = x.shape[-1]
     fill = -jnp.inf if kind == "max" else 0.0
     half = kernel // 2
-    padded = jnp.pad(jnp.where(present, xs, fill), [(0, 0)] * (x.ndim - 1) + [(half, kernel - 1 - half)],
-                     constant_values=fill)
-    shifted = [padded[..., i: i + S] for i in range(kernel)]
+    padded = jnp.pad(
+        jnp.where(present, xs, fill),
+        [(0, 0)] * (x.ndim - 1) + [(half, kernel - 1 - half)],
+        constant_values=fill,
+    )
+    shifted = [padded[..., i : i + S] for i in range(kernel)]
     pooled = functools.reduce(jnp.maximum, shifted) if kind == "max" else sum(shifted) / kernel
     pooled = jnp.where(present, pooled, xs)
-    rank = set_slots(jnp.zeros_like(order), order, jnp.broadcast_to(jnp.arange(S, dtype=order.dtype), order.shape))
+    rank = set_slots(
+        jnp.zeros_like(order),
+        order,
+        jnp.broadcast_to(jnp.arange(S, dtype=order.dtype), order.shape),
+    )
     return jnp.take_along_axis(pooled, jnp.broadcast_to(rank.reshape(by_pos.shape), x.shape), -1)
 
 
-def _chunk_mean(x: jax.Array, present: jax.Array, pos: jax.Array, order: jax.Array, chunk: int) -> jax.Array:
-    """x [B, Hk, S] with each ``present`` slot's value replaced by the mean over the present slots of its chunk
-    (positions ``c·chunk … (c+1)·chunk − 1``). A chunk's present slots lie within ``chunk − 1`` places of
-    each other in position order (``order`` [B, Hk, S])."""
+def _chunk_mean(
+    x: jax.Array, present: jax.Array, pos: jax.Array, order: jax.Array, chunk: int
+) -> jax.Array:
+    """x [B, Hk, S] with each ``present`` slot's value replaced by the mean over the present slots
+    of its chunk (positions ``c·chunk … (c+1)·chunk − 1``). A chunk's present slots lie within
+    ``chunk − 1`` places of each other in position order (``order`` [B, Hk, S])."""
     S = x.shape[-1]
     xs, ps = jnp.take_along_axis(x, order, -1), jnp.take_along_axis(present, order, -1)
     cs = jnp.where(ps, jnp.take_along_axis(pos, order, -1) // chunk, -1)
@@ -52,18 +63,22 @@ def _chunk_mean(x: jax.Array, present: jax.Array, pos: jax.Array, order: jax.Arr
     xp, cp = jnp.pad(jnp.where(ps, xs, 0.0), pad), jnp.pad(cs, pad, constant_values=-1)
     total, count = jnp.zeros_like(xs), jnp.zeros_like(xs)
     for i in range(2 * chunk - 1):
-        same = (cp[..., i: i + S] == cs) & ps
-        total, count = total + jnp.where(same, xp[..., i: i + S], 0.0), count + same
+        same = (cp[..., i : i + S] == cs) & ps
+        total, count = total + jnp.where(same, xp[..., i : i + S], 0.0), count + same
     mean = jnp.where(ps, total / jnp.maximum(count, 1), xs)
-    rank = set_slots(jnp.zeros_like(order), order, jnp.broadcast_to(jnp.arange(S, dtype=order.dtype), order.shape))
+    rank = set_slots(
+        jnp.zeros_like(order),
+        order,
+        jnp.broadcast_to(jnp.arange(S, dtype=order.dtype), order.shape),
+    )
     return jnp.take_along_axis(mean, rank, -1)
 
 
 def aggregate(how: str, per_head: jax.Array) -> jax.Array:
-    """[B, Hk, G, S] -> [B, Hk, S] by ``how`` (``AGGREGATES``). "layer" averages every query head of the
-    layer (TOVA's and kvpress's choice) and gives the mean to every KV head: their slots hold the same
-    positions (equal priorities make equal choices from the first eviction on), so every KV head keeps the
-    same tokens."""
+    """[B, Hk, G, S] -> [B, Hk, S] by ``how`` (``AGGREGATES``). "layer" averages every query head of
+    the layer (TOVA's and kvpress's choice) and gives the mean to every KV head: their slots hold
+    the same positions (equal priorities make equal choices from the first eviction on), so every KV
+    head keeps the same tokens."""
     if how == "layer":
         B, Hk, _, S = per_head.shape
         return jnp.broadcast_to(jnp.mean(per_head, axis=(1, 2))[:, None], (B, Hk, S))
@@ -71,7 +86,12 @@ def aggregate(how: str, per_head: jax.Array) -> jax.Array:
 
 
 def caote(h: jax.Array, v: jax.Array, valid: jax.Array, fast: bool) -> jax.Array:
-    """CAOTE meta-score per query head. h: [B, Hk, G, S] base scores; v: [B, Hk, S, K]; valid: [B, Hk, S].
+    """CAOTE meta-score per query head.
+
+    Args:
+        h: [B, Hk, G, S] base scores.
+        v: [B, Hk, S, K].
+        valid: [B, Hk, S].
 
     h is normalised to sum 1 over the valid slots; c_j = h_j/(1 − h_j) ‖m − v_j‖ with m = Σ h_i v_i
     (CAOTE) or the plain mean of the valid values (FastCAOTE).
@@ -81,24 +101,36 @@ def caote(h: jax.Array, v: jax.Array, valid: jax.Array, fast: bool) -> jax.Array
     h = h / jnp.maximum(h.sum(-1, keepdims=True), 1e-30)
     vf = v.astype(jnp.float32)
     if fast:
-        mix = (jnp.einsum("bhs,bhsk->bhk", valid.astype(jnp.float32), vf)
-               / jnp.maximum(valid.sum(-1), 1)[..., None])[:, :, None, :]
+        mix = (
+            jnp.einsum("bhs,bhsk->bhk", valid.astype(jnp.float32), vf)
+            / jnp.maximum(valid.sum(-1), 1)[..., None]
+        )[:, :, None, :]
     else:
         mix = jnp.einsum("bhgs,bhsk->bhgk", h, vf)
     dist = jnp.linalg.norm(mix[:, :, :, None, :] - vf[:, :, None, :, :], axis=-1)  # [B, Hk, G, S]
     return h / jnp.maximum(1.0 - h, 1e-12) * dist
 
 
-def eviction_keys(policy, state: jax.Array, pos: jax.Array, k: jax.Array | None, v: jax.Array | None,
-                  order: jax.Array, stats, seen: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One layer's eviction keys [B, Hk, S]: +inf for protected slots (the ``n_sink`` first and ``window``
-    most recent positions), -inf for empty ones, else the scorer's priority (with ``chunk`` > 1, the mean
-    over the slot's chunk). Also returns the priority and the unprotected mask [B, Hk, S]. Arguments as
-    ``kvjax.eviction.base.Base.priority``."""
+def eviction_keys(
+    policy,
+    state: jax.Array,
+    pos: jax.Array,
+    k: jax.Array | None,
+    v: jax.Array | None,
+    order: jax.Array,
+    stats,
+    seen: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's eviction keys [B, Hk, S]: +inf for protected slots (the ``n_sink`` first and
+    ``window`` most recent positions), -inf for empty ones, else the scorer's priority (with
+    ``chunk`` > 1, the mean over the slot's chunk). Also returns the priority and the unprotected
+    mask [B, Hk, S]. Arguments as ``kvjax.eviction.base.Base.priority``."""
     valid = pos >= 0
     protected = valid & ((pos < policy.n_sink) | (pos >= seen[:, None, None] - policy.window))
     unprotected = valid & ~protected
-    prio = policy.modifier_spec.priority(policy.scorer, policy, state, pos, unprotected, k, v, order, stats, seen)
+    prio = policy.modifier_spec.priority(
+        policy.scorer, policy, state, pos, unprotected, k, v, order, stats, seen
+    )
     if policy.chunk > 1:
         prio = _chunk_mean(prio, unprotected, pos, order, policy.chunk)
     return jnp.where(unprotected, prio, jnp.where(protected, jnp.inf, -jnp.inf)), prio, unprotected

@@ -1,4 +1,5 @@
-"""``ScoringData``: what a scorer with a scoring pass of its own reads besides its static ``Policy``."""
+"""``ScoringData``: what a scorer with a scoring pass of its own reads besides its static
+``Policy``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""JAX's persistent compilation cache for the command line and the server: a second run of the same command
-compiles nothing it compiled before.
+"""JAX's persistent compilation cache for the command line and the server: a second run of the same
+command compiles nothing it compiled before.
 
-The cache directory is ``$KVJAX_COMPILATION_CACHE`` if set (``off`` disables it), else ``jax-cache/`` in the
-checkpoint dir (``kvjax.loading.checkpoint_root``: the user's cache directory, or a checkout's git-ignored
-``checkpoints/``). Every compilation is stored, however short:
-the CLI's cold start is many small programs.
+The cache directory is ``$KVJAX_COMPILATION_CACHE`` if set (``off`` disables it), else
+``jax-cache/`` in the checkpoint dir (``kvjax.loading.checkpoint_root``: the user's cache directory,
+or a checkout's git-ignored ``checkpoints/``). Every compilation is stored, however short: the CLI's
+cold start is many small programs.
 """
 
 from __future__ import annotations

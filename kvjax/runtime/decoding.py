@@ -32,9 +32,15 @@ from kvjax.sharding import constrain, on_mesh, to_host
 class DecodeState:
     """Everything the decode loop carries.
 
-    cache: FullCache or BudgetCache; out: [B, N] generated ids (pad after ``n_new``); lengths: [B] tokens
-    seen per row (the next position); n_new: [B] generated so far; done: [B]; logits: [B, V] float32
-    next-token logits; key: PRNG key; step: scalar loop counter.
+    Fields:
+        cache: FullCache or BudgetCache.
+        out: [B, N] generated ids (pad after ``n_new``).
+        lengths: [B] tokens seen per row (the next position).
+        n_new: [B] generated so far.
+        done: [B].
+        logits: [B, V] float32 next-token logits.
+        key: PRNG key.
+        step: scalar loop counter.
     """
 
     cache: FullCache | BudgetCache | PagedCache
@@ -46,54 +52,101 @@ class DecodeState:
     key: jax.Array
     step: jax.Array
 
-    # What the host reads (the tokens, counts and flags) is replicated: every process of a multi-host run can
-    # read it whole.
-    AXES = dict(out=(None, None), lengths=(None,), n_new=(None,), done=(None,), logits=("batch", "vocab"), key=(),
-                step=())
+    # What the host reads (the tokens, counts and flags) is replicated: every process of a
+    # multi-host run can read it whole.
+    AXES = dict(
+        out=(None, None),
+        lengths=(None,),
+        n_new=(None,),
+        done=(None,),
+        logits=("batch", "vocab"),
+        key=(),
+        step=(),
+    )
 
 
-def start_state(cfg, cache, lengths: jax.Array, logits: jax.Array, key: jax.Array,
-                out_width: int) -> DecodeState:
+def start_state(
+    cfg, cache, lengths: jax.Array, logits: jax.Array, key: jax.Array, out_width: int
+) -> DecodeState:
     """The state before the first decode step: ``cache`` holding ``lengths`` [B] tokens per row,
     ``logits`` [B, V] float32 after each row's last token, room for ``out_width`` new tokens."""
     B = lengths.shape[0]
     out = jnp.full((B, out_width), cfg.pad_token_id, jnp.int32)
-    return constrain(DecodeState(cache=cache, out=out, lengths=lengths, logits=logits, key=key,
-                                 n_new=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool),
-                                 step=jnp.zeros((), jnp.int32)))
+    return constrain(
+        DecodeState(
+            cache=cache,
+            out=out,
+            lengths=lengths,
+            logits=logits,
+            key=key,
+            n_new=jnp.zeros(B, jnp.int32),
+            done=jnp.zeros(B, bool),
+            step=jnp.zeros((), jnp.int32),
+        )
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "out_width"))
-def feed_full(params: Params, tokens: jax.Array, lengths: jax.Array, key: jax.Array, capacity: int,
-            out_width: int) -> DecodeState:
-    """The decode state after feeding prompts tokens [B, P] (right-padded, ``lengths`` [B] valid tokens
-    each) into a new full cache of ``capacity`` slots."""
+def feed_full(
+    params: Params,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    key: jax.Array,
+    capacity: int,
+    out_width: int,
+) -> DecodeState:
+    """The decode state after feeding prompts tokens [B, P] (right-padded, ``lengths`` [B] valid
+    tokens each) into a new full cache of ``capacity`` slots."""
     B, P = tokens.shape
     cache = constrain(FullCache.init(params.config, B, capacity, params.dtype))
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    hidden, cache = decode_hidden(params, tokens, cache, Segment(positions=positions, from_start=True))
+    hidden, cache = decode_hidden(
+        params, tokens, cache, Segment(positions=positions, from_start=True)
+    )
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = logits_from_hidden(params, last)
     return start_state(params.config, cache, lengths, logits, key, out_width)
 
 
 @functools.partial(jax.jit, static_argnames=("ev", "out_width", "decode_spare"))
-def feed_budget(params: Params, cache: BudgetCache | PagedCache | None, tokens: jax.Array,
-                         start: jax.Array, lengths: jax.Array, key: jax.Array, ev: Eviction, out_width: int,
-                         decode_spare: int) -> DecodeState:
+def feed_budget(
+    params: Params,
+    cache: BudgetCache | PagedCache | None,
+    tokens: jax.Array,
+    start: jax.Array,
+    lengths: jax.Array,
+    key: jax.Array,
+    ev: Eviction,
+    out_width: int,
+    decode_spare: int,
+) -> DecodeState:
     """The decode state after feeding tokens [B, P] at positions ``start`` [B] + t into a budget
     ``cache`` (None = a new one) under the eviction protocol of ``ev``."""
     cfg, spare = params.config, ev.extend_spare(tokens.shape[1])
     if cache is None:
         cache = ev.empty_cache(cfg, tokens.shape[0], spare, params.dtype)
     cache, last = extend(params, constrain(ev.fit(cache, cfg, spare)), tokens, start, lengths, ev)
-    return start_state(cfg, ev.fit(cache, cfg, decode_spare), start + lengths,
-                       logits_from_hidden(params, last), key, out_width)
+    return start_state(
+        cfg,
+        ev.fit(cache, cfg, decode_spare),
+        start + lengths,
+        logits_from_hidden(params, last),
+        key,
+        out_width,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ev", "out_width", "spare"))
-def resume_state(cfg, cache: BudgetCache | PagedCache, lengths: jax.Array, logits: jax.Array,
-                 key: jax.Array, ev: Eviction, out_width: int, spare: int) -> DecodeState:
+def resume_state(
+    cfg,
+    cache: BudgetCache | PagedCache,
+    lengths: jax.Array,
+    logits: jax.Array,
+    key: jax.Array,
+    ev: Eviction,
+    out_width: int,
+    spare: int,
+) -> DecodeState:
     """A state over a context's cache, fitted to ``spare`` new tokens per head (pass copies: jit may
     forward inputs that decoding donates)."""
     return start_state(cfg, ev.fit(cache, cfg, spare), lengths, logits, key, out_width)
@@ -104,10 +157,14 @@ def decode_step(params: Params, s, sampling, stop, max_new, ev: Eviction | None)
     split once per step), feeds it (evicting as ``ev`` says; None: a full cache) and is done after a
     stop id or its token limit.
 
-    s: a ``DecodeState`` or the serving engine's ``Slots``: cache, logits [B, V], lengths, n_new,
-    done [B], key (one PRNG key, or [B] keys) and step; sampling: a ``Sampling`` or per-row settings
-    (as ``sample``); stop: stop ids [n], or [B, n] per row (-1: none); max_new: the token limit, a
-    scalar or [B]. Returns the state after the step and the tokens [B], -1 for rows already done.
+    Args:
+        s: a ``DecodeState`` or the serving engine's ``Slots``: cache, logits [B, V], lengths,
+            n_new, done [B], key (one PRNG key, or [B] keys) and step.
+        sampling: a ``Sampling`` or per-row settings (as ``sample``).
+        stop: stop ids [n], or [B, n] per row (-1: none).
+        max_new: the token limit, a scalar or [B].
+
+    Returns the state after the step and the tokens [B], -1 for rows already done.
     """
     split = jax.random.split(s.key) if s.key.ndim == 0 else jax.vmap(jax.random.split)(s.key)
     active = ~s.done
@@ -116,14 +173,30 @@ def decode_step(params: Params, s, sampling, stop, max_new, ev: Eviction | None)
     done = s.done | (tok[:, None] == jnp.asarray(stop, jnp.int32)).any(-1) | (n_new >= max_new)
     seg = decode_segment(ev, s.step, s.lengths, active)
     hidden, cache = step(params, tok[:, None], s.cache, seg)
-    s = s.replace(cache=cache, logits=logits_from_hidden(params, hidden[:, 0]), key=split[..., 0],
-                  lengths=s.lengths + active, n_new=n_new, done=done, step=s.step + 1)
+    s = s.replace(
+        cache=cache,
+        logits=logits_from_hidden(params, hidden[:, 0]),
+        key=split[..., 0],
+        lengths=s.lengths + active,
+        n_new=n_new,
+        done=done,
+        step=s.step + 1,
+    )
     return s, jnp.where(active, tok, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("sampling", "stop_ids", "ev"), donate_argnames=("state",))
-def decode_steps(params: Params, state: DecodeState, max_new_tokens: jax.Array, stop_step: jax.Array,
-           sampling: Sampling, stop_ids: tuple[int, ...], ev: Eviction | None = None) -> DecodeState:
+@functools.partial(
+    jax.jit, static_argnames=("sampling", "stop_ids", "ev"), donate_argnames=("state",)
+)
+def decode_steps(
+    params: Params,
+    state: DecodeState,
+    max_new_tokens: jax.Array,
+    stop_step: jax.Array,
+    sampling: Sampling,
+    stop_ids: tuple[int, ...],
+    ev: Eviction | None = None,
+) -> DecodeState:
     """``decode_step`` until every row is done (stop id or ``max_new_tokens``) or ``state.step ==
     stop_step``, each row's new tokens written to ``out``."""
     rows = jnp.arange(state.out.shape[0])
@@ -142,21 +215,44 @@ def decode_steps(params: Params, state: DecodeState, max_new_tokens: jax.Array, 
 class Generation:
     """A batch being decoded: streamed (``run`` in chunks) or whole (one ``run``).
 
-    ev=None means a full cache; otherwise the budget cache and eviction engine configured by ``ev``; mesh: the
-    device mesh the state is placed on (None: one device).
+    Args:
+        ev: None means a full cache; otherwise the budget cache and eviction engine configured by
+            ``ev``.
+        mesh: the device mesh the state is placed on (None: one device).
     """
 
-    def __init__(self, params: Params, state: DecodeState, max_new_tokens: int, sampling: Sampling,
-                 stop_ids: Sequence[int] | None, ev: Eviction | None, mesh: Mesh | None = None):
-        self.params, self.state, self.max_new, self.sampling = params, state, max_new_tokens, sampling
+    def __init__(
+        self,
+        params: Params,
+        state: DecodeState,
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop_ids: Sequence[int] | None,
+        ev: Eviction | None,
+        mesh: Mesh | None = None,
+    ):
+        self.params, self.state, self.max_new, self.sampling = (
+            params,
+            state,
+            max_new_tokens,
+            sampling,
+        )
         self.ev = None if ev is None else ev.decoding()
         self.stop_ids = tuple(sorted(params.config.eos_token_ids if stop_ids is None else stop_ids))
         self.mesh = mesh
 
     @classmethod
-    def from_prompts(cls, params: Params, rows: list[np.ndarray], max_new_tokens: int, sampling: Sampling,
-                     seed: int, stop_ids: Sequence[int] | None, ev: Eviction | None,
-                     mesh: Mesh | None = None) -> Generation:
+    def from_prompts(
+        cls,
+        params: Params,
+        rows: list[np.ndarray],
+        max_new_tokens: int,
+        sampling: Sampling,
+        seed: int,
+        stop_ids: Sequence[int] | None,
+        ev: Eviction | None,
+        mesh: Mesh | None = None,
+    ) -> Generation:
         """Pad validated prompt rows (``kvjax.generate`` checks them and ``max_new_tokens``) to
         their bucket and prefill them (full cache or the eviction protocol) on ``mesh``."""
         cfg = params.config
@@ -166,23 +262,45 @@ class Generation:
         out_width, key = round_capacity(max_new_tokens), jax.random.key(seed)
         with on_mesh(mesh):
             if ev is None:
-                state = feed_full(params, jnp.asarray(padded), jnp.asarray(lengths), key,
-                                           capacity=round_capacity(bucket + max_new_tokens), out_width=out_width)
+                state = feed_full(
+                    params,
+                    jnp.asarray(padded),
+                    jnp.asarray(lengths),
+                    key,
+                    capacity=round_capacity(bucket + max_new_tokens),
+                    out_width=out_width,
+                )
             else:
-                state = feed_budget(params, None, jnp.asarray(padded), jnp.zeros(len(rows), jnp.int32),
-                                             jnp.asarray(lengths), key, ev=ev, out_width=out_width,
-                                             decode_spare=ev.decode_spare(out_width))
+                state = feed_budget(
+                    params,
+                    None,
+                    jnp.asarray(padded),
+                    jnp.zeros(len(rows), jnp.int32),
+                    jnp.asarray(lengths),
+                    key,
+                    ev=ev,
+                    out_width=out_width,
+                    decode_spare=ev.decode_spare(out_width),
+                )
         return cls(params, state, max_new_tokens, sampling, stop_ids, ev, mesh)
 
     def run(self, steps: int) -> list[np.ndarray]:
-        """Decode up to ``steps`` more tokens; returns each row's new tokens since the previous call."""
+        """Decode up to ``steps`` more tokens; returns each row's new tokens since the previous
+        call."""
         before = to_host(self.state.n_new)
         stop = int(to_host(self.state.step)) + steps
         with on_mesh(self.mesh):
-            self.state = decode_steps(self.params, self.state, jnp.int32(self.max_new), jnp.int32(stop),
-                                      self.sampling, self.stop_ids, self.ev)
+            self.state = decode_steps(
+                self.params,
+                self.state,
+                jnp.int32(self.max_new),
+                jnp.int32(stop),
+                self.sampling,
+                self.stop_ids,
+                self.ev,
+            )
         out, n_new = to_host(self.state.out), to_host(self.state.n_new)
-        return [out[i, before[i]: n_new[i]] for i in range(len(n_new))]
+        return [out[i, before[i] : n_new[i]] for i in range(len(n_new))]
 
     @property
     def finished(self) -> bool:

@@ -39,40 +39,88 @@ def forward(params: Params, tokens) -> jax.Array:
     return _forward(params, jnp.asarray(np.stack(rows)))
 
 
-def generate(params: Params, tokens, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None, mesh: Mesh | None = None,
-             **eviction):
-    """New tokens for a prompt (1-D ids -> 1-D array) or a batch (2-D array / list of 1-D -> list of arrays).
+def generate(
+    params: Params,
+    tokens,
+    max_new_tokens: int = 64,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
+    **eviction,
+):
+    """New tokens for a prompt (1-D ids -> 1-D array) or a batch (2-D array / list of 1-D -> list
+    of arrays).
 
-    ``eviction``: the keywords of ``kvjax.EvictionOptions`` (declared once there, with their defaults).
-    ``budget=None`` (the default) keeps the full cache; otherwise every layer keeps at most ``budget`` tokens
-    per KV head, chosen by ``scorer`` (``kvjax.SCORERS``; semantics in docs/eviction.md) under ``protocol``.
-    Sampling: greedy at temperature 0, else temperature with optional top-k / top-p, seeded. Generation stops
-    at ``max_new_tokens`` or after a stop id (default: the model's EOS ids), which is included in the output.
-    Rows of a batch are right-padded; each row's tokens equal running it alone. ``mesh``: a device mesh
-    (``kvjax.sharding.make_mesh``) to run on, the params placed with ``kvjax.shard`` and the batch padded to a
-    multiple of its ``data`` axis.
+    ``eviction``: the keywords of ``kvjax.EvictionOptions`` (declared once there, with their
+    defaults). ``budget=None`` (the default) keeps the full cache; otherwise every layer keeps at
+    most ``budget`` tokens per KV head, chosen by ``scorer`` (``kvjax.SCORERS``; semantics in
+    docs/eviction.md) under ``protocol``. Sampling: greedy at temperature 0, else temperature with
+    optional top-k / top-p, seeded. Generation stops at ``max_new_tokens`` or after a stop id
+    (default: the model's EOS ids), which is included in the output. Rows of a batch are
+    right-padded; each row's tokens equal running it alone. ``mesh``: a device mesh
+    (``kvjax.sharding.make_mesh``) to run on, the params placed with ``kvjax.shard`` and the batch
+    padded to a multiple of its ``data`` axis.
     """
     rows, batched = check_tokens(tokens, params.config.vocab_size)
-    gen = _generation(params, rows, max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop_ids, eviction,
-                      mesh)
+    gen = _generation(
+        params,
+        rows,
+        max_new_tokens,
+        Sampling(temperature, top_k, top_p),
+        seed,
+        stop_ids,
+        eviction,
+        mesh,
+    )
     out = gen.run(gen.max_new)[: len(rows)]
     return out if batched else out[0]
 
 
-def generate_stream(params: Params, tokens, max_new_tokens: int = 64, *, every: int = 4, temperature: float = 0.0,
-                    top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None,
-                    mesh: Mesh | None = None, **eviction) -> Iterator[list[np.ndarray]]:
-    """Like ``generate`` (same keywords) but yields each row's newest tokens every ``every`` decode steps."""
+def generate_stream(
+    params: Params,
+    tokens,
+    max_new_tokens: int = 64,
+    *,
+    every: int = 4,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
+    **eviction,
+) -> Iterator[list[np.ndarray]]:
+    """Like ``generate`` (same keywords) but yields each row's newest tokens every ``every`` decode
+    steps."""
     rows, _ = check_tokens(tokens, params.config.vocab_size)
-    gen = _generation(params, rows, max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop_ids, eviction,
-                      mesh)
+    gen = _generation(
+        params,
+        rows,
+        max_new_tokens,
+        Sampling(temperature, top_k, top_p),
+        seed,
+        stop_ids,
+        eviction,
+        mesh,
+    )
     while not gen.finished:
         yield gen.run(every)[: len(rows)]
 
 
-def _generation(params: Params, rows: list[np.ndarray], max_new_tokens: int, sampling: Sampling, seed: int,
-                stop_ids: Sequence[int] | None, eviction: dict, mesh: Mesh | None) -> Generation:
+def _generation(
+    params: Params,
+    rows: list[np.ndarray],
+    max_new_tokens: int,
+    sampling: Sampling,
+    seed: int,
+    stop_ids: Sequence[int] | None,
+    eviction: dict,
+    mesh: Mesh | None,
+) -> Generation:
     """Validate the rest of a call on its prompt rows (``check_tokens``), prefill them under the
     eviction keywords (a scorer with a scoring pass of its own compresses the whole prompt first, as
     ``kvjax.prefill``) and return the decoding ``Generation``. On a mesh, rows of one pad token fill
@@ -83,7 +131,9 @@ def _generation(params: Params, rows: list[np.ndarray], max_new_tokens: int, sam
     mesh = auto_mesh(mesh)
     max_new = check_max_new(max_new_tokens)
     check_context(params.config, longest, max_new)
-    rows = rows + [np.full(1, params.config.pad_token_id, np.int32)] * (-len(rows) % data_size(mesh))
+    rows = rows + [np.full(1, params.config.pad_token_id, np.int32)] * (
+        -len(rows) % data_size(mesh)
+    )
     if mesh is not None:
         params = shard(params, mesh)
     if ev is not None and ev.policy.scorer.scoring_pass is not None:

@@ -1,7 +1,9 @@
-"""Token inputs: validation of prompts and lengths, right-padding, and the static sizes they round to.
+"""Token inputs: validation of prompts and lengths, right-padding, and the static sizes they round
+to.
 
-Prompts are right-padded to power-of-two buckets and sizes that depend on the request (cache capacity, output
-width) are rounded to ``CAPACITY_STEP``, so that requests of similar sizes share one compilation.
+Prompts are right-padded to power-of-two buckets and sizes that depend on the request (cache
+capacity, output width) are rounded to ``CAPACITY_STEP``, so that requests of similar sizes share
+one compilation.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ CAPACITY_STEP = 256
 
 
 def prompt_bucket(n: int, multiple: int = 1) -> int:
-    """Padded prompt length: the next power of two >= n (at least ``MIN_BUCKET``), rounded up to ``multiple``."""
+    """Padded prompt length: the next power of two >= n (at least ``MIN_BUCKET``), rounded up to
+    ``multiple``."""
     return -(-max(MIN_BUCKET, 1 << (n - 1).bit_length()) // multiple) * multiple
 
 
 def round_capacity(n: int) -> int:
-    """Static lengths that depend on the request are rounded up to ``CAPACITY_STEP`` to share compilations."""
+    """Static lengths that depend on the request are rounded up to ``CAPACITY_STEP`` to share
+    compilations."""
     return -(-n // CAPACITY_STEP) * CAPACITY_STEP
 
 
@@ -32,7 +36,9 @@ def check_tokens(tokens, vocab_size: int, name: str = "tokens") -> tuple[list[np
     else:
         arr = np.asarray(tokens)
         if arr.ndim not in (1, 2):
-            raise ValueError(f"{name} must be 1-D (one sequence) or 2-D [batch, length], got shape {arr.shape}")
+            raise ValueError(
+                f"{name} must be 1-D (one sequence) or 2-D [batch, length], got shape {arr.shape}"
+            )
         rows, batched = ([arr] if arr.ndim == 1 else list(arr)), arr.ndim == 2
     if not rows:
         raise ValueError(f"{name} is an empty batch")
@@ -44,7 +50,9 @@ def check_tokens(tokens, vocab_size: int, name: str = "tokens") -> tuple[list[np
         if not np.issubdtype(row.dtype, np.integer):
             raise TypeError(f"{name} must hold integer token ids, got dtype {row.dtype}")
         if row.min() < 0 or row.max() >= vocab_size:
-            raise ValueError(f"{name}[{i}] holds ids outside [0, {vocab_size}): min {row.min()}, max {row.max()}")
+            raise ValueError(
+                f"{name}[{i}] holds ids outside [0, {vocab_size}): min {row.min()}, max {row.max()}"
+            )
     return [row.astype(np.int32) for row in rows], batched
 
 
@@ -64,5 +72,7 @@ def check_max_new(max_new_tokens) -> int:
 
 def check_context(cfg, longest: int, max_new_tokens: int, what: str = "prompt length") -> None:
     if longest + max_new_tokens > cfg.max_seq_len:
-        raise ValueError(f"tokens: {what} {longest} + max_new_tokens {max_new_tokens} exceeds the model's "
-                         f"context of {cfg.max_seq_len} tokens")
+        raise ValueError(
+            f"tokens: {what} {longest} + max_new_tokens {max_new_tokens} exceeds the model's "
+            f"context of {cfg.max_seq_len} tokens"
+        )

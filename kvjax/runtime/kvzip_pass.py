@@ -1,15 +1,17 @@
-"""KVzip: query-agnostic importance by context reconstruction (Algorithm 1 of ``kvzip-appendix.tex``).
+"""KVzip: query-agnostic importance by context reconstruction (Algorithm 1 of
+``kvzip-appendix.tex``).
 
-After the context c (n_c tokens) is prefilled, it is cut into chunks of m tokens and each chunk is fed again
-as the answer to a repeat prompt — "Repeat the previous context:" + c_1, then "Repeat the previous context
-starting with" + the last 8 tokens of c_(t−1) + ":" + c_t — through the model with the prefilled cache (the
-repeat tokens take positions n_c, n_c + 1, …; their own keys and values are discarded afterwards). In every
-layer, the repeat queries' softmax over [the chunk's keys, the repeat input's keys (causal)] gives each
-chunk token the maximum attention it receives over the queries and over the query heads of its KV head:
-its score. The "kvpress" form of the prompt (``kvzip_prompt``) is NVIDIA kvpress's ``KVzipPress``: other
-wording inside the chat template's assistant turn, the template's head not repeated, 4 sink tokens in every
-softmax. The context-independent mode keeps per head only the maximum over positions (``head_scores``),
-saved once from a calibration context and used later with no scoring pass.
+After the context c (n_c tokens) is prefilled, it is cut into chunks of m tokens and each chunk is
+fed again as the answer to a repeat prompt — "Repeat the previous context:" + c_1, then "Repeat the
+previous context starting with" + the last 8 tokens of c_(t−1) + ":" + c_t — through the model with
+the prefilled cache (the repeat tokens take positions n_c, n_c + 1, …; their own keys and values
+are discarded afterwards). In every layer, the repeat queries' softmax over [the chunk's keys, the
+repeat input's keys (causal)] gives each chunk token the maximum attention it receives over the
+queries and over the query heads of its KV head: its score. The "kvpress" form of the prompt
+(``kvzip_prompt``) is NVIDIA kvpress's ``KVzipPress``: other wording inside the chat template's
+assistant turn, the template's head not repeated, 4 sink tokens in every softmax. The
+context-independent mode keeps per head only the maximum over positions (``head_scores``), saved
+once from a calibration context and used later with no scoring pass.
 """
 
 from __future__ import annotations
@@ -33,14 +35,21 @@ from kvjax.model.segment import Segment
 
 CHUNK = 2048  # m: context tokens per repeat input (the paper's 2K)
 QUERY_BLOCK = 256  # repeat queries attended and scored at once
-WIDTH_STEP = 256  # a context shorter than a chunk is fed as one chunk of its length rounded up to this
+# a context shorter than a chunk is fed as one chunk of its length rounded up to this
+WIDTH_STEP = 256
+
+
 @struct.dataclass
 class RepeatScoring:
     """A full cache fed one repeat input, recording the chunk's scores.
 
-    full: the prefilled full cache (the repeat tokens are written after each row's context); scores:
-    [L, B, Hk, C] the scores so far, per cache slot; start, stop: [B] the chunk's slots; context: [B] each
-    row's context length (the repeat input's first slot); sinks: slots below it join every score's softmax."""
+    Fields:
+        full: the prefilled full cache (the repeat tokens are written after each row's context).
+        scores: [L, B, Hk, C] the scores so far, per cache slot.
+        start, stop: [B] the chunk's slots.
+        context: [B] each row's context length (the repeat input's first slot).
+        sinks: slots below it join every score's softmax.
+    """
 
     full: FullCache
     scores: jax.Array
@@ -49,13 +58,18 @@ class RepeatScoring:
     context: jax.Array
     sinks: int = struct.field(pytree_node=False, default=0)
 
-    AXES = dict(scores=("layers", "batch", "kv_heads", "slots"), start=("batch",), stop=("batch",),
-                context=("batch",))
+    AXES = dict(
+        scores=("layers", "batch", "kv_heads", "slots"),
+        start=("batch",),
+        stop=("batch",),
+        context=("batch",),
+    )
 
     def attend(self, layer, q, k, v, seg: Segment):
-        """Write k, v [B, T, Hk, K], attend q [B, T, H, K] causally over the context and the repeat input, and
-        keep each chunk slot's largest score: its softmax weight among [sinks, chunk, repeat input] (the
-        attention's logits over fewer keys), maxed over the queries and the group's heads."""
+        """Write k, v [B, T, Hk, K], attend q [B, T, H, K] causally over the context and the repeat
+        input, and keep each chunk slot's largest score: its softmax weight among [sinks, chunk,
+        repeat input] (the attention's logits over fewer keys), maxed over the queries and the
+        group's heads."""
         B, T, H, K = q.shape
         Hk = k.shape[2]
         full = self.full.write(layer, k, v, seg.positions)
@@ -67,15 +81,24 @@ class RepeatScoring:
         best, outs = jnp.zeros((B, Hk, full.capacity), jnp.float32), []
         for lo in range(0, T, QUERY_BLOCK):  # no [T, S] matrix at once
             hi = min(lo + QUERY_BLOCK, T)
-            z = jnp.einsum("bthgk,bhsk->bhgts", qg[:, lo:hi], keys).astype(jnp.float32) / jnp.sqrt(jnp.float32(K))
+            z = jnp.einsum("bthgk,bhsk->bhgts", qg[:, lo:hi], keys).astype(jnp.float32) / jnp.sqrt(
+                jnp.float32(K)
+            )
             visible = slots[None, None, :] <= seg.positions[:, lo:hi, None]  # [B, hi − lo, S]
             z = jnp.where(visible[:, None, None], z, NEG_INF)
             e = jnp.exp(z - z.max(-1, keepdims=True))
-            outs.append(jnp.einsum("bhgts,bhsk->bthgk", (e / e.sum(-1, keepdims=True)).astype(q.dtype), values))
-            zs = jnp.where(scored[:, None, None, None], z, NEG_INF)  # its own max: no underflow of a small sum
+            outs.append(
+                jnp.einsum(
+                    "bhgts,bhsk->bthgk", (e / e.sum(-1, keepdims=True)).astype(q.dtype), values
+                )
+            )
+            # its own max: no underflow of a small sum
+            zs = jnp.where(scored[:, None, None, None], z, NEG_INF)
             w = jnp.exp(zs - zs.max(-1, keepdims=True))
             w = w / w.sum(-1, keepdims=True)
-            w = jnp.where(seg.valid[:, None, None, lo:hi, None] & in_chunk[:, None, None, None], w, 0.0)
+            w = jnp.where(
+                seg.valid[:, None, None, lo:hi, None] & in_chunk[:, None, None, None], w, 0.0
+            )
             best = jnp.maximum(best, w.max(axis=(2, 3)))
         out = jnp.concatenate(outs, axis=1).reshape(B, T, H, K)
         C = self.scores.shape[-1]
@@ -83,45 +106,68 @@ class RepeatScoring:
 
 
 @jax.jit
-def _score_chunk(params: Params, scoring: RepeatScoring, tokens: jax.Array, lengths: jax.Array) -> RepeatScoring:
-    """Feed repeat inputs tokens [B, W] (``lengths`` [B] valid) at positions ``scoring.context`` [B] + t."""
+def _score_chunk(
+    params: Params, scoring: RepeatScoring, tokens: jax.Array, lengths: jax.Array
+) -> RepeatScoring:
+    """Feed repeat inputs tokens [B, W] (``lengths`` [B] valid) at positions ``scoring.context``
+    [B] + t."""
     positions = scoring.context[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     valid = jnp.arange(tokens.shape[1]) < lengths[:, None]
     _, scoring = decode_hidden(params, tokens, scoring, Segment(positions=positions, valid=valid))
     return scoring
 
 
-def kvzip_scores(params: Params, full: FullCache, rows: list[np.ndarray], prompt: RepeatPrompt,
-                 chunk: int = CHUNK) -> jax.Array:
-    """KVzip's score [L, B, Hk, C] of every context token (0 past each row's context and in its first
-    ``prompt.skip`` tokens) from the prefilled full cache of the contexts ``rows`` (C slots), the repeated part
-    cut in chunks of ``chunk`` tokens. ``full`` is not changed: the repeat inputs go to a copy. Contexts that
-    fit in one chunk are fed as one chunk of their longest length (rounded up to ``WIDTH_STEP``, to bound
-    recompilation), not padded to ``chunk``."""
+def kvzip_scores(
+    params: Params,
+    full: FullCache,
+    rows: list[np.ndarray],
+    prompt: RepeatPrompt,
+    chunk: int = CHUNK,
+) -> jax.Array:
+    """KVzip's score [L, B, Hk, C] of every context token (0 past each row's context and in its
+    first ``prompt.skip`` tokens) from the prefilled full cache of the contexts ``rows`` (C slots),
+    the repeated part cut in chunks of ``chunk`` tokens. ``full`` is not changed: the repeat inputs
+    go to a copy. Contexts that fit in one chunk are fed as one chunk of their longest length
+    (rounded up to ``WIDTH_STEP``, to bound recompilation), not padded to ``chunk``."""
     B, skip = len(rows), prompt.skip
     longest = max(len(r) for r in rows)
-    chunk = min(chunk, -(-max(longest - skip, 1) // WIDTH_STEP) * WIDTH_STEP)  # one chunk if it covers every row
+    # one chunk if it covers every row
+    chunk = min(chunk, -(-max(longest - skip, 1) // WIDTH_STEP) * WIDTH_STEP)
     width = chunk + max(len(prompt.first), len(prompt.later) + TRAIL + len(prompt.colon))
     L, _, Hk, C, _ = full.k.shape
-    grow = [(0, 0)] * 3 + [(0, max(0, longest + width - C)), (0, 0)]  # a copy with room for a repeat input
-    scoring = RepeatScoring(full=FullCache(k=jnp.pad(full.k, grow), v=jnp.pad(full.v, grow)),
-                            scores=jnp.zeros((L, B, Hk, C), jnp.float32), start=jnp.zeros(B, jnp.int32),
-                            stop=jnp.zeros(B, jnp.int32), context=jnp.asarray([len(r) for r in rows], jnp.int32),
-                            sinks=prompt.sinks)
+    # a copy with room for a repeat input
+    grow = [(0, 0)] * 3 + [(0, max(0, longest + width - C)), (0, 0)]
+    scoring = RepeatScoring(
+        full=FullCache(k=jnp.pad(full.k, grow), v=jnp.pad(full.v, grow)),
+        scores=jnp.zeros((L, B, Hk, C), jnp.float32),
+        start=jnp.zeros(B, jnp.int32),
+        stop=jnp.zeros(B, jnp.int32),
+        context=jnp.asarray([len(r) for r in rows], jnp.int32),
+        sinks=prompt.sinks,
+    )
     for start in range(skip, longest, chunk):
-        inputs = [prompt.input_for(r, start, min(start + chunk, len(r))) if start < len(r) else np.zeros(0, np.int32)
-                  for r in rows]
+        inputs = [
+            prompt.input_for(r, start, min(start + chunk, len(r)))
+            if start < len(r)
+            else np.zeros(0, np.int32)
+            for r in rows
+        ]
         tokens = np.zeros((B, width), np.int32)
         for b, ids in enumerate(inputs):
             tokens[b, : len(ids)] = ids
         stop = np.array([min(start + chunk, len(r)) for r in rows], np.int32)
-        scoring = _score_chunk(params, scoring.replace(start=jnp.full(B, start, jnp.int32), stop=jnp.asarray(stop)),
-                               jnp.asarray(tokens), jnp.asarray([len(i) for i in inputs], np.int32))
+        scoring = _score_chunk(
+            params,
+            scoring.replace(start=jnp.full(B, start, jnp.int32), stop=jnp.asarray(stop)),
+            jnp.asarray(tokens),
+            jnp.asarray([len(i) for i in inputs], np.int32),
+        )
     return scoring.scores
 
 
 def config_fingerprint(cfg: ModelConfig) -> str:
-    """A short hash of a model's configuration: what head scores and saved contexts are checked against."""
+    """A short hash of a model's configuration: what head scores and saved contexts are checked
+    against."""
     return hashlib.sha256(cfg.to_json().encode()).hexdigest()[:16]
 
 
@@ -136,7 +182,9 @@ def head_scores(scores: jax.Array, lengths) -> np.ndarray:
 def save_head_scores(path: str, scores: np.ndarray, cfg: ModelConfig) -> None:
     """Write head scores [L, Hk] and the model's fingerprint to ``path`` (JSON, atomically)."""
     if np.shape(scores) != (cfg.n_layers, cfg.n_kv_heads):
-        raise ValueError(f"head scores must be [{cfg.n_layers}, {cfg.n_kv_heads}], got {np.shape(scores)}")
+        raise ValueError(
+            f"head scores must be [{cfg.n_layers}, {cfg.n_kv_heads}], got {np.shape(scores)}"
+        )
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump({"model": config_fingerprint(cfg), "scores": np.asarray(scores).tolist()}, f)
@@ -151,8 +199,14 @@ def load_head_scores(path: str, cfg: ModelConfig) -> np.ndarray:
         scores = np.asarray(saved["scores"], np.float64)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"head_scores={path!r} is not a head-scores file of kvjax ({e})") from e
-    if saved.get("model") != config_fingerprint(cfg) or scores.shape != (cfg.n_layers, cfg.n_kv_heads):
-        raise ValueError(f"head_scores={path!r} was made for another model (fingerprint {saved.get('model')}, "
-                         f"shape {scores.shape}); this one is {config_fingerprint(cfg)}, "
-                         f"[{cfg.n_layers}, {cfg.n_kv_heads}]")
+    if saved.get("model") != config_fingerprint(cfg) or scores.shape != (
+        cfg.n_layers,
+        cfg.n_kv_heads,
+    ):
+        raise ValueError(
+            f"head_scores={path!r} was made for another model "
+            f"(fingerprint {saved.get('model')}, shape {scores.shape}); "
+            f"this one is {config_fingerprint(cfg)}, "
+            f"[{cfg.n_layers}, {cfg.n_kv_heads}]"
+        )
     return scores

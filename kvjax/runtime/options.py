@@ -1,8 +1,8 @@
 """The eviction keywords, declared once: names, defaults, allowed values and help.
 
-``kvjax.generate``, ``kvjax.generate_stream``, ``kvjax.prefill``, ``Prefilled.compress``, the CLI (its flags are
-made from this table) and the evaluation suite take these keywords and resolve them here into the static
-``Eviction`` the engine runs (``None``: the full cache).
+``kvjax.generate``, ``kvjax.generate_stream``, ``kvjax.prefill``, ``Prefilled.compress``, the CLI
+(its flags are made from this table) and the evaluation suite take these keywords and resolve them
+here into the static ``Eviction`` the engine runs (``None``: the full cache).
 """
 
 from __future__ import annotations
@@ -36,119 +36,220 @@ def _option(default, help: str, choices: tuple | None = None):
 
 @dataclasses.dataclass(frozen=True)
 class EvictionOptions:
-    """Every eviction keyword with its default. ``None`` where the default depends on the scorer."""
+    """Every eviction keyword with its default. ``None`` where the default depends on the
+    scorer."""
 
-    budget: int | float | None = _option(None, "KV slots kept per layer and KV head (on average, under a "
-                                         "non-uniform allocation); a float in (0, 1) is a fraction of the longest "
-                                         "prompt; None keeps the full cache")
-    scorer: str = _option("snapkv", "a base or base+modifier (kvjax.SCORERS; README 'Scorer names')")
-    protocol: str | None = _option(None, "blockwise: evict after every prompt block (CAOTE); prefill: prefill, "
-                                   "then evict once (SnapKV). None: prefill for kvzip and kvzip-head, else "
-                                   "blockwise", PROTOCOLS)
+    budget: int | float | None = _option(
+        None,
+        "KV slots kept per layer and KV head (on average, under a "
+        "non-uniform allocation); a float in (0, 1) is a fraction of the longest "
+        "prompt; None keeps the full cache",
+    )
+    scorer: str = _option(
+        "snapkv", "a base or base+modifier (kvjax.SCORERS; README 'Scorer names')"
+    )
+    protocol: str | None = _option(
+        None,
+        "blockwise: evict after every prompt block (CAOTE); prefill: prefill, "
+        "then evict once (SnapKV). None: prefill for kvzip and kvzip-head, else "
+        "blockwise",
+        PROTOCOLS,
+    )
     block_size: int = _option(128, "prompt tokens per block")
     n_sink: int = _option(4, "first tokens never evicted")
-    window: int | None = _option(None, "most recent tokens never evicted (None: the scorer's: 0 for "
-                                 "streamingllm and tova, budget // 4 for h2o, obs_window for snapkv)")
+    window: int | None = _option(
+        None,
+        "most recent tokens never evicted (None: the scorer's: 0 for "
+        "streamingllm and tova, budget // 4 for h2o, obs_window for snapkv)",
+    )
     obs_window: int = _option(32, "observation window: the scoring queries of snapkv")
-    pool: str | None = _option(None, "pooling of the priorities along positions (None: the scorer's)", POOLS)
+    pool: str | None = _option(
+        None, "pooling of the priorities along positions (None: the scorer's)", POOLS
+    )
     kernel: int = _option(7, "pooling kernel size (odd)")
-    aggregate: str | None = _option(None, "how the query heads of a KV head combine (None: sum for OBCache, "
-                                    "else mean; layer: the mean over every head of the layer)", AGGREGATES)
+    aggregate: str | None = _option(
+        None,
+        "how the query heads of a KV head combine (None: sum for OBCache, "
+        "else mean; layer: the mean over every head of the layer)",
+        AGGREGATES,
+    )
     evict_every: int = _option(1, "decode steps between evictions (that many spare slots)")
-    decode_evict: bool | None = _option(None, "evict while decoding (False: the cache grows by the new tokens; "
-                                        "None: False for kvzip and kvzip-head, else True)")
-    decode_order: str = _option("attend-first", "a decode step's order: attend-first = every layer attends over its "
-                                "kept tokens and the new one, then evicts; evict-first = each layer evicts once its "
-                                "attention has scored, and outputs the attention over the tokens it keeps (CAOTE Eq. "
-                                "5-7, MomentKV Algorithm 1)", DECODE_ORDERS)
-    impl: str | None = _option(None, "attention with scores: None = XLA on CPU, the Pallas kernels on TPU and "
-                               "CUDA; pallas = the platform's kernels (interpreted on CPU)", IMPLS)
-    mi_batch: int = _option(1, "MomentKV: tokens its moment-informed eviction removes per statistics update "
-                            "(1 = Algorithm 1's exact rule)")
-    allocation: str | None = _option(None, "how many tokens each layer and KV head keeps (None: the scorer "
-                                     "name's prefix, else uniform; README 'Allocations')", tuple(ALLOCATIONS))
-    floor: float | None = _option(None, "under adakv / global: the fraction of the budget every KV head keeps "
-                                  "at least, as floor_mode counts it (None: 0.2 for adakv, AdaKV's α; 0 for global)")
-    floor_mode: str = _option("adakv", "how the floor counts a head's sinks and window: adakv keeps floor × "
-                              "(budget − n_sink − window) more tokens on top of them (AdaKV's code); kvpress "
-                              "keeps floor × budget, the protected among them (kvpress's AdaKVPress)", FLOOR_MODES)
-    chunk: int = _option(1, "tokens of `chunk` consecutive positions share the mean of their priorities, so "
-                         "spans are kept whole (1: each token by itself)")
-    page_size: int | None = _option(None, "tokens per page of the paged cache (None: 16 for non-uniform "
-                                    "allocations, which are paged; uniform keeps one dense block per head)")
-    repeat: str | None = _option(None, "kvzip: the repeat prompt's form (kvjax.kvzip_prompt): kvpress = NVIDIA "
-                                 "kvpress KVzipPress's, repeated as the assistant after the chat template's head; "
-                                 f"paper = the KVzip code's, over the whole context (None: {DEFAULT_FORM})", FORMS)
-    repeat_prompt: RepeatPrompt | None = _option(None, "kvzip: the repeat prompt's token ids, "
-                                                 "kvjax.kvzip_prompt(tokenizer, repeat) (the CLI makes it)")
-    head_scores: str | None = _option(None, "kvzip-head: the file of head scores saved from a calibration "
-                                      "context (python -m kvjax kvzip-heads)")
+    decode_evict: bool | None = _option(
+        None,
+        "evict while decoding (False: the cache grows by the new tokens; "
+        "None: False for kvzip and kvzip-head, else True)",
+    )
+    decode_order: str = _option(
+        "attend-first",
+        "a decode step's order: attend-first = every layer attends over its "
+        "kept tokens and the new one, then evicts; evict-first = each layer evicts once its "
+        "attention has scored, and outputs the attention over the tokens it keeps (CAOTE Eq. "
+        "5-7, MomentKV Algorithm 1)",
+        DECODE_ORDERS,
+    )
+    impl: str | None = _option(
+        None,
+        "attention with scores: None = XLA on CPU, the Pallas kernels on TPU and "
+        "CUDA; pallas = the platform's kernels (interpreted on CPU)",
+        IMPLS,
+    )
+    mi_batch: int = _option(
+        1,
+        "MomentKV: tokens its moment-informed eviction removes per statistics update "
+        "(1 = Algorithm 1's exact rule)",
+    )
+    allocation: str | None = _option(
+        None,
+        "how many tokens each layer and KV head keeps (None: the scorer "
+        "name's prefix, else uniform; README 'Allocations')",
+        tuple(ALLOCATIONS),
+    )
+    floor: float | None = _option(
+        None,
+        "under adakv / global: the fraction of the budget every KV head keeps "
+        "at least, as floor_mode counts it (None: 0.2 for adakv, AdaKV's α; 0 for "
+        "global)",
+    )
+    floor_mode: str = _option(
+        "adakv",
+        "how the floor counts a head's sinks and window: adakv keeps floor × "
+        "(budget − n_sink − window) more tokens on top of them (AdaKV's code); kvpress "
+        "keeps floor × budget, the protected among them (kvpress's AdaKVPress)",
+        FLOOR_MODES,
+    )
+    chunk: int = _option(
+        1,
+        "tokens of `chunk` consecutive positions share the mean of their priorities, so "
+        "spans are kept whole (1: each token by itself)",
+    )
+    page_size: int | None = _option(
+        None,
+        "tokens per page of the paged cache (None: 16 for non-uniform "
+        "allocations, which are paged; uniform keeps one dense block per head)",
+    )
+    repeat: str | None = _option(
+        None,
+        "kvzip: the repeat prompt's form (kvjax.kvzip_prompt): kvpress = NVIDIA "
+        "kvpress KVzipPress's, repeated as the assistant after the chat template's head; "
+        f"paper = the KVzip code's, over the whole context (None: {DEFAULT_FORM})",
+        FORMS,
+    )
+    repeat_prompt: RepeatPrompt | None = _option(
+        None,
+        "kvzip: the repeat prompt's token ids, "
+        "kvjax.kvzip_prompt(tokenizer, repeat) (the CLI makes it)",
+    )
+    head_scores: str | None = _option(
+        None,
+        "kvzip-head: the file of head scores saved from a calibration "
+        "context (python -m kvjax kvzip-heads)",
+    )
 
     @classmethod
     def of(cls, **options) -> EvictionOptions:
-        """The options from keyword arguments; an unknown keyword is a TypeError naming the valid ones."""
+        """The options from keyword arguments; an unknown keyword is a TypeError naming the valid
+        ones."""
         if unknown := sorted(set(options) - set(NAMES)):
-            raise TypeError(f"unknown eviction keyword(s) {', '.join(unknown)}; valid: {', '.join(NAMES)}")
+            raise TypeError(
+                f"unknown eviction keyword(s) {', '.join(unknown)}; valid: {', '.join(NAMES)}"
+            )
         return cls(**options)
 
     def resolve(self, context: int | None = None) -> Eviction | None:
-        """The validated engine configuration (None for budget=None: the full cache). ``context``: the longest
-        prompt, which a fractional budget is a fraction of (without it, only the fraction is checked)."""
+        """The validated engine configuration (None for budget=None: the full cache). ``context``:
+        the longest prompt, which a fractional budget is a fraction of (without it, only the
+        fraction is checked)."""
         budget = self.budget
         if self.repeat not in (None, *FORMS):
             raise ValueError(f"repeat={self.repeat!r} must be one of {FORMS}")
         made = self.repeat_prompt.form if self.repeat_prompt is not None else ""
         if self.repeat is not None and made and made != self.repeat:
-            raise ValueError(f"repeat={self.repeat!r}, but repeat_prompt was made in the {made!r} form: pass "
-                             f"kvjax.kvzip_prompt(tokenizer, {self.repeat!r})")
+            raise ValueError(
+                f"repeat={self.repeat!r}, but repeat_prompt was made in the {made!r} form: "
+                f"pass kvjax.kvzip_prompt(tokenizer, {self.repeat!r})"
+            )
         if budget is None:
             if self.impl is not None:
-                raise ValueError(f"impl={self.impl!r} chooses the attention of the budget cache; the full cache "
-                                 "(budget=None) always runs XLA attention")
+                raise ValueError(
+                    f"impl={self.impl!r} chooses the attention of the budget cache; the full "
+                    "cache (budget=None) always runs XLA attention"
+                )
             return None
         scoring_pass = BASES[split_name(self.scorer)[1]].scoring_pass
         if (self.repeat_prompt is not None) != (scoring_pass == "kvzip"):
-            raise ValueError("scorer='kvzip' needs repeat_prompt=kvjax.kvzip_prompt(tokenizer) (the repeat "
-                             "prompt's token ids)" if self.repeat_prompt is None
-                             else f"repeat_prompt is KVzip's; scorer={self.scorer!r}")
+            raise ValueError(
+                "scorer='kvzip' needs repeat_prompt=kvjax.kvzip_prompt(tokenizer) (the repeat "
+                "prompt's token ids)"
+                if self.repeat_prompt is None
+                else f"repeat_prompt is KVzip's; scorer={self.scorer!r}"
+            )
         if (self.head_scores is not None) != (scoring_pass == "heads"):
-            raise ValueError("scorer='kvzip-head' needs head_scores=<file of "
-                             "kvjax.runtime.kvzip_pass.save_head_scores>" if self.head_scores is None
-                             else f"head_scores is kvzip-head's; scorer={self.scorer!r}")
+            raise ValueError(
+                "scorer='kvzip-head' needs head_scores=<file of "
+                "kvjax.runtime.kvzip_pass.save_head_scores>"
+                if self.head_scores is None
+                else f"head_scores is kvzip-head's; scorer={self.scorer!r}"
+            )
         if isinstance(budget, float):
             if not 0 < budget < 1:
                 raise ValueError(f"budget={budget!r}: a fractional budget must lie in (0, 1)")
             budget = math.ceil(budget * context) if context is not None else BUDGET_FOR_CHECKS
-        policy = make_policy(self.scorer, budget, n_sink=self.n_sink, window=self.window,
-                             obs_window=self.obs_window, pool=self.pool, kernel=self.kernel,
-                             aggregate=self.aggregate, mi_batch=self.mi_batch, impl=self.impl,
-                             allocation=self.allocation, floor=self.floor, floor_mode=self.floor_mode,
-                             chunk=self.chunk)
+        policy = make_policy(
+            self.scorer,
+            budget,
+            n_sink=self.n_sink,
+            window=self.window,
+            obs_window=self.obs_window,
+            pool=self.pool,
+            kernel=self.kernel,
+            aggregate=self.aggregate,
+            mi_batch=self.mi_batch,
+            impl=self.impl,
+            allocation=self.allocation,
+            floor=self.floor,
+            floor_mode=self.floor_mode,
+            chunk=self.chunk,
+        )
         own_pass = policy.scorer.scoring_pass is not None
         protocol = self.protocol or ("prefill" if own_pass else "blockwise")
         decode_evict = (not own_pass) if self.decode_evict is None else self.decode_evict
         if own_pass and (protocol != "prefill" or decode_evict):
-            raise ValueError(f"scorer={self.scorer!r} scores a prompt once, after the prefill: it needs "
-                             f"protocol='prefill' (got {protocol!r}) and decode_evict=False (got {decode_evict!r})")
-        page_size = self.page_size if self.page_size is not None else (PAGE_SIZE if policy.paged else None)
-        return Eviction(policy, protocol=protocol, block_size=self.block_size, evict_every=self.evict_every,
-                        decode_evict=decode_evict, page_size=page_size, decode_order=self.decode_order)
+            raise ValueError(
+                f"scorer={self.scorer!r} scores a prompt once, after the prefill: it needs "
+                f"protocol='prefill' (got {protocol!r}) and decode_evict=False "
+                f"(got {decode_evict!r})"
+            )
+        page_size = (
+            self.page_size if self.page_size is not None else (PAGE_SIZE if policy.paged else None)
+        )
+        return Eviction(
+            policy,
+            protocol=protocol,
+            block_size=self.block_size,
+            evict_every=self.evict_every,
+            decode_evict=decode_evict,
+            page_size=page_size,
+            decode_order=self.decode_order,
+        )
 
     def scoring_data(self, cfg) -> ScoringData:
-        """The data the scorer's own scoring pass reads for the model ``cfg`` (its repeat prompt, or its
-        head scores loaded and checked against the model; empty for other scorers)."""
+        """The data the scorer's own scoring pass reads for the model ``cfg`` (its repeat prompt, or
+        its head scores loaded and checked against the model; empty for other scorers)."""
         scores = None if self.head_scores is None else load_head_scores(self.head_scores, cfg)
         return ScoringData(repeat_prompt=self.repeat_prompt, head_scores=scores)
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(EvictionOptions))
-NOT_FLAGS = ("repeat_prompt",)  # made by the program from its tokenizer, not given on a command line
-BUDGET_FOR_CHECKS = 1 << 20  # what a fractional budget stands for when checking options without a prompt
+# made by the program from its tokenizer, not given on a command line
+NOT_FLAGS = ("repeat_prompt",)
+# what a fractional budget stands for when checking options without a prompt
+BUDGET_FOR_CHECKS = 1 << 20
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(EvictionOptions)}
 
 
 def eviction_from(context: int | None = None, **options) -> Eviction | None:
-    """``EvictionOptions.of(**options).resolve(context)``: the engine configuration of eviction keywords."""
+    """``EvictionOptions.of(**options).resolve(context)``: the engine configuration of eviction
+    keywords."""
     return EvictionOptions.of(**options).resolve(context)
 
 
@@ -163,19 +264,24 @@ def options_table() -> str:
 
 
 def with_tokenizer(tokenizer, **options) -> dict[str, Any]:
-    """``options`` with what a scorer takes from the model's tokenizer filled in: kvzip's repeat prompt
-    (``tokenizer=None``: an empty one, enough to check the other options before a model is loaded)."""
+    """``options`` with what a scorer takes from the model's tokenizer filled in: kvzip's repeat
+    prompt (``tokenizer=None``: an empty one, enough to check the other options before a model is
+    loaded)."""
     if options.get("budget") is None or options.get("repeat_prompt") is not None:
         return options
     if BASES[split_name(options.get("scorer", DEFAULTS["scorer"]))[1]].scoring_pass != "kvzip":
         return options
     form = options.get("repeat") or DEFAULT_FORM
-    return options | {"repeat_prompt": RepeatPrompt((), (), ()) if tokenizer is None else kvzip_prompt(tokenizer, form)}
+    return options | {
+        "repeat_prompt": RepeatPrompt((), (), ())
+        if tokenizer is None
+        else kvzip_prompt(tokenizer, form)
+    }
 
 
 def add_arguments(group, defaults: bool = True, skip: tuple[str, ...] = ()) -> None:
-    """Add one ``--flag`` per option to an argparse group. defaults=False leaves every flag unset (None) unless
-    given, for callers that merge them over presets."""
+    """Add one ``--flag`` per option to an argparse group. defaults=False leaves every flag unset
+    (None) unless given, for callers that merge them over presets."""
     import argparse
 
     for f in dataclasses.fields(EvictionOptions):
@@ -183,14 +289,24 @@ def add_arguments(group, defaults: bool = True, skip: tuple[str, ...] = ()) -> N
             continue
         flag, meta = "--" + f.name.replace("_", "-"), f.metadata
         default = f.default if defaults else None
-        text = meta["help"] + (" (default: %(default)s)" if defaults and f.default is not None else "")
+        text = meta["help"] + (
+            " (default: %(default)s)" if defaults and f.default is not None else ""
+        )
         if f.type.startswith("bool"):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=text
+            )
         elif meta["choices"] is not None:
-            group.add_argument(flag, choices=[c for c in meta["choices"] if c is not None], default=default,
-                               help=text)
+            group.add_argument(
+                flag,
+                choices=[c for c in meta["choices"] if c is not None],
+                default=default,
+                help=text,
+            )
         else:
-            kind = {"budget": budget_value, "scorer": str, "floor": float, "head_scores": str}.get(f.name, int)
+            kind = {"budget": budget_value, "scorer": str, "floor": float, "head_scores": str}.get(
+                f.name, int
+            )
             group.add_argument(flag, type=kind, default=default, help=text)
 
 

@@ -1,7 +1,8 @@
-"""The eviction engine: block-wise and prefill-then-evict protocols under ``lax.scan``, and decode steps.
+"""The eviction engine: block-wise and prefill-then-evict protocols under ``lax.scan``, and decode
+steps.
 
-``Eviction`` is the static description of one engine configuration (a jit static argument) and the one owner
-of its ``Policy``: the ``Segment`` of every forward call carries the policy to the cache.
+``Eviction`` is the static description of one engine configuration (a jit static argument) and the
+one owner of its ``Policy``: the ``Segment`` of every forward call carries the policy to the cache.
 """
 
 from __future__ import annotations
@@ -19,21 +20,30 @@ from kvjax.model.segment import Segment, when
 from kvjax.runtime.inputs import round_capacity
 
 PROTOCOLS = ("blockwise", "prefill")
-APPEND = "append"  # internal protocol: feed tokens without any eviction point (``Eviction.without_eviction``)
+# internal protocol: feed tokens without any eviction point (``Eviction.without_eviction``)
+APPEND = "append"
 PAGE_SIZE = 16  # tokens per page of the paged cache, unless chosen
-# A decode step's order: "attend-first" (every layer attends over its kept tokens and the new one; the step then
-# evicts in every layer) or "evict-first" (CAOTE's Eq. 5-7, MomentKV's Algorithm 1: each layer evicts as soon as
-# its attention has scored the new token and outputs the attention over the tokens it keeps).
+# A decode step's order: "attend-first" (every layer attends over its kept tokens and the new one;
+# the step then evicts in every layer) or "evict-first" (CAOTE's Eq. 5-7, MomentKV's Algorithm 1:
+# each layer evicts as soon as its attention has scored the new token and outputs the attention
+# over the tokens it keeps).
 DECODE_ORDERS = ("attend-first", "evict-first")
 
 
 @dataclasses.dataclass(frozen=True)
 class Eviction:
-    """policy: scorer, budget and allocation; protocol: "blockwise" (evict after every block of
-    ``block_size``) or "prefill" (prefill in blocks, evict once at the end), or "append" (no eviction: see
-    ``without_eviction``); decoding evicts every ``evict_every`` tokens (``evict_every`` spare slots) unless
-    ``decode_evict`` is False, each step in ``decode_order`` (``DECODE_ORDERS``); page_size: tokens per page of
-    a paged cache (``kvjax.cache.paged``), None for the dense ``BudgetCache`` (uniform allocation only)."""
+    """The static description of one engine configuration.
+
+    Fields:
+        policy: scorer, budget and allocation.
+        protocol: "blockwise" (evict after every block of ``block_size``) or "prefill" (prefill in
+            blocks, evict once at the end), or "append" (no eviction: see ``without_eviction``).
+        evict_every, decode_evict, decode_order: decoding evicts every ``evict_every`` tokens
+            (``evict_every`` spare slots) unless ``decode_evict`` is False, each step in
+            ``decode_order`` (``DECODE_ORDERS``).
+        page_size: tokens per page of a paged cache (``kvjax.cache.paged``), None for the dense
+            ``BudgetCache`` (uniform allocation only).
+    """
 
     policy: Policy
     protocol: str = "blockwise"
@@ -49,19 +59,26 @@ class Eviction:
         if self.decode_order not in DECODE_ORDERS:
             raise ValueError(f"decode_order={self.decode_order!r} must be one of {DECODE_ORDERS}")
         if self.decode_order == "evict-first" and self.policy.allocation_spec.shared == "all":
-            raise ValueError(f"decode_order='evict-first' evicts each layer before the next one attends, but "
-                             f"allocation={self.policy.allocation!r} ranks every layer's tokens together")
+            raise ValueError(
+                f"decode_order='evict-first' evicts each layer before the next one attends, "
+                f"but allocation={self.policy.allocation!r} ranks every layer's tokens together"
+            )
         for name in ("block_size", "evict_every"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
         if self.page_size is None and self.policy.paged:
-            raise ValueError(f"allocation={self.policy.allocation!r} needs the paged cache: page_size=None")
-        if self.page_size is not None and not (isinstance(self.page_size, int) and self.page_size >= 1):
+            raise ValueError(
+                f"allocation={self.policy.allocation!r} needs the paged cache: page_size=None"
+            )
+        if self.page_size is not None and not (
+            isinstance(self.page_size, int) and self.page_size >= 1
+        ):
             raise ValueError(f"page_size={self.page_size!r} must be an integer >= 1")
 
     def extend_spare(self, new_tokens: int) -> int:
-        """Spare slots per head for feeding ``new_tokens`` (a multiple of the block) under the protocol."""
+        """Spare slots per head for feeding ``new_tokens`` (a multiple of the block) under the
+        protocol."""
         return self.block_size if self.protocol == "blockwise" else new_tokens
 
     def decode_spare(self, max_new_tokens: int) -> int:
@@ -84,30 +101,53 @@ class Eviction:
         return self.layout.fit(cache, cfg, self.policy, spare)
 
     def decoding(self) -> Eviction:
-        """What decoding depends on, with protocol and block size normalised: one decode compilation then
-        serves every prefill protocol and block size (and, without eviction, every scorer and budget)."""
+        """What decoding depends on, with protocol and block size normalised: one decode compilation
+        then serves every prefill protocol and block size (and, without eviction, every scorer and
+        budget)."""
         if not self.decode_evict:
             return dataclasses.replace(self.without_eviction(), protocol="blockwise")
         return dataclasses.replace(self, protocol="blockwise", block_size=1)
 
     def without_eviction(self) -> Eviction:
-        """Feeding and decoding that never evict (the cache grows): what a compressed context does with a
-        question that arrives after it (KVzip's and kvpress's query-agnostic setting). Only MomentKV's
-        correction of the attention still depends on the scorer, so the policy keeps just that and the budget
-        rounded up to ``CAPACITY_STEP`` (which sizes the cache): every other scorer and nearby budgets then
-        share one compilation."""
+        """Feeding and decoding that never evict (the cache grows): what a compressed context does
+        with a question that arrives after it (KVzip's and kvpress's query-agnostic setting). Only
+        MomentKV's correction of the attention still depends on the scorer, so the policy keeps just
+        that and the budget rounded up to ``CAPACITY_STEP`` (which sizes the cache): every other
+        scorer and nearby budgets then share one compilation."""
         p = self.policy
         nc = p.modifier if p.moment_correction else ""
-        policy = Policy("streamingllm", budget=round_capacity(p.budget), n_sink=0, window=0, obs_window=1,
-                        pool="none", kernel=1, aggregate="mean", modifier=nc, impl=p.impl, allocation=p.allocation)
-        return Eviction(policy, protocol=APPEND, block_size=self.block_size, decode_evict=False,
-                        page_size=self.page_size)
+        policy = Policy(
+            "streamingllm",
+            budget=round_capacity(p.budget),
+            n_sink=0,
+            window=0,
+            obs_window=1,
+            pool="none",
+            kernel=1,
+            aggregate="mean",
+            modifier=nc,
+            impl=p.impl,
+            allocation=p.allocation,
+        )
+        return Eviction(
+            policy,
+            protocol=APPEND,
+            block_size=self.block_size,
+            decode_evict=False,
+            page_size=self.page_size,
+        )
 
 
-def extend(params: Params, cache: EvictingCache, tokens: jax.Array, start: jax.Array,
-           lengths: jax.Array, ev: Eviction) -> tuple[EvictingCache, jax.Array]:
-    """Feed tokens [B, P] (P a multiple of the block; row b has ``lengths[b]`` valid tokens at positions
-    ``start[b] + t``) block by block under ``lax.scan``, evicting as the protocol says.
+def extend(
+    params: Params,
+    cache: EvictingCache,
+    tokens: jax.Array,
+    start: jax.Array,
+    lengths: jax.Array,
+    ev: Eviction,
+) -> tuple[EvictingCache, jax.Array]:
+    """Feed tokens [B, P] (P a multiple of the block; row b has ``lengths[b]`` valid tokens at
+    positions ``start[b] + t``) block by block under ``lax.scan``, evicting as the protocol says.
 
     Returns the cache and the final-normed hidden state [B, D] of each row's last valid token.
     """
@@ -124,9 +164,17 @@ def extend(params: Params, cache: EvictingCache, tokens: jax.Array, start: jax.A
         seen = start + jnp.minimum(lengths, (i + 1) * m)
         end = seen if ev.protocol == "blockwise" else start + lengths
         evict = {"blockwise": True, "prefill": i == n_blocks - 1, APPEND: False}[ev.protocol]
-        seg = Segment(positions=positions, valid=valid, query_weights=ev.policy.query_weights(positions, valid, end),
-                      seen=seen, evict=evict, policy=ev.policy)
-        hidden, cache = step(params, jax.lax.dynamic_slice_in_dim(tokens, i * m, m, axis=1), cache, seg)
+        seg = Segment(
+            positions=positions,
+            valid=valid,
+            query_weights=ev.policy.query_weights(positions, valid, end),
+            seen=seen,
+            evict=evict,
+            policy=ev.policy,
+        )
+        hidden, cache = step(
+            params, jax.lax.dynamic_slice_in_dim(tokens, i * m, m, axis=1), cache, seg
+        )
         here = lengths - 1 - i * m
         h = jnp.take_along_axis(hidden, jnp.clip(here, 0, m - 1)[:, None, None], axis=1)[:, 0]
         last = jnp.where(((here >= 0) & (here < m))[:, None], h, last)
@@ -138,18 +186,21 @@ def extend(params: Params, cache: EvictingCache, tokens: jax.Array, start: jax.A
 
 
 def step(params: Params, tokens: jax.Array, cache, seg: Segment) -> tuple[jax.Array, object]:
-    """One forward call of tokens [B, T] through every layer of any cache, then the eviction point if
-    ``seg.evict`` says so (for every layer at once: an eviction never changes the outputs of the step it
-    ends), unless each layer evicted in its own attention (``seg.evict_in_layer``). Returns the final-normed
-    hidden states [B, T, D] and the cache."""
+    """One forward call of tokens [B, T] through every layer of any cache, then the eviction point
+    if ``seg.evict`` says so (for every layer at once: an eviction never changes the outputs of the
+    step it ends), unless each layer evicted in its own attention (``seg.evict_in_layer``). Returns
+    the final-normed hidden states [B, T, D] and the cache."""
     hidden, cache = decode_hidden(params, tokens, cache, seg)
     if seg.evict_in_layer:
         return hidden, cache
     return hidden, when(seg.evict, lambda c: c.evict(seg.policy, seg.seen), cache)
 
 
-def decode_segment(ev: Eviction | None, step: jax.Array, lengths: jax.Array, active: jax.Array) -> Segment:
-    """The Segment of one decode step: token at position ``lengths`` [B] for the ``active`` [B] rows."""
+def decode_segment(
+    ev: Eviction | None, step: jax.Array, lengths: jax.Array, active: jax.Array
+) -> Segment:
+    """The Segment of one decode step: token at position ``lengths`` [B] for the ``active`` [B]
+    rows."""
     positions = lengths[:, None]
     if ev is None:
         return Segment(positions=positions)
@@ -158,6 +209,12 @@ def decode_segment(ev: Eviction | None, step: jax.Array, lengths: jax.Array, act
         evict = ev.decode_evict  # known statically
     else:
         evict = (step + 1) % ev.evict_every == 0
-    return Segment(positions=positions, valid=valid,
-                   query_weights=ev.policy.query_weights(positions, valid, lengths + 1), seen=lengths + 1,
-                   evict=evict, policy=ev.policy, evict_in_layer=ev.decode_evict and ev.decode_order == "evict-first")
+    return Segment(
+        positions=positions,
+        valid=valid,
+        query_weights=ev.policy.query_weights(positions, valid, lengths + 1),
+        seen=lengths + 1,
+        evict=evict,
+        policy=ev.policy,
+        evict_in_layer=ev.decode_evict and ev.decode_order == "evict-first",
+    )

@@ -11,7 +11,13 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """Static sampling settings. temperature=0 is greedy (top_k/top_p ignored); top_k=0 and top_p=1 are off."""
+    """Static sampling settings.
+
+    Fields:
+        temperature: 0 is greedy (top_k/top_p ignored).
+        top_k: 0 is off.
+        top_p: 1 is off.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
@@ -39,8 +45,9 @@ def sample(logits: jax.Array, key: jax.Array, s) -> jax.Array:
     if isinstance(s, Sampling):
         return greedy if s.temperature == 0 else _draw(logits, key, s)
     hot = s.temperature > 0
-    return jax.lax.cond(jnp.any(hot), lambda: jnp.where(hot, _draw(logits, key, s), greedy),
-                        lambda: greedy)
+    return jax.lax.cond(
+        jnp.any(hot), lambda: jnp.where(hot, _draw(logits, key, s), greedy), lambda: greedy
+    )
 
 
 def _draw(logits: jax.Array, key: jax.Array, s) -> jax.Array:
@@ -51,13 +58,17 @@ def _draw(logits: jax.Array, key: jax.Array, s) -> jax.Array:
     draws over the vocabulary in vocabulary order, the tokens it does not keep masked.
     """
     fixed, V = isinstance(s, Sampling), logits.shape[-1]
-    scaled = logits / (s.temperature if fixed
-                       else jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None])
+    scaled = logits / (
+        s.temperature if fixed else jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    )
     if fixed and not s.top_k and s.top_p == 1:
         return _categorical(key, scaled)
     values, ids = jax.lax.top_k(scaled, min(s.top_k or V, V) if fixed else V)  # sorted descending
-    keep = (jnp.ones(values.shape, bool) if fixed  # every candidate is within the fixed top k
-            else jnp.arange(V) < jnp.where(s.top_k > 0, s.top_k, V)[:, None])
+    keep = (
+        jnp.ones(values.shape, bool)
+        if fixed  # every candidate is within the fixed top k
+        else jnp.arange(V) < jnp.where(s.top_k > 0, s.top_k, V)[:, None]
+    )
     if not fixed or s.top_p < 1:
         probs = jax.nn.softmax(jnp.where(keep, values, -jnp.inf), axis=-1)
         top_p = s.top_p if fixed else s.top_p[:, None]

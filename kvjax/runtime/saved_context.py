@@ -1,10 +1,11 @@
-"""A compressed context on disk: ``save_context`` / ``load_context``, so a later process asks more questions
-without compressing again.
+"""A compressed context on disk: ``save_context`` / ``load_context``, so a later process asks more
+questions without compressing again.
 
 Layout of ``<dir>/``: ``cache/`` (Orbax: the cache's arrays and the next-token logits) and
-``kvjax_context.json`` (the model's config, the eviction settings it was compressed with, the rows' lengths,
-the dtype and the cache kind; written last). The directory is written under a temporary sibling name and
-renamed into place, so a crash never leaves a half-written context under ``<dir>``.
+``kvjax_context.json`` (the model's config, the eviction settings it was compressed with, the rows'
+lengths, the dtype and the cache kind; written last). The directory is written under a temporary
+sibling name and renamed into place, so a crash never leaves a half-written context under
+``<dir>``.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def _eviction_to_json(ev: Eviction) -> dict:
     return dataclasses.asdict(ev)
 
 
-SCORING_DATA = ("repeat_prompt", "head_scores", "head_budgets")  # in the policy of contexts saved before
-# ScoringData: what compressed them, which a compressed context no longer needs
+# in the policy of contexts saved before ScoringData: what compressed them, which a compressed
+# context no longer needs
+SCORING_DATA = ("repeat_prompt", "head_scores", "head_budgets")
 
 
 def _eviction_from_json(raw: dict) -> Eviction:
@@ -48,65 +50,91 @@ def _eviction_from_json(raw: dict) -> Eviction:
 
 
 def context_path(name_or_path: str) -> str:
-    """Where a context given on the command line lives: a bare NAME (no path separator, not starting with "."
-    or "~") in ``contexts/`` of the kvjax directory (``kvjax.loading.checkpoint_root``), anything else the path
-    it names."""
+    """Where a context given on the command line lives: a bare NAME (no path separator, not starting
+    with "." or "~") in ``contexts/`` of the kvjax directory (``kvjax.loading.checkpoint_root``),
+    anything else the path it names."""
     from kvjax.loading import checkpoint_root
 
-    if os.sep in name_or_path or (os.altsep and os.altsep in name_or_path) or name_or_path.startswith((".", "~")):
+    if (
+        os.sep in name_or_path
+        or (os.altsep and os.altsep in name_or_path)
+        or name_or_path.startswith((".", "~"))
+    ):
         return os.path.expanduser(name_or_path)
     return os.path.join(checkpoint_root(), CONTEXTS, name_or_path)
 
 
 def save_context(path: str, context: Context, params: Params) -> None:
-    """Write ``context`` (compressed for ``params``' model) to the directory ``path``, replacing one there."""
+    """Write ``context`` (compressed for ``params``' model) to the directory ``path``, replacing one
+    there."""
     import orbax.checkpoint as ocp
 
     kind = next(name for name, cls in CACHE_KINDS.items() if isinstance(context.cache, cls))
-    meta = {"format": FORMAT, "config": json.loads(params.config.to_json()), "dtype": np.dtype(params.dtype).name,
-            "cache": kind, "eviction": _eviction_to_json(context.ev), "lengths": [int(n) for n in context.lengths],
-            "batched": context.batched}
+    meta = {
+        "format": FORMAT,
+        "config": json.loads(params.config.to_json()),
+        "dtype": np.dtype(params.dtype).name,
+        "cache": kind,
+        "eviction": _eviction_to_json(context.ev),
+        "lengths": [int(n) for n in context.lengths],
+        "batched": context.batched,
+    }
     arrays = {"cache": jax.tree.map(to_host, context.cache), "logits": to_host(context.logits)}
     with atomic_directory(path) as tmp:
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(os.path.join(tmp, "cache"), arrays)
             ckpt.wait_until_finished()
-        with open(os.path.join(tmp, META_FILE), "w") as f:  # written last: marks a complete context
+        # written last: marks a complete context
+        with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(meta, f, indent=1)
 
 
 def read_meta(path: str) -> dict:
-    """The metadata of a saved context (CheckpointError if missing, corrupt or of another format)."""
+    """The metadata of a saved context (CheckpointError if missing, corrupt or of another
+    format)."""
     try:
         with open(os.path.join(path, META_FILE)) as f:
             meta = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not a saved kvjax context: {META_FILE} is missing or corrupt ({e})") from e
+        raise CheckpointError(
+            f"{path} is not a saved kvjax context: {META_FILE} is missing or corrupt ({e})"
+        ) from e
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: saved context format {meta.get('format')!r}, this kvjax reads {FORMAT}")
+        raise CheckpointError(
+            f"{path}: saved context format {meta.get('format')!r}, this kvjax reads {FORMAT}"
+        )
     return meta
 
 
 def load_context(path: str, params: Params) -> Context:
-    """The context saved in ``path`` (on one device), checked against ``params``: the same model config and
-    dtype, else a CheckpointError naming the differences."""
+    """The context saved in ``path`` (on one device), checked against ``params``: the same model
+    config and dtype, else a CheckpointError naming the differences."""
     import orbax.checkpoint as ocp
 
     meta = read_meta(path)
     saved = ModelConfig.from_json(json.dumps(meta["config"]))
     if saved != params.config:
-        diff = [f"{f.name}: saved {getattr(saved, f.name)!r}, model {getattr(params.config, f.name)!r}"
-                for f in dataclasses.fields(saved) if getattr(saved, f.name) != getattr(params.config, f.name)]
+        diff = [
+            f"{f.name}: saved {getattr(saved, f.name)!r}, model {getattr(params.config, f.name)!r}"
+            for f in dataclasses.fields(saved)
+            if getattr(saved, f.name) != getattr(params.config, f.name)
+        ]
         raise CheckpointError(f"{path} was compressed for another model: " + "; ".join(diff))
     dtype = np.dtype(params.dtype).name
     if meta["dtype"] != dtype:
-        raise CheckpointError(f"{path} was compressed with dtype={meta['dtype']}; load the model with that dtype "
-                              f"(got {dtype})")
+        raise CheckpointError(
+            f"{path} was compressed with dtype={meta['dtype']}; load the model with that "
+            f"dtype (got {dtype})"
+        )
     ev = _eviction_from_json(meta["eviction"])
     lengths = np.asarray(meta["lengths"], np.int32)
-    template = jax.eval_shape(lambda: ev.empty_cache(params.config, len(lengths), ev.decode_spare(0), params.dtype))
+    template = jax.eval_shape(
+        lambda: ev.empty_cache(params.config, len(lengths), ev.decode_spare(0), params.dtype)
+    )
     if type(template) is not CACHE_KINDS[meta["cache"]]:
-        raise CheckpointError(f"{path}: a {meta['cache']} cache does not match its eviction settings")
+        raise CheckpointError(
+            f"{path}: a {meta['cache']} cache does not match its eviction settings"
+        )
     with ocp.StandardCheckpointer() as ckpt:
         try:
             stored = ckpt.restore(os.path.join(path, "cache"))
@@ -118,8 +146,13 @@ def load_context(path: str, params: Params) -> Context:
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}/cache does not hold a {meta['cache']} cache: {e}") from e
     want, got = template.kv[0], cache.kv[0]
-    if (got.ndim, got.shape[-1], got.dtype) != (want.ndim, want.shape[-1], want.dtype) \
-            or logits.shape != (len(lengths), params.config.vocab_size):
-        raise CheckpointError(f"{path}/cache: keys {got.shape} {got.dtype} and logits {logits.shape} do not match "
-                              f"its metadata")
+    if (got.ndim, got.shape[-1], got.dtype) != (
+        want.ndim,
+        want.shape[-1],
+        want.dtype,
+    ) or logits.shape != (len(lengths), params.config.vocab_size):
+        raise CheckpointError(
+            f"{path}/cache: keys {got.shape} {got.dtype} and logits {logits.shape} do not "
+            f"match its metadata"
+        )
     return Context(cache=cache, lengths=lengths, logits=logits, ev=ev, batched=meta["batched"])

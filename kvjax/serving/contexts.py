@@ -88,9 +88,7 @@ class ContextStore:
         self._lock = threading.Lock()
         self._compressing = threading.Lock()
         self._records: dict[str, ContextRecord] = {}
-        self._memory: collections.OrderedDict[str, tuple[Context, int]] = (
-            collections.OrderedDict()
-        )
+        self._memory: collections.OrderedDict[str, tuple[Context, int]] = collections.OrderedDict()
         os.makedirs(root, exist_ok=True)
         for name in sorted(os.listdir(root)):
             path = os.path.join(root, name)

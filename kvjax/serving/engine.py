@@ -179,9 +179,7 @@ def prefill(
     ``decode_spare`` spare slots per head, or (ev=None) into a full cache of ``capacity`` slots."""
     key = jax.random.key(0)  # unused: the request's key comes from its seed
     if ev is None:
-        state = feed_full(
-            params, inputs.tokens, inputs.length, key, capacity=capacity, out_width=1
-        )
+        state = feed_full(params, inputs.tokens, inputs.length, key, capacity=capacity, out_width=1)
     else:
         state = feed_budget(
             params,
