@@ -89,6 +89,8 @@ def _ask(args) -> int:
     from kvjax.runtime.saved_context import context_path, load_context, save_context
 
     eviction = from_arguments(args)
+    if args.server is not None:
+        return _ask_server(args, eviction)
     if (args.context is None) == (args.load is None):
         raise ValueError(
             "give the document with --context FILE, or a saved context with --load DIR "
@@ -141,6 +143,51 @@ def _ask(args) -> int:
         answer = kvjax.decode(params, context, ids, max_new, evict=False)
         print(f"> {question}\n{tokenizer.decode(answer, skip_special_tokens=True).strip()}\n")
         print(f"[{len(answer)} tokens in {time.perf_counter() - start:.1f}s]", file=sys.stderr)
+    return 0
+
+
+def _ask_server(args, eviction: dict) -> int:
+    """``ask --server URL``: the server compresses the document (``POST /v1/contexts``; once for
+    the same document and settings) and answers each question on it (``context_id``)."""
+    from kvjax.extras import require
+
+    require("serve", "kvjax ask --server")
+    import httpx
+    import openai
+
+    if args.context is None or args.load is not None or args.save is not None:
+        raise ValueError("--server: give the document with --context FILE (no --save / --load)")
+    if any(k in eviction for k in ("repeat_prompt", "head_scores")):
+        raise ValueError("--server: the server makes KVzip's repeat prompt; no --head-scores")
+    url = args.server.rstrip("/")
+    models = httpx.get(f"{url}/v1/models", timeout=30).raise_for_status().json()["data"]
+    model = models[0]["id"]
+    with open(args.context, encoding="utf-8") as f:
+        document = f.read()
+    body = {"model": model, "document": document} | eviction
+    if args.system is not None:
+        body["system"] = read_text(args.system, "--system")
+    start = time.perf_counter()
+    made = httpx.post(f"{url}/v1/contexts", json=body, timeout=None)
+    if made.status_code >= 400:
+        raise ValueError(f"--server {url}: {made.json()['error']['message']}")
+    card = made.json()
+    print(
+        f"[{'compressed' if made.status_code == 201 else 'already stored'}: context {card['id']}, "
+        f"{card['tokens']} tokens kept in {card['kept_slots']} slots, "
+        f"{time.perf_counter() - start:.1f}s]",
+        file=sys.stderr,
+    )
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=None)
+    for question in [read_text(q, "question") for q in args.questions]:
+        answer = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": question}],
+            temperature=0,
+            max_tokens=args.max_new_tokens or 64,
+            extra_body={"context_id": card["id"]},
+        )
+        print(f"> {question}\n{answer.choices[0].message.content.strip()}\n")
     return 0
 
 
@@ -229,6 +276,13 @@ def add_ask_chat_parsers(sub) -> None:
         help="answer from a context saved with --save instead of --context",
     )
     a.add_argument("--quiet", action="store_true", help="no progress line while compressing")
+    a.add_argument(
+        "--server",
+        metavar="URL",
+        help="use a running kvjax server's contexts (kvjax serve --context-slots N): it "
+        "compresses --context once and answers there; the eviction flags given are sent, the "
+        "server's defaults fill the rest",
+    )
     _model_arguments(a)
     add_arguments(
         a.add_argument_group(

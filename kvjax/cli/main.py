@@ -126,19 +126,50 @@ def _serve(args) -> int:
         )
     driver = Driver(engine, queue_size=args.queue).start()
     name = os.path.basename(os.path.normpath(args.model))
+    contexts = None if args.context_slots == 0 else _context_service(args, params, tokenizer, name)
     # uvicorn shuts down gracefully on SIGTERM / Ctrl-C (the requests in flight finish first), then
     # raises the signal again: SIGTERM then ends the process with status 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         uvicorn.run(
-            create_app(driver, name, tokenizer),
+            create_app(driver, name, tokenizer, contexts),
             host=args.host,
             port=args.port,
             log_level=args.log_level,
         )
     finally:
         driver.stop()
+        if contexts is not None:
+            contexts.close()
+            contexts.driver.stop()
     return 0
+
+
+def _context_service(args, params, tokenizer, name: str):
+    """The contexts of ``kvjax serve`` (``--context-*``): a store under ``--contexts-dir`` and
+    ``--context-slots`` slots of the geometry of ``--context-scorer`` at ``--context-budget``."""
+    import os
+
+    from kvjax.loading import checkpoint_root
+    from kvjax.serving import Driver, Engine
+    from kvjax.serving.contexts import ContextService, ContextStore
+
+    defaults = {"budget": args.context_budget, "scorer": args.context_scorer}
+    template = eviction_from(**with_tokenizer(tokenizer, **defaults))
+    engine = Engine(
+        params,
+        slots=args.context_slots,
+        max_prompt=args.context_max_prompt,
+        max_new_tokens=args.max_tokens,
+        contexts=template,
+    )
+    if args.warmup:
+        engine.warmup()
+    root = args.contexts_dir or os.path.join(checkpoint_root(), "served-contexts", name)
+    store = ContextStore(params, root, args.context_memory_mb << 20)
+    print(f"[contexts: {len(store.records())} stored in {root}]", file=sys.stderr)
+    driver = Driver(engine, queue_size=args.queue).start()
+    return ContextService(store, driver, tokenizer, defaults)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,6 +322,46 @@ def build_parser() -> argparse.ArgumentParser:
             "eviction (kvjax.EvictionOptions, fixed for the server; active with "
             "--budget; docs/eviction.md)"
         )
+    )
+    c = s.add_argument_group(
+        "contexts (/v1/contexts: documents compressed once, questions with context_id; "
+        "docs/serving.md)"
+    )
+    c.add_argument(
+        "--context-slots",
+        type=int,
+        default=0,
+        help="slots answering questions on contexts (default: 0, no contexts)",
+    )
+    c.add_argument(
+        "--context-budget",
+        type=int,
+        default=256,
+        help="a context's default budget; with the scorer it sets the slots' geometry "
+        "(default: %(default)s)",
+    )
+    c.add_argument(
+        "--context-scorer",
+        default="kvzip",
+        help="a context's default scorer (default: %(default)s)",
+    )
+    c.add_argument(
+        "--context-max-prompt",
+        type=int,
+        default=256,
+        help="longest question appended to a context, in tokens (default: %(default)s)",
+    )
+    c.add_argument(
+        "--context-memory-mb",
+        type=int,
+        default=1024,
+        help="contexts held in memory; the least recently used leave it, not the disk "
+        "(default: %(default)s)",
+    )
+    c.add_argument(
+        "--contexts-dir",
+        help="where contexts are stored and found again after a restart (default: "
+        "served-contexts/MODEL in the kvjax directory)",
     )
     s.set_defaults(run=_serve)
     add_ask_chat_parsers(sub)

@@ -17,14 +17,17 @@ import os
 import shutil
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import numpy as np
 
 from kvjax.checkpoint.errors import CheckpointError
+from kvjax.loading import chat_parts
 from kvjax.model.params import Params
 from kvjax.runtime.context import Context
 from kvjax.runtime.kvzip_pass import config_fingerprint
+from kvjax.runtime.options import eviction_from, with_tokenizer
 from kvjax.runtime.prefilled import prefill
 from kvjax.runtime.saved_context import load_context, read_meta, save_context
 
@@ -43,6 +46,8 @@ class ContextRecord:
         seconds: wall time of the compression.
         created: when it was compressed (unix time).
         eviction: the eviction keywords it was compressed with, as JSON (a RepeatPrompt as a dict).
+        messages: the chat messages it holds, or None for a document (what a question appended to
+            it is rendered after).
     """
 
     id: str
@@ -52,6 +57,7 @@ class ContextRecord:
     seconds: float
     created: float
     eviction: dict
+    messages: list | None = None
 
 
 def _as_json(value):
@@ -123,12 +129,14 @@ class ContextStore:
             h.update(b"\0" + part.encode())
         return h.hexdigest()[:24]
 
-    def add(self, tokens: np.ndarray, **eviction) -> tuple[ContextRecord, bool]:
+    def add(
+        self, tokens: np.ndarray, messages: list | None = None, **eviction
+    ) -> tuple[ContextRecord, bool]:
         """Compress ``tokens`` [T] (one document) under ``eviction`` (the keywords of
         ``kvjax.prefill``; a budget is required), save it and keep it in memory. Returns its record
         and True, or, when that id is already stored, its record and False (nothing compressed).
-        Errors of ``kvjax.prefill`` (a document longer than the model's context, bad options)
-        propagate."""
+        ``messages``: the chat messages the tokens render, kept in the record. Errors of
+        ``kvjax.prefill`` (a document longer than the model's context, bad options) propagate."""
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D (one document), got shape {tokens.shape}")
@@ -150,6 +158,7 @@ class ContextStore:
                 seconds=seconds,
                 created=time.time(),
                 eviction=json.loads(json.dumps(eviction, default=_as_json)),
+                messages=messages,
             )
             tmp = os.path.join(self.root, f".{id}.json.tmp{os.getpid()}")
             with open(tmp, "w") as f:
@@ -209,3 +218,77 @@ class ContextStore:
             self._memory.pop(id, None)
             os.remove(self._record_path(id))  # first: a crash leaves no listed half-deleted context
             shutil.rmtree(os.path.join(self.root, id), ignore_errors=True)
+
+
+class ContextService:
+    """The server's contexts: their store, the engine of contexts answering questions on them (a
+    driver thread of its own), and one worker that compresses documents off both decode loops.
+
+    Args:
+        store: where the contexts live.
+        driver: a ``Driver`` over an ``Engine`` made with ``contexts=`` (whose slot geometry every
+            context must have); started and stopped by the caller.
+        tokenizer: the model's (chat template, KVzip's repeat prompt).
+        eviction: the keywords a posted context defaults to (budget and scorer at least).
+    """
+
+    def __init__(self, store: ContextStore, driver, tokenizer, eviction: dict):
+        self.store, self.driver, self.tokenizer, self.eviction = store, driver, tokenizer, eviction
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvjax-compress")
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False
+        )
+
+    def document_tokens(self, document: str, system: str | None = None) -> list[int]:
+        """A document's context, as ``kvjax ask`` makes it: the chat template's head and the start
+        of a user turn holding the document (``kvjax.loading.chat_parts``)."""
+        return chat_parts(self.tokenizer, document + "\n\n", "", system=system)[0]
+
+    def messages_tokens(self, messages: list[dict]) -> list[int]:
+        """A conversation's context: its messages in the chat template, no generation prompt."""
+        return self._encode(self._render(messages, False))
+
+    def question_tokens(self, record: ContextRecord, messages: list[dict]) -> list[int]:
+        """What a chat request appends to a context: for a document, the rest of its user turn (one
+        user message, as ``kvjax ask``); for a conversation, the new messages in the chat template
+        and the assistant header. ValueError for messages that cannot continue it."""
+        if record.messages is None:
+            if len(messages) != 1 or messages[0]["role"] != "user":
+                raise ValueError(
+                    "messages: a question on a document context is one user message "
+                    "(the document is the start of its user turn)"
+                )
+            return chat_parts(self.tokenizer, "", messages[0]["content"])[1]
+        before = self._render(record.messages, False)
+        after = self._render(record.messages + messages, True)
+        if not after.startswith(before):
+            raise ValueError(
+                "messages: the chat template renders the context's messages differently once "
+                "these follow; they cannot continue it"
+            )
+        return self._encode(after[len(before) :])
+
+    def options(self, given: dict, n_tokens: int) -> dict:
+        """The eviction keywords of a posted context: ``given`` over the server's defaults, with
+        KVzip's repeat prompt made from the tokenizer, validated, and of the slots' geometry
+        (ValueError or TypeError naming what is wrong)."""
+        options = with_tokenizer(self.tokenizer, **(self.eviction | given))
+        ev = eviction_from(context=n_tokens, **options)
+        if ev is None:
+            raise ValueError("budget=None: a context is compressed under a budget")
+        self.driver.engine.check_geometry(ev)
+        return options
+
+    def compress(self, tokens: list[int], messages: list | None, options: dict) -> Future:
+        """Compress in the worker (``ContextStore.add``); the future's result: (record, created)."""
+        tokens = np.asarray(tokens, np.int32)
+        return self._worker.submit(self.store.add, tokens, messages, **options)
+
+    def close(self) -> None:
+        """Wait for the compression under way, then end the worker."""
+        self._worker.shutdown(wait=True)

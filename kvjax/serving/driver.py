@@ -30,11 +30,13 @@ class Request:
     """One request and, as it runs, its output. on_update(tokens, finish_reason) is called from the
     driver's thread with each decode step's new tokens (a list of ints) and, on the last call, the
     finish reason: "stop" (a stop id, included in the tokens), "length" (the token limit),
-    "cancelled" or "error"."""
+    "cancelled" or "error". context: the ``kvjax.Context`` the prompt continues (an engine of
+    contexts), or None."""
 
     inputs: Inputs
     stop_ids: frozenset[int]
     on_update: Callable[[list[int], str | None], None] | None = None
+    context: object = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: BaseException | None = None
@@ -112,10 +114,12 @@ class Driver:
         tokens,
         *,
         on_update: Callable[[list[int], str | None], None] | None = None,
+        context=None,
         **sampling,
     ) -> Request:
         """Queue a prompt (1-D token ids); ``sampling``: the keywords of ``Engine.inputs``
-        (max_new_tokens, temperature, top_k, top_p, seed, stop_ids). Raises ValueError for a bad
+        (max_new_tokens, temperature, top_k, top_p, seed, stop_ids); ``context``: the
+        ``kvjax.Context`` it continues (an engine of contexts). Raises ValueError for a bad
         request, QueueFull, Closed."""
         if self._closing or self.error is not None:
             raise Closed(
@@ -124,7 +128,10 @@ class Driver:
                 else f"the engine failed: {self.error}"
             )
         inputs = self.engine.inputs(tokens, **sampling)
-        request = Request(inputs, frozenset(int(t) for t in inputs.stop[0] if t >= 0), on_update)
+        if context is not None or self.engine.contexts is not None:
+            self.engine.check_context(context, inputs)
+        stops = frozenset(int(t) for t in inputs.stop[0] if t >= 0)
+        request = Request(inputs, stops, on_update, context=context)
         try:
             self._queue.put_nowait(request)
         except queue.Full:
@@ -208,7 +215,7 @@ class Driver:
                 r._emit([], "cancelled")
                 continue
             try:
-                prefix = self.engine.prefill(r.inputs)
+                prefix = self.engine.prefill(r.inputs, r.context)
             except Exception as e:  # noqa: BLE001 - the request's own failure, reported to it
                 self.counts["error"] += 1
                 r._emit([], "error", e)

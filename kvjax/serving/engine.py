@@ -33,6 +33,7 @@ from kvjax.cache.full import FullCache
 from kvjax.model.params import Params
 from kvjax.runtime.decoding import decode_step, feed_budget, feed_full
 from kvjax.runtime.inputs import (
+    CAPACITY_STEP,
     check_max_new,
     check_tokens,
     pad_rows,
@@ -173,19 +174,30 @@ def _settings(inputs: Inputs) -> Settings:
 
 @functools.partial(jax.jit, static_argnames=("ev", "capacity", "decode_spare"))
 def prefill(
-    params: Params, inputs: Inputs, ev: Eviction | None, capacity: int, decode_spare: int
+    params: Params,
+    inputs: Inputs,
+    ev: Eviction | None,
+    capacity: int,
+    decode_spare: int,
+    context=None,
+    start: jax.Array | None = None,
 ) -> Prefix:
     """Prefill one prompt (``inputs.tokens`` [1, bucket]): under ``ev`` into a budget cache with
-    ``decode_spare`` spare slots per head, or (ev=None) into a full cache of ``capacity`` slots."""
+    ``decode_spare`` spare slots per head, or (ev=None) into a full cache of ``capacity`` slots.
+
+    Args:
+        context: a compressed context's cache (batch 1) the prompt continues, or None.
+        start: [1] int32 the context's length (the prompt's first position).
+    """
     key = jax.random.key(0)  # unused: the request's key comes from its seed
     if ev is None:
         state = feed_full(params, inputs.tokens, inputs.length, key, capacity=capacity, out_width=1)
     else:
         state = feed_budget(
             params,
-            None,
+            context,
             inputs.tokens,
-            jnp.zeros(1, jnp.int32),
+            jnp.zeros(1, jnp.int32) if start is None else start,
             inputs.length,
             key,
             ev=ev,
@@ -254,6 +266,11 @@ class Engine:
             ``kvjax.shard``).
         eviction: the keywords of ``kvjax.EvictionOptions`` (budget=None: a full cache of
             ``round_capacity(largest bucket + max_new_tokens)`` slots per row).
+        contexts: instead of ``eviction``, the settings contexts were compressed with
+            (``kvjax.prefill``): each request then continues a stored context (``Engine.prefill``'s
+            ``context``), its prompt appended without eviction and its answer decoded the same way
+            (``kvjax.decode(..., evict=False)``); ``max_prompt`` bounds the appended prompt. Every
+            context of the same slot geometry (``Eviction.without_eviction``) fits.
     """
 
     def __init__(
@@ -265,6 +282,7 @@ class Engine:
         max_new_tokens: int = 256,
         steps: int = 1,
         mesh: Mesh | None = None,
+        contexts: Eviction | None = None,
         **eviction,
     ):
         cfg = params.config
@@ -286,8 +304,13 @@ class Engine:
             raise ValueError(
                 f"budget={eviction['budget']!r}: an engine's budget is fixed, give a token count"
             )
-        ev = eviction_from(**eviction)
-        if ev is not None and ev.policy.scorer.scoring_pass is not None:
+        if contexts is not None and eviction:
+            raise ValueError(
+                f"contexts: an engine of contexts decodes under their settings; "
+                f"{', '.join(sorted(eviction))} do not apply"
+            )
+        ev = eviction_from(**eviction) if contexts is None else contexts.without_eviction()
+        if contexts is None and ev is not None and ev.policy.scorer.scoring_pass is not None:
             raise ValueError(
                 f"scorer={eviction.get('scorer')!r} scores a whole prompt in a pass of its own; "
                 "the serving engine runs the scorers that evict as they prefill"
@@ -313,7 +336,11 @@ class Engine:
         # The full cache's slots per row (0 for a budget cache: prefills of one bucket then share a
         # compilation across engines of any max_prompt).
         self.capacity = round_capacity(self.buckets[-1] + max_new_tokens) if ev is None else 0
-        self.decode_spare = 0 if ev is None else ev.decode_spare(round_capacity(max_new_tokens))
+        if contexts is not None:  # room for the longest appended prompt and answer, not rounded
+            self.decode_spare = ev.extend_spare(self.buckets[-1]) + max_new_tokens
+        else:
+            self.decode_spare = 0 if ev is None else ev.decode_spare(round_capacity(max_new_tokens))
+        self.contexts = contexts
 
     def inputs(
         self,
@@ -369,7 +396,48 @@ class Engine:
             seed=np.array([seed], np.int32),
         )
 
-    def prefill(self, inputs: Inputs) -> Prefix:
+    def check_geometry(self, ev: Eviction) -> None:
+        """A ValueError naming the differences unless contexts compressed under ``ev`` continue in
+        this engine's slots: the same settings once eviction stops (``Eviction.without_eviction``:
+        the budget rounded to ``CAPACITY_STEP``, the allocation's layout, MomentKV's correction)."""
+        theirs = ev.without_eviction()
+        if theirs == self.ev:
+            return
+        flat = lambda e: dataclasses.asdict(e) | dataclasses.asdict(e.policy)  # noqa: E731
+        ours, theirs = flat(self.ev), flat(theirs)
+        diff = [k for k in theirs if k != "policy" and theirs[k] != ours[k]]
+        raise ValueError(
+            "these eviction settings make contexts of another slot geometry than this server's "
+            "contexts: "
+            + ", ".join(f"{k}={theirs[k]!r} (the slots': {ours[k]!r})" for k in diff)
+            + (f" (budgets compare rounded up to {CAPACITY_STEP})" if "budget" in diff else "")
+        )
+
+    def check_context(self, context, inputs: Inputs) -> None:
+        """A ValueError naming the mismatch unless ``inputs`` may continue ``context`` (a
+        ``kvjax.Context`` of one row) in this engine's slots: an engine of contexts, a context of
+        the same slot geometry, and room in the model's context for the prompt and answer."""
+        if self.contexts is None:
+            raise ValueError("context: this engine serves whole prompts (made without contexts=)")
+        if context is None:
+            raise ValueError("context: an engine of contexts continues a stored context; give one")
+        if len(context.lengths) != 1:
+            raise ValueError(f"context: {len(context.lengths)} rows; a slot holds one")
+        self.check_geometry(context.ev)
+        total = int(context.lengths[0]) + int(inputs.length[0]) + int(inputs.max_new[0])
+        limit = self.params.config.max_seq_len
+        if total > limit:
+            raise ValueError(
+                f"context of {int(context.lengths[0])} tokens plus a prompt of "
+                f"{int(inputs.length[0])} and max_new_tokens={int(inputs.max_new[0])} exceed the "
+                f"model's context of {limit}"
+            )
+
+    def prefill(self, inputs: Inputs, context=None) -> Prefix:
+        """The prefix of one request (``inputs``), continuing ``context`` (a checked
+        ``kvjax.Context``, ``check_context``) in an engine of contexts."""
+        if (context is None) != (self.contexts is None):
+            raise ValueError("context: an engine of contexts needs one; another engine takes none")
         with on_mesh(self.mesh):
             return prefill(
                 self.params,
@@ -377,6 +445,8 @@ class Engine:
                 ev=self.ev,
                 capacity=self.capacity,
                 decode_spare=self.decode_spare,
+                context=None if context is None else context.cache,
+                start=None if context is None else jnp.asarray(context.lengths, jnp.int32),
             )
 
     def insert(self, prefix: Prefix, state: Slots, slot: int) -> Slots:
@@ -403,9 +473,10 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile everything serving runs: the prefill of every bucket, insert and generate (on a
-        scratch state; the outputs are discarded)."""
+        scratch state; the outputs are discarded). An engine of contexts compiles its prefills at
+        their first use (they depend on the contexts' caches)."""
         state = self.init_state()
-        for bucket in self.buckets:
+        for bucket in self.buckets if self.contexts is None else ():
             n = min(bucket, self.max_prompt)
             state = self.insert(
                 self.prefill(self.inputs(np.zeros(n, np.int32), max_new_tokens=1)), state, 0

@@ -1,13 +1,16 @@
 """An OpenAI-compatible HTTP server over a ``Driver``: ``/v1/completions`` and
 ``/v1/chat/completions`` (with ``stream: true`` as server-sent events in OpenAI's chunk format,
-ending with ``data: [DONE]``), ``/v1/models`` and ``/health``.
+ending with ``data: [DONE]``), ``/v1/models`` and ``/health``; with a ``ContextService``, also
+``/v1/contexts`` (POST a document to compress once; GET one or all; DELETE) and ``context_id`` on
+both completion routes (passed with the official client's ``extra_body``), which continues a
+stored context in the contexts' own slots without eviction, as ``kvjax.decode(..., evict=False)``.
 
 Every error is a 4xx or 5xx with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
 400 for JSON that does not parse and for values the engine rejects (prompt beyond ``max_prompt`` or
 the context, ``max_tokens`` above the engine's limit, ``n`` other than 1, bad stop strings), 422 for
 a body that does not fit the schema (missing, wrong-typed or unsupported fields, sampling values out
-of range), 404 for an unknown model or route, 429 when the driver's queue is full, 503 while
-shutting down. A client that disconnects cancels its request, which frees its slot.
+of range), 404 for an unknown model, route or context, 429 when the driver's queue is full, 503
+while shutting down. A client that disconnects cancels its request, which frees its slot.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from kvjax.loading import chat_tokens
+from kvjax.runtime.options import NAMES, NOT_FLAGS
+from kvjax.serving.contexts import ContextRecord, ContextService
 from kvjax.serving.driver import Closed, Driver, QueueFull, Request
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+CONTEXT_OPTIONS = tuple(n for n in NAMES if n not in NOT_FLAGS + ("head_scores",))
 POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still connected
 
 
@@ -100,6 +106,7 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
+    context_id: str | None = None  # an extension: continue a stored context (/v1/contexts)
 
 
 class CompletionBody(_Sampling):
@@ -120,6 +127,18 @@ class Message(_Strict):
 class ChatBody(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class ContextBody(BaseModel):
+    """``POST /v1/contexts``: a document (or chat messages) and its eviction keywords
+    (``kvjax.EvictionOptions``' names as extra fields; the server's defaults for the others)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str
+    document: str | None = None
+    system: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
 
 
 class _Text:
@@ -146,9 +165,12 @@ class _Text:
         return delta, cut >= 0
 
 
-def create_app(driver: Driver, model_name: str, tokenizer) -> FastAPI:
+def create_app(
+    driver: Driver, model_name: str, tokenizer, contexts: ContextService | None = None
+) -> FastAPI:
     """The FastAPI app serving ``driver`` (started and stopped by the caller) as model
-    ``model_name``."""
+    ``model_name``; ``contexts``: compressed contexts and the slots that answer questions on them
+    (``/v1/contexts``, ``context_id``), or None for none."""
     app = FastAPI(title="kvjax", description="OpenAI-compatible serving of a kvjax engine")
     engine, created = driver.engine, int(time.time())
     context = engine.params.config.max_seq_len
@@ -214,6 +236,108 @@ def create_app(driver: Driver, model_name: str, tokenizer) -> FastAPI:
                 code="model_not_found",
             )
 
+    def need_contexts() -> ContextService:
+        if contexts is None:
+            raise APIError(
+                404,
+                "this server keeps no contexts (start it with --context-slots)",
+                code="not_found",
+            )
+        return contexts
+
+    def context_card(record: ContextRecord) -> dict:
+        eviction = {k: v for k, v in record.eviction.items() if k not in NOT_FLAGS}
+        return {
+            "id": record.id,
+            "object": "context",
+            "created": int(record.created),
+            "model": model_name,
+            "kind": "document" if record.messages is None else "messages",
+            "tokens": record.n_tokens,
+            "kept_slots": record.kept,
+            "bytes": record.bytes,
+            "seconds": round(record.seconds, 3),
+            "eviction": eviction,
+        }
+
+    def context_record(id: str) -> ContextRecord:
+        try:
+            return need_contexts().store.record(id)
+        except KeyError:
+            raise APIError(
+                404, f"no context {id!r}", param="context_id", code="context_not_found"
+            ) from None
+
+    @app.post("/v1/contexts")
+    async def create_context(body: ContextBody):
+        service = need_contexts()
+        check_model(body.model)
+        given = dict(body.model_extra or {})
+        if unknown := sorted(set(given) - set(CONTEXT_OPTIONS)):
+            raise APIError(
+                400,
+                f"{', '.join(unknown)}: not eviction options of a context "
+                f"(those are {', '.join(CONTEXT_OPTIONS)})",
+                param=unknown[0],
+            )
+        if (body.document is None) == (body.messages is None):
+            raise APIError(400, "give the document or the messages (one of them)", param="document")
+        if body.messages is not None and body.system is not None:
+            raise APIError(400, "system: goes with a document; put it in the messages", "system")
+        messages = None if body.messages is None else _plain(body.messages)
+        try:
+            tokens = (
+                service.document_tokens(body.document, body.system)
+                if messages is None
+                else service.messages_tokens(messages)
+            )
+        except Exception as e:  # noqa: BLE001 - the chat template rejects the conversation
+            raise APIError(
+                400, f"messages: the chat template rejects them: {e}", "messages"
+            ) from None
+        param = "document" if messages is None else "messages"
+        if len(tokens) > context:
+            raise APIError(
+                400,
+                f"{param}: {len(tokens)} tokens exceed the model's context of {context}",
+                param=param,
+                code="context_length_exceeded",
+            )
+        try:
+            options = service.options(given, len(tokens))
+            record, created = await asyncio.wrap_future(service.compress(tokens, messages, options))
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        return JSONResponse(context_card(record), status_code=201 if created else 200)
+
+    @app.get("/v1/contexts")
+    async def list_contexts():
+        return {
+            "object": "list",
+            "data": [context_card(r) for r in need_contexts().store.records()],
+        }
+
+    @app.get("/v1/contexts/{id}")
+    async def get_context(id: str):
+        return context_card(context_record(id))
+
+    @app.delete("/v1/contexts/{id}")
+    async def delete_context(id: str):
+        context_record(id)
+        try:
+            contexts.store.delete(id)
+        except KeyError:  # deleted meanwhile
+            context_record(id)
+        return {"id": id, "object": "context.deleted", "deleted": True}
+
+    async def stored(id: str) -> tuple[ContextRecord, object]:
+        """The record and the context of ``id`` (loaded from disk if it left memory; 404)."""
+        record = context_record(id)
+        try:
+            return record, await asyncio.to_thread(contexts.store.get, id)
+        except KeyError:  # deleted meanwhile
+            return context_record(id), None
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
         prompt = body.prompt
@@ -225,31 +349,41 @@ def create_app(driver: Driver, model_name: str, tokenizer) -> FastAPI:
                     param="prompt",
                 )
             prompt = prompt[0]
-        ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        stored_context = None
+        if body.context_id is not None:  # appended to the context: no second BOS
+            _, stored_context = await stored(body.context_id)
+            ids = (
+                tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                if isinstance(prompt, str)
+                else list(prompt)
+            )
+        else:
+            ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
         max_tokens = body.max_tokens or COMPLETION_MAX_TOKENS
-        return await respond(http, body, ids, "prompt", max_tokens, chat=False)
+        return await respond(http, body, ids, "prompt", max_tokens, False, stored_context)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
-        messages = [
-            {
-                "role": "system" if m.role == "developer" else m.role,
-                "content": m.content
-                if isinstance(m.content, str)
-                else "".join(p.text for p in m.content),
-            }
-            for m in body.messages
-        ]
+        messages = _plain(body.messages)
+        stored_context, before = None, 0
+        if body.context_id is not None:
+            record, stored_context = await stored(body.context_id)
         try:
-            ids = chat_tokens(tokenizer, messages)
+            if body.context_id is None:
+                ids = chat_tokens(tokenizer, messages)
+            else:
+                ids, before = contexts.question_tokens(record, messages), record.n_tokens
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - the chat template rejects the conversation
             raise APIError(
                 400, f"messages: the chat template rejects them: {e}", param="messages"
             ) from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's default: as many as fit
-            max_tokens = max(1, min(engine.max_new_tokens, context - len(ids)))
-        return await respond(http, body, ids, "messages", max_tokens, chat=True)
+            limit = (driver if stored_context is None else contexts.driver).engine.max_new_tokens
+            max_tokens = max(1, min(limit, context - before - len(ids)))
+        return await respond(http, body, ids, "messages", max_tokens, True, stored_context)
 
     async def respond(
         http: HTTPRequest,
@@ -258,8 +392,13 @@ def create_app(driver: Driver, model_name: str, tokenizer) -> FastAPI:
         prompt_param: str,
         max_tokens: int,
         chat: bool,
+        stored_context=None,
     ):
+        """Queue one request, on the contexts' driver when it continues ``stored_context``, and
+        answer it whole or as server-sent events."""
         check_model(body.model)
+        runner = driver if stored_context is None else contexts.driver
+        engine = runner.engine
         if body.n != 1:
             raise APIError(
                 400, f"n={body.n}: this server returns one choice per request", param="n"
@@ -286,8 +425,9 @@ def create_app(driver: Driver, model_name: str, tokenizer) -> FastAPI:
             )
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()
         try:
-            request = driver.submit(
+            request = runner.submit(
                 ids,
+                context=stored_context,
                 on_update=lambda *u: loop.call_soon_threadsafe(updates.put_nowait, u),
                 max_new_tokens=max_tokens,
                 temperature=body.temperature,
@@ -328,6 +468,19 @@ def create_app(driver: Driver, model_name: str, tokenizer) -> FastAPI:
         return reply.whole(text, reason)
 
     return app
+
+
+def _plain(messages: list[Message]) -> list[dict]:
+    """Chat messages as the chat template takes them (text parts joined; developer = system)."""
+    return [
+        {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": m.content
+            if isinstance(m.content, str)
+            else "".join(p.text for p in m.content),
+        }
+        for m in messages
+    ]
 
 
 async def _pieces(

@@ -1,0 +1,317 @@
+"""Contexts in serving: a compressed context continues in an engine's slot exactly as
+``kvjax.decode(..., evict=False)`` alone, for dense and paged allocations; the HTTP resource
+``/v1/contexts`` with the official ``openai`` client (``context_id`` in ``extra_body``), streaming,
+deduplication, a restart, deletion while a request runs, and the errors."""
+
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+
+import kvjax
+from kvjax.eviction import RepeatPrompt
+from kvjax.loading import chat_parts
+from kvjax.runtime.options import eviction_from, with_tokenizer
+from kvjax.serving import Driver, Engine
+from kvjax.serving.contexts import ContextService, ContextStore
+from kvjax.serving.server import ServerThread, create_app
+
+DOCUMENT = (
+    "The lighthouse keeper of Skerry Point kept a ledger of every ship that passed. In the spring "
+    "of the storm year he wrote that the ferry Maribel carried forty-two passengers and a crate of "
+    "oranges, that the wind turned north at noon, and that the password for the signal room was "
+    "blue heron. The ledger also lists the price of lamp oil, the names of his three dogs, and the "
+    "day the old bell cracked in the cold."
+)
+QUESTIONS = ["What was the password?", "How many passengers?", "Name the ferry.", "What cracked?"]
+CONTEXTS = dict(budget=32, scorer="kvzip")  # the server's default contexts: paged (adakv)
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random Llama over SmolLM2's vocabulary (its tokenizer serves it); it never stops."""
+    cfg = kvjax.ModelConfig(
+        arch="llama",
+        vocab_size=49152,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        d_ff=48,
+        max_seq_len=1024,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        eos_token_ids=(),
+        pad_token_id=0,
+    )
+    return kvjax.init_params(cfg, jax.random.key(0), scale=0.3)
+
+
+def alone(params, context, question) -> list[int]:
+    return [int(t) for t in kvjax.decode(params, context, question, MAX_NEW, evict=False)]
+
+
+@pytest.mark.parametrize(
+    "eviction",
+    [
+        dict(budget=24, scorer="snapkv", obs_window=8),  # uniform: dense
+        dict(budget=40, scorer="pyramidkv", obs_window=4, n_sink=0),  # per-layer budgets: paged
+        dict(budget=24, scorer="adakv", obs_window=8),  # per-head budgets: paged
+        dict(budget=24, scorer="kvzip", repeat_prompt=RepeatPrompt((5, 6, 7), (5, 6, 8), (9,))),
+    ],
+)
+def test_a_context_continues_in_a_slot_as_decode_alone(tiny_llama, eviction):
+    """Two contexts (different lengths) and three questions through two slots of an engine of
+    contexts: each greedy answer equals kvjax.decode(..., evict=False) of the context alone."""
+    rng = np.random.default_rng(1)
+    contexts = [
+        kvjax.prefill(tiny_llama, rng.integers(10, 97, n).astype(np.int32), **eviction)
+        for n in (60, 45)
+    ]
+    questions = [rng.integers(10, 97, n).astype(np.int32) for n in (5, 12, 3)]
+    engine = Engine(
+        tiny_llama, slots=2, max_prompt=16, max_new_tokens=MAX_NEW, contexts=contexts[0].ev
+    )
+    driver = Driver(engine).start()
+    try:
+        pairs = [(0, 0), (1, 1), (0, 2)]
+        requests = [
+            driver.submit(questions[q], context=contexts[c], max_new_tokens=MAX_NEW, stop_ids=())
+            for c, q in pairs
+        ]
+        outputs = [r.result(300) for r in requests]
+    finally:
+        driver.stop()
+    for (c, q), out in zip(pairs, outputs, strict=True):
+        assert out == alone(tiny_llama, contexts[c], questions[q])
+
+
+def test_an_engine_of_contexts_refuses_what_does_not_fit(tiny_llama):
+    rng = np.random.default_rng(2)
+    ids = rng.integers(10, 97, 60).astype(np.int32)
+    paged = kvjax.prefill(tiny_llama, ids, budget=24, scorer="adakv", obs_window=8)
+    dense = kvjax.prefill(tiny_llama, ids, budget=24, scorer="snapkv", obs_window=8)
+    driver = Driver(
+        Engine(tiny_llama, slots=1, max_prompt=16, max_new_tokens=MAX_NEW, contexts=paged.ev)
+    )
+    with pytest.raises(
+        ValueError, match=r"another slot geometry .*page_size=None \(the slots': 16\)"
+    ):
+        driver.submit(ids[:4], context=dense)
+    with pytest.raises(ValueError, match="continues a stored context"):
+        driver.submit(ids[:4])
+    with pytest.raises(ValueError, match="exceed the model's context of 512"):
+        long = kvjax.prefill(
+            tiny_llama,
+            rng.integers(10, 97, 500).astype(np.int32),
+            budget=24,
+            scorer="adakv",
+            obs_window=8,
+        )
+        driver.submit(ids[:12], context=long, max_new_tokens=MAX_NEW)
+    with pytest.raises(ValueError, match="contexts: an engine of contexts decodes under their"):
+        Engine(tiny_llama, max_prompt=16, max_new_tokens=MAX_NEW, contexts=paged.ev, budget=24)
+
+
+class Served:
+    """A server over the tiny model: whole prompts (full cache) and contexts under ``root``."""
+
+    def __init__(self, params, tokenizer, root, slots=2):
+        template = eviction_from(**with_tokenizer(tokenizer, **CONTEXTS))
+        self.engine = Engine(
+            params, slots=slots, max_prompt=64, max_new_tokens=MAX_NEW, contexts=template
+        )
+        self.store = ContextStore(params, str(root), 1 << 30)
+        self.contexts = ContextService(self.store, Driver(self.engine).start(), tokenizer, CONTEXTS)
+        self.driver = Driver(
+            Engine(params, slots=1, max_prompt=256, max_new_tokens=MAX_NEW)
+        ).start()
+        self.server = ServerThread(
+            create_app(self.driver, "tiny", tokenizer, self.contexts)
+        ).start()
+        self.http = httpx.Client(base_url=self.server.url, timeout=300)
+        self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="none", max_retries=0)
+
+    def close(self):
+        self.server.stop()
+        self.contexts.close()
+        self.contexts.driver.stop()
+        self.driver.stop()
+
+    def ask(self, id, question, stream=False):
+        kw = dict(
+            model="tiny",
+            messages=[{"role": "user", "content": question}],
+            temperature=0,
+            max_tokens=MAX_NEW,
+            extra_body={"context_id": id},
+        )
+        if not stream:
+            return self.client.chat.completions.create(**kw).choices[0].message.content
+        chunks = self.client.chat.completions.create(stream=True, **kw)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def expected(params, tokenizer, context, question) -> str:
+    """What kvjax ask answers: the question's rest of the user turn after the document."""
+    ids = chat_parts(tokenizer, "", question)[1]
+    return tokenizer.decode(alone(params, context, ids))
+
+
+def test_contexts_over_http(tiny, smollm2_tokenizer, tmp_path):
+    """POST a document once (twice: one compression), ask four questions from four clients at once
+    and one streaming: each answer equals kvjax.decode alone; GET lists it; a restarted server
+    finds it; DELETE removes it while a request on it still finishes."""
+    served = Served(tiny, smollm2_tokenizer, tmp_path / "contexts")
+    try:
+        made = served.http.post("/v1/contexts", json={"model": "tiny", "document": DOCUMENT})
+        assert made.status_code == 201, made.text
+        card = made.json()
+        again = served.http.post("/v1/contexts", json={"model": "tiny", "document": DOCUMENT})
+        assert again.status_code == 200 and again.json()["id"] == card["id"]
+        assert card["kept_slots"] < card["tokens"] * tiny.config.n_layers * tiny.config.n_kv_heads
+        assert card["eviction"]["scorer"] == "kvzip" and "repeat_prompt" not in card["eviction"]
+        context = served.store.get(card["id"])
+        reference = kvjax.prefill(
+            tiny,
+            served.contexts.document_tokens(DOCUMENT),
+            **with_tokenizer(smollm2_tokenizer, **CONTEXTS),
+        )
+        np.testing.assert_array_equal(context.logits, reference.logits)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda q: served.ask(card["id"], q), QUESTIONS))
+        for question, answer in zip(QUESTIONS, answers, strict=True):
+            assert answer == expected(tiny, smollm2_tokenizer, reference, question)
+        assert served.ask(card["id"], QUESTIONS[0], stream=True) == answers[0]
+        listed = served.http.get("/v1/contexts").json()["data"]
+        assert [c["id"] for c in listed] == [card["id"]]
+        assert served.http.get(f"/v1/contexts/{card['id']}").json() == card
+    finally:
+        served.close()
+
+    restarted = Served(tiny, smollm2_tokenizer, tmp_path / "contexts", slots=1)
+    try:
+        assert restarted.http.get(f"/v1/contexts/{card['id']}").json() == card
+        assert restarted.ask(card["id"], QUESTIONS[1]) == answers[1]
+        started, chunks = threading.Event(), []
+
+        def streaming():  # the one slot is busy with this request while the context is deleted
+            kw = dict(
+                model="tiny",
+                messages=[{"role": "user", "content": QUESTIONS[2]}],
+                temperature=0,
+                max_tokens=MAX_NEW,
+                stream=True,
+                extra_body={"context_id": card["id"]},
+            )
+            for c in restarted.client.chat.completions.create(**kw):
+                started.set()
+                chunks.append(c.choices[0].delta.content or "" if c.choices else "")
+
+        thread = threading.Thread(target=streaming)
+        thread.start()
+        assert started.wait(300)
+        gone = restarted.http.delete(f"/v1/contexts/{card['id']}")
+        assert gone.json() == {"id": card["id"], "object": "context.deleted", "deleted": True}
+        thread.join(300)
+        assert "".join(chunks) == answers[2]
+        with pytest.raises(openai.NotFoundError) as missing:
+            restarted.ask(card["id"], QUESTIONS[0])
+        assert missing.value.code == "context_not_found"
+        assert restarted.http.get(f"/v1/contexts/{card['id']}").status_code == 404
+        assert restarted.http.delete(f"/v1/contexts/{card['id']}").status_code == 404
+        assert restarted.http.get("/v1/contexts").json()["data"] == []
+    finally:
+        restarted.close()
+
+
+def test_context_errors_over_http(tiny, smollm2_tokenizer, tmp_path):
+    served = Served(tiny, smollm2_tokenizer, tmp_path / "contexts", slots=1)
+    try:
+
+        def post(**body):
+            return served.http.post("/v1/contexts", json={"model": "tiny"} | body)
+
+        bad = post(document=DOCUMENT, scorer="snapkv", obs_window=8)
+        assert bad.status_code == 400 and "another slot geometry" in bad.json()["error"]["message"]
+        assert "page_size=None (the slots': 16)" in bad.json()["error"]["message"]
+        too_long = post(document="word " * 2000)
+        assert too_long.status_code == 400
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+        unknown = post(document=DOCUMENT, magic=3)
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "magic"
+        assert post(document=DOCUMENT, budget=0).status_code == 400
+        assert post().status_code == 400
+        assert post(document=DOCUMENT, model="other").status_code == 404
+        with pytest.raises(openai.NotFoundError, match="no context 'nope'"):
+            served.ask("nope", "hi")
+        made = post(document=DOCUMENT).json()
+        with pytest.raises(openai.BadRequestError, match="one user message"):
+            served.client.chat.completions.create(
+                model="tiny",
+                max_tokens=2,
+                extra_body={"context_id": made["id"]},
+                messages=[{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}],
+            )
+        with pytest.raises(openai.BadRequestError, match="exceed"):
+            served.client.completions.create(
+                model="tiny",
+                prompt="word " * 70,
+                max_tokens=2,
+                extra_body={"context_id": made["id"]},
+            )
+    finally:
+        served.close()
+    plain = Driver(Engine(tiny, slots=1, max_prompt=64, max_new_tokens=MAX_NEW)).start()
+    with ServerThread(create_app(plain, "tiny", smollm2_tokenizer)) as server:
+        answer = httpx.post(server.url + "/v1/contexts", json={"model": "tiny", "document": "x"})
+        assert answer.status_code == 404 and "no contexts" in answer.json()["error"]["message"]
+    plain.stop()
+
+
+def test_ask_with_a_server(tiny, smollm2_tokenizer, tmp_path):
+    """``kvjax ask --server URL --context FILE QUESTION`` (a process of its own, no model loaded):
+    the server compresses the document once and the answer is the server's own for it."""
+    document = tmp_path / "doc.txt"
+    document.write_text(DOCUMENT)
+    served = Served(tiny, smollm2_tokenizer, tmp_path / "contexts", slots=1)
+
+    def ask(*flags):
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvjax",
+                "ask",
+                "--server",
+                served.server.url,
+                "--context",
+                str(document),
+                QUESTIONS[0],
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    try:
+        done = ask("--max-new-tokens", str(MAX_NEW))
+        assert done.returncode == 0, done.stderr
+        [card] = served.http.get("/v1/contexts").json()["data"]
+        assert f"context {card['id']}" in done.stderr and done.stderr.startswith("[compressed")
+        assert (
+            done.stdout == f"> {QUESTIONS[0]}\n{served.ask(card['id'], QUESTIONS[0]).strip()}\n\n"
+        )
+        refused = ask("--budget", "9999")
+        assert refused.returncode == 2 and "another slot geometry" in refused.stderr
+    finally:
+        served.close()
