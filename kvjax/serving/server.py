@@ -260,13 +260,14 @@ def create_app(
             "eviction": eviction,
         }
 
+    def missing(id: str) -> APIError:
+        return APIError(404, f"no context {id!r}", param="context_id", code="context_not_found")
+
     def context_record(id: str) -> ContextRecord:
         try:
             return need_contexts().store.record(id)
         except KeyError:
-            raise APIError(
-                404, f"no context {id!r}", param="context_id", code="context_not_found"
-            ) from None
+            raise missing(id) from None
 
     @app.post("/v1/contexts")
     async def create_context(body: ContextBody):
@@ -323,11 +324,10 @@ def create_app(
 
     @app.delete("/v1/contexts/{id}")
     async def delete_context(id: str):
-        context_record(id)
         try:
-            contexts.store.delete(id)
-        except KeyError:  # deleted meanwhile
-            context_record(id)
+            need_contexts().store.delete(id)
+        except KeyError:
+            raise missing(id) from None
         return {"id": id, "object": "context.deleted", "deleted": True}
 
     async def stored(id: str) -> tuple[ContextRecord, object]:
@@ -336,7 +336,7 @@ def create_app(
         try:
             return record, await asyncio.to_thread(contexts.store.get, id)
         except KeyError:  # deleted meanwhile
-            return context_record(id), None
+            raise missing(id) from None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
