@@ -354,10 +354,12 @@ def test_cli_serve_help_and_early_errors(capsys):
         main(["serve", "--help"])
     text = capsys.readouterr().out
     for option in ("--host", "--port", "--slots", "--max-prompt", "--max-tokens", "--queue", "--mesh", "--budget",
-                   "--scorer", "--allocation", "--no-warmup"):
+                   "--scorer", "--allocation", "--no-warmup", "--context-slots", "--context-evict-slots"):
         assert option in text
     assert main(["serve", "--model", "no-such-model", "--budget", "8"]) == 2
     assert "budget=8 must be larger than n_sink + window" in capsys.readouterr().err
+    assert main(["serve", "--model", "no-such-model", "--context-evict-slots", "2"]) == 2
+    assert "--context-evict-slots=2 needs --context-slots >= 1" in capsys.readouterr().err
 
 
 def free_port() -> int:

@@ -52,6 +52,8 @@ def test_adding_a_document_twice_compresses_it_once(tiny_llama, tmp_path):
     assert 0 < first.kept < 40 * tiny_llama.config.n_layers * tiny_llama.config.n_kv_heads
     other, created_other = store.add(document(0), **(SNAPKV | dict(budget=14)))
     assert created_other and other.id != first.id and other.kept < first.kept
+    spelled, created_spelled = store.add(document(0), **SNAPKV, n_sink=4, window=8, impl=None)
+    assert not created_spelled and spelled == first  # the defaults, spelled out: the same settings
 
 
 def test_a_kvzip_context_from_the_store_answers_like_a_fresh_one(tiny_llama, tmp_path):

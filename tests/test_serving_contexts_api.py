@@ -94,6 +94,49 @@ def test_a_context_continues_in_a_slot_as_decode_alone(tiny_llama, eviction):
         assert out == alone(tiny_llama, contexts[c], questions[q])
 
 
+@pytest.mark.parametrize(
+    "eviction",
+    [
+        dict(budget=24, scorer="snapkv", obs_window=8),  # uniform: dense
+        dict(budget=24, scorer="adakv", obs_window=8),  # per-head budgets: paged
+    ],
+)
+def test_a_context_evicting_in_a_slot_answers_as_decode_alone(tiny_llama, eviction):
+    """An engine of contexts with evict=True: the question and the answer are evicted under the
+    context's budget, and each greedy answer equals kvjax.decode(..., evict=True) alone, which
+    differs from the answer without eviction for at least one question."""
+    rng = np.random.default_rng(3)
+    contexts = [
+        kvjax.prefill(tiny_llama, rng.integers(10, 97, n).astype(np.int32), **eviction)
+        for n in (60, 45)
+    ]
+    questions = [rng.integers(10, 97, n).astype(np.int32) for n in (16, 12, 3)]
+    engine = Engine(
+        tiny_llama,
+        slots=2,
+        max_prompt=16,
+        max_new_tokens=MAX_NEW,
+        contexts=contexts[0].ev,
+        evict=True,
+    )
+    driver = Driver(engine).start()
+    try:
+        pairs = [(0, 0), (1, 1), (0, 2)]
+        requests = [
+            driver.submit(questions[q], context=contexts[c], max_new_tokens=MAX_NEW, stop_ids=())
+            for c, q in pairs
+        ]
+        outputs = [r.result(300) for r in requests]
+    finally:
+        driver.stop()
+    kept = []
+    for (c, q), out in zip(pairs, outputs, strict=True):
+        evicted = kvjax.decode(tiny_llama, contexts[c], questions[q], MAX_NEW, stop_ids=())
+        assert out == [int(t) for t in evicted]
+        kept.append(out == alone(tiny_llama, contexts[c], questions[q]))
+    assert not all(kept)
+
+
 def test_an_engine_of_contexts_refuses_what_does_not_fit(tiny_llama):
     rng = np.random.default_rng(2)
     ids = rng.integers(10, 97, 60).astype(np.int32)
@@ -119,18 +162,47 @@ def test_an_engine_of_contexts_refuses_what_does_not_fit(tiny_llama):
         driver.submit(ids[:12], context=long, max_new_tokens=MAX_NEW)
     with pytest.raises(ValueError, match="contexts: an engine of contexts decodes under their"):
         Engine(tiny_llama, max_prompt=16, max_new_tokens=MAX_NEW, contexts=paged.ev, budget=24)
+    evicting = Driver(
+        Engine(tiny_llama, max_prompt=16, max_new_tokens=MAX_NEW, contexts=paged.ev, evict=True)
+    )
+    other = kvjax.prefill(tiny_llama, ids, budget=23, scorer="adakv", obs_window=8)
+    driver.submit(ids[:4], context=other)  # the same slots without eviction (budget rounded up)
+    with pytest.raises(ValueError, match=r"evicting context slots: budget=23 \(the slots': 24\)"):
+        evicting.submit(ids[:4], context=other)
+    kvzip = kvjax.prefill(
+        tiny_llama, ids, budget=24, scorer="kvzip", repeat_prompt=RepeatPrompt((5,), (6,), (7,))
+    )
+    with pytest.raises(ValueError, match="scoring pass of their own and continue without"):
+        Engine(tiny_llama, max_prompt=16, max_new_tokens=MAX_NEW, contexts=kvzip.ev, evict=True)
+    with pytest.raises(ValueError, match="evict=True: an engine of contexts"):
+        Engine(tiny_llama, max_prompt=16, max_new_tokens=MAX_NEW, evict=True, budget=24)
 
 
 class Served:
     """A server over the tiny model: whole prompts (full cache) and contexts under ``root``."""
 
-    def __init__(self, params, tokenizer, root, slots=2):
-        template = eviction_from(**with_tokenizer(tokenizer, **CONTEXTS))
-        self.engine = Engine(
-            params, slots=slots, max_prompt=64, max_new_tokens=MAX_NEW, contexts=template
-        )
+    def __init__(self, params, tokenizer, root, slots=2, defaults=CONTEXTS, evict_slots=0):
+        template = eviction_from(**with_tokenizer(tokenizer, **defaults))
+        self.engine, *evicting = [
+            Engine(
+                params,
+                slots=n,
+                max_prompt=64,
+                max_new_tokens=MAX_NEW,
+                contexts=template,
+                evict=evict,
+            )
+            for n, evict in ((slots, False), (evict_slots, True))
+            if n
+        ]
         self.store = ContextStore(params, str(root), 1 << 30)
-        self.contexts = ContextService(self.store, Driver(self.engine).start(), tokenizer, CONTEXTS)
+        self.contexts = ContextService(
+            self.store,
+            Driver(self.engine).start(),
+            tokenizer,
+            defaults,
+            *[Driver(engine).start() for engine in evicting],
+        )
         self.driver = Driver(
             Engine(params, slots=1, max_prompt=256, max_new_tokens=MAX_NEW)
         ).start()
@@ -144,15 +216,17 @@ class Served:
         self.server.stop()
         self.contexts.close()
         self.contexts.driver.stop()
+        if self.contexts.evict_driver is not None:
+            self.contexts.evict_driver.stop()
         self.driver.stop()
 
-    def ask(self, id, question, stream=False):
+    def ask(self, id, question, stream=False, evict=False):
         kw = dict(
             model="tiny",
             messages=[{"role": "user", "content": question}],
             temperature=0,
             max_tokens=MAX_NEW,
-            extra_body={"context_id": id},
+            extra_body={"context_id": id} | ({"context_evict": True} if evict else {}),
         )
         if not stream:
             return self.client.chat.completions.create(**kw).choices[0].message.content
@@ -160,9 +234,12 @@ class Served:
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
-def expected(params, tokenizer, context, question) -> str:
-    """What kvjax ask answers: the question's rest of the user turn after the document."""
+def expected(params, tokenizer, context, question, evict=False) -> str:
+    """What kvjax ask answers: the question's rest of the user turn after the document (evict: as
+    kvjax.decode(..., evict=True))."""
     ids = chat_parts(tokenizer, "", question)[1]
+    if evict:
+        return tokenizer.decode(kvjax.decode(params, context, ids, MAX_NEW, evict=True))
     return tokenizer.decode(alone(params, context, ids))
 
 
@@ -191,6 +268,7 @@ def test_contexts_over_http(tiny, smollm2_tokenizer, tmp_path):
         for question, answer in zip(QUESTIONS, answers, strict=True):
             assert answer == expected(tiny, smollm2_tokenizer, reference, question)
         assert served.ask(card["id"], QUESTIONS[0], stream=True) == answers[0]
+        assert served.ask(card["id"], QUESTIONS[0], evict=True) == answers[0]  # kvzip: no eviction
         listed = served.http.get("/v1/contexts").json()["data"]
         assert [c["id"] for c in listed] == [card["id"]]
         assert served.http.get(f"/v1/contexts/{card['id']}").json() == card
@@ -268,6 +346,15 @@ def test_context_errors_over_http(tiny, smollm2_tokenizer, tmp_path):
                 max_tokens=2,
                 extra_body={"context_id": made["id"]},
             )
+        with pytest.raises(openai.BadRequestError, match="context_evict: applies to a question"):
+            served.client.completions.create(
+                model="tiny", prompt="hi", max_tokens=2, extra_body={"context_evict": True}
+            )
+        snapkv = post(document=DOCUMENT, scorer="snapkv", allocation="adakv", obs_window=8)
+        assert snapkv.status_code == 201, snapkv.text
+        assert served.ask(snapkv.json()["id"], "hi")  # the slots without eviction take it
+        with pytest.raises(openai.BadRequestError, match="no slots that evict"):
+            served.ask(snapkv.json()["id"], "hi", evict=True)
     finally:
         served.close()
     plain = Driver(Engine(tiny, slots=1, max_prompt=64, max_new_tokens=MAX_NEW)).start()
@@ -275,6 +362,33 @@ def test_context_errors_over_http(tiny, smollm2_tokenizer, tmp_path):
         answer = httpx.post(server.url + "/v1/contexts", json={"model": "tiny", "document": "x"})
         assert answer.status_code == 404 and "no contexts" in answer.json()["error"]["message"]
     plain.stop()
+
+
+def test_questions_evicted_under_their_context_budget_over_http(tiny, smollm2_tokenizer, tmp_path):
+    """A server with evicting context slots (SnapKV): context_evict=true answers as
+    kvjax.decode(..., evict=True), streaming too; without it, as evict=False; a context of other
+    settings is refused by the evicting slots only."""
+    defaults = dict(budget=24, scorer="snapkv", obs_window=8)
+    served = Served(tiny, smollm2_tokenizer, tmp_path / "contexts", 1, defaults, evict_slots=1)
+    try:
+        card = served.http.post("/v1/contexts", json={"model": "tiny", "document": DOCUMENT})
+        assert card.status_code == 201, card.text
+        id, context = card.json()["id"], served.store.get(card.json()["id"])
+        evicted = [served.ask(id, q, evict=True) for q in QUESTIONS]
+        kept = [served.ask(id, q) for q in QUESTIONS]
+        for question, a, b in zip(QUESTIONS, evicted, kept, strict=True):
+            assert a == expected(tiny, smollm2_tokenizer, context, question, evict=True)
+            assert b == expected(tiny, smollm2_tokenizer, context, question)
+        assert evicted != kept
+        assert served.ask(id, QUESTIONS[0], stream=True, evict=True) == evicted[0]
+        other = served.http.post(
+            "/v1/contexts", json={"model": "tiny", "document": DOCUMENT, "budget": 20}
+        ).json()
+        assert served.ask(other["id"], QUESTIONS[0])
+        with pytest.raises(openai.BadRequestError, match="evicting context slots: budget=20"):
+            served.ask(other["id"], QUESTIONS[0], evict=True)
+    finally:
+        served.close()
 
 
 def test_ask_with_a_server(tiny, smollm2_tokenizer, tmp_path):

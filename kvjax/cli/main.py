@@ -22,6 +22,11 @@ def _generate(args) -> int:
 
     eviction = from_arguments(args)
     eviction_from(**with_tokenizer(None, **eviction))  # bad settings fail before the model loads
+    if args.context_evict_slots and not args.context_slots:
+        raise ValueError(
+            f"--context-evict-slots={args.context_evict_slots} needs --context-slots >= 1 "
+            "(the contexts' store and their slots without eviction)"
+        )
     mesh = kvjax.make_mesh(args.mesh) if args.mesh else None
     message = (
         read_text(args.chat, "--chat")
@@ -103,6 +108,11 @@ def _serve(args) -> int:
 
     eviction = from_arguments(args)
     eviction_from(**with_tokenizer(None, **eviction))  # bad settings fail before the model loads
+    if args.context_evict_slots and not args.context_slots:
+        raise ValueError(
+            f"--context-evict-slots={args.context_evict_slots} needs --context-slots >= 1 "
+            "(the contexts' store and their slots without eviction)"
+        )
     mesh = kvjax.make_mesh(args.mesh) if args.mesh else None
     start = time.perf_counter()
     params = kvjax.load(args.model, dtype=args.dtype)
@@ -141,13 +151,16 @@ def _serve(args) -> int:
         driver.stop()
         if contexts is not None:
             contexts.close()
-            contexts.driver.stop()
+            for running in (contexts.driver, contexts.evict_driver):
+                if running is not None:
+                    running.stop()
     return 0
 
 
 def _context_service(args, params, tokenizer, name: str):
-    """The contexts of ``kvjax serve`` (``--context-*``): a store under ``--contexts-dir`` and
-    ``--context-slots`` slots of the geometry of ``--context-scorer`` at ``--context-budget``."""
+    """The contexts of ``kvjax serve`` (``--context-*``): a store under ``--contexts-dir``,
+    ``--context-slots`` slots of the geometry of ``--context-scorer`` at ``--context-budget`` and
+    ``--context-evict-slots`` slots that evict under exactly those settings."""
     import os
 
     from kvjax.loading import checkpoint_root
@@ -156,20 +169,25 @@ def _context_service(args, params, tokenizer, name: str):
 
     defaults = {"budget": args.context_budget, "scorer": args.context_scorer}
     template = eviction_from(**with_tokenizer(tokenizer, **defaults))
-    engine = Engine(
-        params,
-        slots=args.context_slots,
-        max_prompt=args.context_max_prompt,
-        max_new_tokens=args.max_tokens,
-        contexts=template,
-    )
-    if args.warmup:
+    engines = [
+        Engine(
+            params,
+            slots=slots,
+            max_prompt=args.context_max_prompt,
+            max_new_tokens=args.max_tokens,
+            contexts=template,
+            evict=evict,
+        )
+        for slots, evict in ((args.context_slots, False), (args.context_evict_slots, True))
+        if slots
+    ]
+    for engine in engines if args.warmup else ():
         engine.warmup()
     root = args.contexts_dir or os.path.join(checkpoint_root(), "served-contexts", name)
     store = ContextStore(params, root, args.context_memory_mb << 20)
     print(f"[contexts: {len(store.records())} stored in {root}]", file=sys.stderr)
-    driver = Driver(engine, queue_size=args.queue).start()
-    return ContextService(store, driver, tokenizer, defaults)
+    driver, *evicting = [Driver(engine, queue_size=args.queue).start() for engine in engines]
+    return ContextService(store, driver, tokenizer, defaults, *evicting)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,6 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="slots answering questions on contexts (default: 0, no contexts)",
+    )
+    c.add_argument(
+        "--context-evict-slots",
+        type=int,
+        default=0,
+        help="slots answering questions that ask to be evicted under their context's budget "
+        "(context_evict); they take contexts of exactly --context-scorer at --context-budget, "
+        "a scorer that evicts as it decodes (default: 0, none)",
     )
     c.add_argument(
         "--context-budget",

@@ -3,7 +3,8 @@
 Each context lives on disk as ``<root>/<id>/`` (the saved-context format of
 ``kvjax.runtime.saved_context``) with its record beside it in ``<root>/<id>.json``; the most
 recently used ones are also kept in memory, up to a byte limit. The id is a content hash of the
-tokens, the eviction options and the model, so adding the same document twice compresses it once.
+tokens, the settings the eviction options resolve to and the model, so adding the same document
+twice compresses it once.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kvjax.loading import chat_parts
 from kvjax.model.params import Params
 from kvjax.runtime.context import Context
 from kvjax.runtime.kvzip_pass import config_fingerprint
-from kvjax.runtime.options import eviction_from, with_tokenizer
+from kvjax.runtime.options import EvictionOptions, eviction_from, with_tokenizer
 from kvjax.runtime.prefilled import prefill
 from kvjax.runtime.saved_context import load_context, read_meta, save_context
 
@@ -119,10 +120,13 @@ class ContextStore:
 
     def context_id(self, tokens: np.ndarray, eviction: dict) -> str:
         """The id of ``tokens`` [T] compressed under ``eviction`` for this store's model: sha256 of
-        the token ids, the options' canonical JSON, the model config's fingerprint and the dtype."""
+        the token ids, the settings the options resolve to (so defaults spelled out or left out
+        give one id), their scoring data, the model config's fingerprint and the dtype."""
+        options = EvictionOptions.of(**eviction)
         h = hashlib.sha256(np.asarray(tokens, np.int64).tobytes())
         for part in (
-            json.dumps(eviction, sort_keys=True, separators=(",", ":"), default=_as_json),
+            repr(options.resolve(len(tokens))),
+            repr(options.scoring_data(self.params.config).key()),
             config_fingerprint(self.params.config),
             self._dtype,
         ):
@@ -230,11 +234,28 @@ class ContextService:
             context must have); started and stopped by the caller.
         tokenizer: the model's (chat template, KVzip's repeat prompt).
         eviction: the keywords a posted context defaults to (budget and scorer at least).
+        evict_driver: a ``Driver`` over an ``Engine`` made with ``contexts=`` and ``evict=True``,
+            for questions that ask to be evicted under their context's budget, or None for none;
+            started and stopped by the caller.
     """
 
-    def __init__(self, store: ContextStore, driver, tokenizer, eviction: dict):
+    def __init__(self, store: ContextStore, driver, tokenizer, eviction: dict, evict_driver=None):
         self.store, self.driver, self.tokenizer, self.eviction = store, driver, tokenizer, eviction
+        self.evict_driver = evict_driver
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvjax-compress")
+
+    def driver_for(self, context: Context, evict: bool):
+        """The driver that continues ``context`` as ``kvjax.decode(..., evict=evict)`` does: the
+        evicting slots when ``evict`` and the context's scorer evicts as it continues, else the
+        slots without eviction. ValueError when that needs evicting slots and there are none."""
+        if not evict or context.ev.policy.scorer.scoring_pass is not None:
+            return self.driver
+        if self.evict_driver is None:
+            raise ValueError(
+                "context_evict: this server has no slots that evict under a context's budget "
+                "(start it with --context-evict-slots)"
+            )
+        return self.evict_driver
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

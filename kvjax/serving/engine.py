@@ -41,7 +41,7 @@ from kvjax.runtime.inputs import (
     round_capacity,
 )
 from kvjax.runtime.options import eviction_from
-from kvjax.runtime.protocol import Eviction
+from kvjax.runtime.protocol import APPEND, Eviction
 from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import auto_mesh, check_batch, constrain, on_mesh, shard
 
@@ -271,6 +271,10 @@ class Engine:
             ``context``), its prompt appended without eviction and its answer decoded the same way
             (``kvjax.decode(..., evict=False)``); ``max_prompt`` bounds the appended prompt. Every
             context of the same slot geometry (``Eviction.without_eviction``) fits.
+        evict: with ``contexts``, append and decode under the contexts' own eviction instead
+            (``kvjax.decode(..., evict=True)``: the question and answer evicted within the budget);
+            only contexts made with exactly these settings fit. Not for a scorer with a scoring pass
+            of its own (kvzip), whose contexts ``kvjax.decode`` always continues without eviction.
     """
 
     def __init__(
@@ -283,6 +287,7 @@ class Engine:
         steps: int = 1,
         mesh: Mesh | None = None,
         contexts: Eviction | None = None,
+        evict: bool = False,
         **eviction,
     ):
         cfg = params.config
@@ -309,7 +314,20 @@ class Engine:
                 f"contexts: an engine of contexts decodes under their settings; "
                 f"{', '.join(sorted(eviction))} do not apply"
             )
-        ev = eviction_from(**eviction) if contexts is None else contexts.without_eviction()
+        if evict and (contexts is None or contexts.policy.scorer.scoring_pass is not None):
+            raise ValueError(
+                "evict=True: an engine of contexts (contexts=) that evict as they continue; "
+                + (
+                    "none given"
+                    if contexts is None
+                    else f"contexts of scorer={contexts.policy.name!r} are compressed once in a "
+                    "scoring pass of their own and continue without eviction"
+                )
+            )
+        if contexts is None:
+            ev = eviction_from(**eviction)
+        else:
+            ev = contexts if evict else contexts.without_eviction()
         if contexts is None and ev is not None and ev.policy.scorer.scoring_pass is not None:
             raise ValueError(
                 f"scorer={eviction.get('scorer')!r} scores a whole prompt in a pass of its own; "
@@ -336,11 +354,12 @@ class Engine:
         # The full cache's slots per row (0 for a budget cache: prefills of one bucket then share a
         # compilation across engines of any max_prompt).
         self.capacity = round_capacity(self.buckets[-1] + max_new_tokens) if ev is None else 0
-        if contexts is not None:  # room for the longest appended prompt and answer, not rounded
+        if contexts is not None and (not evict or ev.protocol == APPEND):
+            # room for the longest appended prompt and the answer, not rounded
             self.decode_spare = ev.extend_spare(self.buckets[-1]) + max_new_tokens
         else:
             self.decode_spare = 0 if ev is None else ev.decode_spare(round_capacity(max_new_tokens))
-        self.contexts = contexts
+        self.contexts, self.evict = contexts, evict
 
     def inputs(
         self,
@@ -399,18 +418,28 @@ class Engine:
     def check_geometry(self, ev: Eviction) -> None:
         """A ValueError naming the differences unless contexts compressed under ``ev`` continue in
         this engine's slots: the same settings once eviction stops (``Eviction.without_eviction``:
-        the budget rounded to ``CAPACITY_STEP``, the allocation's layout, MomentKV's correction)."""
-        theirs = ev.without_eviction()
+        the budget rounded to ``CAPACITY_STEP``, the allocation's layout, MomentKV's correction),
+        or in an evicting engine (``evict=True``) the same settings."""
+        theirs = ev if self.evict else ev.without_eviction()
         if theirs == self.ev:
             return
         flat = lambda e: dataclasses.asdict(e) | dataclasses.asdict(e.policy)  # noqa: E731
         ours, theirs = flat(self.ev), flat(theirs)
         diff = [k for k in theirs if k != "policy" and theirs[k] != ours[k]]
         raise ValueError(
-            "these eviction settings make contexts of another slot geometry than this server's "
-            "contexts: "
+            (
+                "these eviction settings differ from those of this server's evicting context "
+                "slots: "
+                if self.evict
+                else "these eviction settings make contexts of another slot geometry than this "
+                "server's contexts: "
+            )
             + ", ".join(f"{k}={theirs[k]!r} (the slots': {ours[k]!r})" for k in diff)
-            + (f" (budgets compare rounded up to {CAPACITY_STEP})" if "budget" in diff else "")
+            + (
+                f" (budgets compare rounded up to {CAPACITY_STEP})"
+                if "budget" in diff and not self.evict
+                else ""
+            )
         )
 
     def check_context(self, context, inputs: Inputs) -> None:

@@ -3,7 +3,9 @@
 ending with ``data: [DONE]``), ``/v1/models`` and ``/health``; with a ``ContextService``, also
 ``/v1/contexts`` (POST a document to compress once; GET one or all; DELETE) and ``context_id`` on
 both completion routes (passed with the official client's ``extra_body``), which continues a
-stored context in the contexts' own slots without eviction, as ``kvjax.decode(..., evict=False)``.
+stored context in the contexts' own slots without eviction, as ``kvjax.decode(..., evict=False)``,
+or with ``context_evict: true`` in slots that evict under the context's budget, as
+``kvjax.decode(..., evict=True)``.
 
 Every error is a 4xx or 5xx with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
 400 for JSON that does not parse and for values the engine rejects (prompt beyond ``max_prompt`` or
@@ -107,6 +109,7 @@ class _Sampling(_Strict):
     seed: int | None = None
     user: str | None = None
     context_id: str | None = None  # an extension: continue a stored context (/v1/contexts)
+    context_evict: bool = False  # an extension: evict the question under its context's budget
 
 
 class CompletionBody(_Sampling):
@@ -338,6 +341,22 @@ def create_app(
         except KeyError:  # deleted meanwhile
             raise missing(id) from None
 
+    def runner_for(body: _Sampling, stored_context) -> Driver:
+        """The driver of a request: the contexts' (evicting or not, ``context_evict``) for one on a
+        context, else the server's."""
+        if stored_context is None:
+            if body.context_evict:
+                raise APIError(
+                    400,
+                    "context_evict: applies to a question on a context (context_id)",
+                    param="context_evict",
+                )
+            return driver
+        try:
+            return contexts.driver_for(stored_context, body.context_evict)
+        except ValueError as e:
+            raise APIError(400, str(e), param="context_evict") from None
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
         prompt = body.prompt
@@ -381,7 +400,7 @@ def create_app(
             ) from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's default: as many as fit
-            limit = (driver if stored_context is None else contexts.driver).engine.max_new_tokens
+            limit = runner_for(body, stored_context).engine.max_new_tokens
             max_tokens = max(1, min(limit, context - before - len(ids)))
         return await respond(http, body, ids, "messages", max_tokens, True, stored_context)
 
@@ -397,7 +416,7 @@ def create_app(
         """Queue one request, on the contexts' driver when it continues ``stored_context``, and
         answer it whole or as server-sent events."""
         check_model(body.model)
-        runner = driver if stored_context is None else contexts.driver
+        runner = runner_for(body, stored_context)
         engine = runner.engine
         if body.n != 1:
             raise APIError(
