@@ -22,11 +22,6 @@ def _generate(args) -> int:
 
     eviction = from_arguments(args)
     eviction_from(**with_tokenizer(None, **eviction))  # bad settings fail before the model loads
-    if args.context_evict_slots and not args.context_slots:
-        raise ValueError(
-            f"--context-evict-slots={args.context_evict_slots} needs --context-slots >= 1 "
-            "(the contexts' store and their slots without eviction)"
-        )
     mesh = kvjax.make_mesh(args.mesh) if args.mesh else None
     message = (
         read_text(args.chat, "--chat")
