@@ -59,6 +59,37 @@ def alone(params, context, question) -> list[int]:
     return [int(t) for t in kvjax.decode(params, context, question, MAX_NEW, evict=False)]
 
 
+def through_slots(params, eviction, seed, question_lengths, evict):
+    """Two contexts (60 and 45 random tokens) and three questions of ``question_lengths`` asked
+    through two slots of an engine of contexts (``evict`` as ``Engine``'s): (context, question,
+    greedy answer) for each pair asked."""
+    rng = np.random.default_rng(seed)
+    contexts = [
+        kvjax.prefill(params, rng.integers(10, 97, n).astype(np.int32), **eviction)
+        for n in (60, 45)
+    ]
+    questions = [rng.integers(10, 97, n).astype(np.int32) for n in question_lengths]
+    engine = Engine(
+        params,
+        slots=2,
+        max_prompt=16,
+        max_new_tokens=MAX_NEW,
+        contexts=contexts[0].ev,
+        evict=evict,
+    )
+    driver = Driver(engine).start()
+    try:
+        pairs = [(0, 0), (1, 1), (0, 2)]
+        requests = [
+            driver.submit(questions[q], context=contexts[c], max_new_tokens=MAX_NEW, stop_ids=())
+            for c, q in pairs
+        ]
+        outputs = [r.result(300) for r in requests]
+    finally:
+        driver.stop()
+    return [(contexts[c], questions[q], out) for (c, q), out in zip(pairs, outputs, strict=True)]
+
+
 @pytest.mark.parametrize(
     "eviction",
     [
@@ -71,27 +102,9 @@ def alone(params, context, question) -> list[int]:
 def test_a_context_continues_in_a_slot_as_decode_alone(tiny_llama, eviction):
     """Two contexts (different lengths) and three questions through two slots of an engine of
     contexts: each greedy answer equals kvjax.decode(..., evict=False) of the context alone."""
-    rng = np.random.default_rng(1)
-    contexts = [
-        kvjax.prefill(tiny_llama, rng.integers(10, 97, n).astype(np.int32), **eviction)
-        for n in (60, 45)
-    ]
-    questions = [rng.integers(10, 97, n).astype(np.int32) for n in (5, 12, 3)]
-    engine = Engine(
-        tiny_llama, slots=2, max_prompt=16, max_new_tokens=MAX_NEW, contexts=contexts[0].ev
-    )
-    driver = Driver(engine).start()
-    try:
-        pairs = [(0, 0), (1, 1), (0, 2)]
-        requests = [
-            driver.submit(questions[q], context=contexts[c], max_new_tokens=MAX_NEW, stop_ids=())
-            for c, q in pairs
-        ]
-        outputs = [r.result(300) for r in requests]
-    finally:
-        driver.stop()
-    for (c, q), out in zip(pairs, outputs, strict=True):
-        assert out == alone(tiny_llama, contexts[c], questions[q])
+    asked = through_slots(tiny_llama, eviction, seed=1, question_lengths=(5, 12, 3), evict=False)
+    for context, question, out in asked:
+        assert out == alone(tiny_llama, context, question)
 
 
 @pytest.mark.parametrize(
@@ -105,35 +118,12 @@ def test_a_context_evicting_in_a_slot_answers_as_decode_alone(tiny_llama, evicti
     """An engine of contexts with evict=True: the question and the answer are evicted under the
     context's budget, and each greedy answer equals kvjax.decode(..., evict=True) alone, which
     differs from the answer without eviction for at least one question."""
-    rng = np.random.default_rng(3)
-    contexts = [
-        kvjax.prefill(tiny_llama, rng.integers(10, 97, n).astype(np.int32), **eviction)
-        for n in (60, 45)
-    ]
-    questions = [rng.integers(10, 97, n).astype(np.int32) for n in (16, 12, 3)]
-    engine = Engine(
-        tiny_llama,
-        slots=2,
-        max_prompt=16,
-        max_new_tokens=MAX_NEW,
-        contexts=contexts[0].ev,
-        evict=True,
-    )
-    driver = Driver(engine).start()
-    try:
-        pairs = [(0, 0), (1, 1), (0, 2)]
-        requests = [
-            driver.submit(questions[q], context=contexts[c], max_new_tokens=MAX_NEW, stop_ids=())
-            for c, q in pairs
-        ]
-        outputs = [r.result(300) for r in requests]
-    finally:
-        driver.stop()
+    asked = through_slots(tiny_llama, eviction, seed=3, question_lengths=(16, 12, 3), evict=True)
     kept = []
-    for (c, q), out in zip(pairs, outputs, strict=True):
-        evicted = kvjax.decode(tiny_llama, contexts[c], questions[q], MAX_NEW, stop_ids=())
+    for context, question, out in asked:
+        evicted = kvjax.decode(tiny_llama, context, question, MAX_NEW, stop_ids=())
         assert out == [int(t) for t in evicted]
-        kept.append(out == alone(tiny_llama, contexts[c], questions[q]))
+        kept.append(out == alone(tiny_llama, context, question))
     assert not all(kept)
 
 
