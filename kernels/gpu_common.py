@@ -56,14 +56,18 @@ def masked_logits(z, spos, qpos, slot, n_slots):
     return jnp.where(visible, z, jnp.where(real, jnp.float32(NEG_INF), -jnp.inf)), visible
 
 
-def load_tile(ref, start, size: int, n_slots: int, other=0):
-    """Slots start .. start + size − 1 of a whole-head ref ([S, K] or [S]); slots past ``n_slots``
-    are not read (masked load) and come back as ``other``: the cache is never padded in HBM."""
+def load_tile(ref, start, size: int, n_slots: int, other=0, head: tuple = ()):
+    """Slots start .. start + size − 1 of a whole-head ref ([S, K] or [S]), or of the head at the
+    leading indices ``head`` of a larger ref (one indexer: the Triton lowering takes no chain of
+    them); slots past ``n_slots`` are not read (masked load) and come back as ``other``: the cache
+    is never padded in HBM."""
     slot = start + jnp.arange(size, dtype=jnp.int32)
     mask = slot < n_slots
-    if len(ref.shape) == 2:
-        return plgpu.load(ref.at[pl.ds(start, size), :], mask=mask[:, None], other=other)
-    return plgpu.load(ref.at[pl.ds(start, size)], mask=mask, other=other)
+    if len(ref.shape) - len(head) == 2:
+        return plgpu.load(
+            ref.at[(*head, pl.ds(start, size), slice(None))], mask=mask[:, None], other=other
+        )
+    return plgpu.load(ref.at[(*head, pl.ds(start, size))], mask=mask, other=other)
 
 
 class KeyTile(NamedTuple):
@@ -117,11 +121,13 @@ def online_softmax(q, qpos, tiles: Callable[[Any], KeyTile], start, stop, scale:
     return jax.lax.fori_loop(start, stop, body, init)
 
 
-def dense_tile(k_ref, v_ref, spos_ref, start, size: int, n_slots: int) -> KeyTile:
+def dense_tile(k_ref, v_ref, spos_ref, start, size: int, n_slots: int, head: tuple = ()) -> KeyTile:
     """The ``KeyTile`` of slots start .. start + size − 1 of whole-head refs k_ref, v_ref [S, K] (no
-    V when v_ref is None) and spos_ref [S], by masked loads (``load_tile``)."""
-    k, spos = load_tile(k_ref, start, size, n_slots), load_tile(spos_ref, start, size, n_slots, -1)
-    v = None if v_ref is None else load_tile(v_ref, start, size, n_slots)
+    V when v_ref is None; with ``head``, the head at those leading indices of k_ref and v_ref) and
+    spos_ref [S], by masked loads (``load_tile``)."""
+    k = load_tile(k_ref, start, size, n_slots, head=head)
+    spos = load_tile(spos_ref, start, size, n_slots, -1)
+    v = None if v_ref is None else load_tile(v_ref, start, size, n_slots, head=head)
     return KeyTile(k, spos, start + jnp.arange(size, dtype=jnp.int32), n_slots, v)
 
 
@@ -140,16 +146,17 @@ def softmax_kernel(
     n_tiles: int,
     scale: float,
     split_axis: int | None = None,
+    head: tuple = (),
 ):
     """Online softmax of a tile of query rows over ``n_tiles`` key tiles of the whole-head refs
-    k_ref, v_ref [S, K] and spos_ref [S]: from slot 0, or — with split_axis — from the split chosen
-    by that grid axis (n_tiles tiles per split; every split starts with a real slot). Writes the
-    normalised o and m, l."""
+    k_ref, v_ref [S, K] (or their head at the leading indices ``head``) and spos_ref [S]: from slot
+    0, or — with split_axis — from the split chosen by that grid axis (n_tiles tiles per split;
+    every split starts with a real slot). Writes the normalised o and m, l."""
     offset = 0 if split_axis is None else pl.program_id(split_axis) * (n_tiles * block_k)
 
     def tile(j):
         start = offset + j * block_k
-        return dense_tile(k_ref, v_ref, spos_ref, start, block_k, n_slots)
+        return dense_tile(k_ref, v_ref, spos_ref, start, block_k, n_slots, head)
 
     acc, m, l = online_softmax(q_ref[...], qpos_ref[...], tile, 0, n_tiles, scale)
     o_ref[...] = acc / l[:, None]

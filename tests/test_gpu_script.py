@@ -16,7 +16,7 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     merged = json.loads((tmp_path / "results.json").read_text())
     parts = merged["parts"]
-    for table in ("kernel_checks", "kernel_times", "prefill", "decode", "serve"):
+    for table in ("kernel_checks", "kernel_times", "layers", "prefill", "decode", "serve"):
         rows = parts[table]
         assert rows, table
         failed = [r for r in rows if "error" in r]
@@ -24,6 +24,7 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     sys.path.insert(0, str(GPU))
     try:
         from kernels_part import OPS
+        from layers_part import VARIANTS
     finally:
         sys.path.remove(str(GPU))
     checks = parts["kernel_checks"]
@@ -35,6 +36,9 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert {r["cache"] for r in decode} >= {"full", "snapkv 64", "momentkv 64", "adakv 64"}
     assert all(r["ms_per_step"] > 0 and r["floor_ms"] > 0 for r in decode)
     assert {r["slots"] for r in parts["serve"]} == {1, 4}
+    assert {(r["variant"], r["batch"]) for r in parts["layers"]} == {(v, b) for v in VARIANTS for b in (1, 2)}
+    assert sorted(p.name for p in (tmp_path / "hlo").iterdir()) == [
+        "scan+dynamic-slice-fusion.txt", "scan.txt", "unstacked+cache-per-layer.txt", "unstacked.txt"]
     peer = parts["peer"]
     assert "error" not in peer and peer["decode"] and not [r for r in peer["decode"] if "error" in r]
     report = (tmp_path / "results.md").read_text()
@@ -57,3 +61,23 @@ def test_report_combines_runs_and_keeps_only_what_no_run_reached():
     rows = merged["parts"]["decode"]
     assert [(r["batch"], r["run"], "error" in r) for r in rows] == [(8, "a", True), (1, "b", False)]
     assert merged["parts"]["peer"]["run"] == "a" and set(merged["meta"]) == {"a", "b"}
+
+
+def test_moved_bytes_counts_what_a_layer_scan_slices_out_once_per_trip():
+    """The layers part's count of bytes written by slicing: XLA on CPU copies each layer's weight out of the stacked
+    array before its product (once per trip of the loop), and slices nothing from weights passed one per layer."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(GPU))
+    try:
+        from layers_part import moved_bytes
+    finally:
+        sys.path.remove(str(GPU))
+    L, n = 6, 512
+    stacked = jnp.ones((L, n, n), jnp.float32)
+    scan = jax.jit(lambda w, x: jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, w)[0])
+    loop = jax.jit(lambda ws, x: [x := jnp.tanh(x @ w) for w in ws][-1])
+    x = jnp.ones((1, n), jnp.float32)
+    assert moved_bytes(scan.lower(stacked, x).compile().as_text()) >= L * n * n * 4
+    assert moved_bytes(loop.lower(list(stacked), x).compile().as_text()) < n * n * 4

@@ -188,6 +188,13 @@ def test_decode_kernel_equals_reference(case, kernel):
     got = decode_attention_with_scores(q, k, v, slot_pos, query_pos, w, score, moments, zeroth, interpret=True,
                                        **DECODE_KERNELS[kernel])
     assert_outputs_close(got, want, dtype)
+    # The same layer in the middle of a stack of three (the cache's layout), read in place at a traced index.
+    other = jax.random.normal(jax.random.key(G), (2, *k.shape), dtype)
+    k3, v3 = jnp.stack([other[0], k, other[1]]), jnp.stack([other[1], v, other[0]])
+    stacked = jax.jit(lambda k3, v3, layer: decode_attention_with_scores(
+        q, k3, v3, slot_pos, query_pos, w, score, moments, zeroth, layer=layer, interpret=True,
+        **DECODE_KERNELS[kernel]))
+    assert_outputs_close(stacked(k3, v3, jnp.int32(1)), want, dtype)
 
 
 @pytest.mark.parametrize("kernel", ["pallas_tpu", "pallas_gpu"])
@@ -296,6 +303,30 @@ def test_decode_kernels_lower_at_model_shapes(geometry, platform, impl, call):
 
         calls = _custom_calls(fn, platform, *structs, *_moment_structs(Hk, K))
         assert calls == [call] * passes, (score, calls)
+
+
+@pytest.mark.parametrize("platform,impl,call", LOWERINGS)
+def test_decode_kernels_read_their_layer_of_the_stacked_cache_in_place(platform, impl, call):
+    """With ``layer``, every kernel call takes the whole [L, B, Hk, S, K] keys and values (no slice of them is
+    made to hand it a layer), and the XLA reference on the same arguments equals the stack's layer."""
+    Hk, G, K, S = GEOMETRIES["smollm2-513"]
+    q, k, v, *rest = _structs("decode", Hk, G, K, S)
+    stack = jax.ShapeDtypeStruct((30, *k.shape), k.dtype)
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
+    checks = GPU_EXPORT_CHECKS if platform == "cuda" else []
+    fn = jax.jit(lambda q, k, v, sp, qp, w, layer: decode_attention_with_scores(
+        q, k, v, sp, qp, w, "obcache-joint", layer=layer, impl=impl))
+    text = jax.export.export(fn, platforms=[platform], disabled_checks=checks)(q, stack, stack, *rest, layer)
+    text = text.mlir_module()
+    calls = [line for line in text.splitlines() if f"custom_call @{call}" in line]
+    whole = "x".join(map(str, stack.shape)) + "xbf16"
+    assert calls and all(line.count(whole) == 2 for line in calls), calls
+    assert "dynamic_slice" not in text
+    case = make_case(5, T=1, G=G, K=K, S=40, Hk=Hk)
+    k3 = jnp.stack([case[1] * 2, case[1], -case[1]])
+    v3 = jnp.stack([-case[2], case[2], case[2] * 3])
+    got = decode_attention_with_scores(case[0], k3, v3, *case[3:], layer=jnp.int32(1), impl="xla")
+    assert_outputs_close(got, decode_ref.decode_attention_with_scores(*case), jnp.float32)
 
 
 @pytest.mark.parametrize("platform,call,other", [("tpu", "tpu_custom_call", TRITON_CALL),

@@ -9,7 +9,9 @@ shuffled per head, 3% of the slots empty plus the last five, scoring weights on 
 128-query block, a head with nothing evicted in the moments; paged: pages of 16 in a shuffled pool, each head
 using between half and all of its table. The reference is kvjax's XLA computation on the same inputs cast to
 float32 at ``highest`` matmul precision; the error is ‖x − ref‖ / ‖ref‖ per output (out, lse, col), and a NaN
-fails. The XLA reference in the inputs' own dtype (default precision) is measured the same way beside it.
+fails. The XLA reference in the inputs' own dtype (default precision) is measured the same way beside it. The
+dense decode kernels read the case's keys and values as the middle layer of a stack of three (``layer=``), as
+the budget cache hands them over.
 
 Timings (Llama-3.1-8B heads, bfloat16, 4 rows, 1K / 4K / 32K slots, every slot visible): the median of
 batches of back-to-back calls, inputs rotated among 3 sets when they would fit in L2.
@@ -115,13 +117,18 @@ def make_inputs(case: Case, seed: int, visible_all: bool = False) -> tuple:
     return (q, k_pages, v_pages, table.astype(jnp.int32), n_pages, slot_pos, query_pos, weights, mom)
 
 
-def kernel_fn(case: Case, impl: str | None, interpret: bool):
-    """A jitted function of the case's inputs -> (out, lse, col or None)."""
+def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = False):
+    """A jitted function of the case's inputs -> (out, lse, col or None). in_stack: a dense decode kernel reads
+    the case's keys and values as the middle layer of a stack of three, as the budget cache hands them over."""
     paged, decode, moments = OPS[case.op]
     score = "attn" if case.score == "none" else case.score
     opts = dict(impl=impl) if impl in (None, "xla") else dict(impl=impl, interpret=interpret)
     if not paged:
-        if decode:
+        if decode and in_stack:
+            def fn(q, k, v, sp, qp, w, mom):
+                return decode_attention_with_scores(q, jnp.stack([v, k, v]), jnp.stack([k, v, k]), sp, qp, w, score,
+                                                    mom, moments == "zeroth", layer=jnp.int32(1), **opts)
+        elif decode:
             def fn(q, k, v, sp, qp, w, mom):
                 return decode_attention_with_scores(q, k, v, sp, qp, w, score, mom, moments == "zeroth", **opts)
         else:
@@ -191,8 +198,8 @@ def submit_checks(compiler: Compiler, smoke: bool, slots: int, f32_precision: st
             futures[ref_case] = compiler.submit(kernel_fn(ref_case, "xla", False), *to_f32(args), precision="highest",
                                                 options=opts)
         precision = f32_precision if c.dtype == "float32" else None
-        futures[c, "kernel"] = compiler.submit(kernel_fn(c, "pallas_gpu", smoke), *args, options=opts,
-                                               precision=precision)
+        futures[c, "kernel"] = compiler.submit(kernel_fn(c, "pallas_gpu", smoke, in_stack=True), *args,
+                                               options=opts, precision=precision)
         if c.dtype == "bfloat16":
             futures[c, "xla"] = compiler.submit(kernel_fn(c, "xla", False), *args, options=opts)
     return futures

@@ -8,7 +8,8 @@ compiled program is its warm-up; the figure is the median of the timed calls aft
 Decode: ms per step of ``kvjax.runtime.decoding.decode_steps`` (the loop ``kvjax.generate`` runs: greedy sampling, every
 step evicting one token per row and KV head) at batch 1, 8, 32 and 64, from the prefilled state of one prompt
 repeated over the batch (every row holds the same cache; the prefill above made it). MomentKV decodes from
-SnapKV's prefilled cache (the same layout; its moment sums start empty): its step is what is timed. Beside each
+SnapKV's prefilled cache (the same layout; its moment sums start empty): its step is what is timed. Impl
+"dsf" is the default compiled with XLA's dynamic-slice fusion (batch 1 and 64 at 4K; see layers_part). Beside each
 figure its floor: the bytes a step must read (every weight but the embedding table, plus the kept keys and
 values of every row) over the copy bandwidth measured in the same run. The largest batch that fits at 32K is
 found from a compiled program's memory figures (state and temporaries per row) against the allocator's free
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import (
+    DYNAMIC_SLICE_FUSION,
     Ceilings,
     Compiler,
     Deadline,
@@ -292,7 +294,7 @@ class ModelRun:
 
     # --- decode ------------------------------------------------------------------------------------------------
 
-    def submit_decode(self, state_shape, ev):
+    def submit_decode(self, state_shape, ev, options=None):
         n = jax.ShapeDtypeStruct((), jnp.int32)
         return self.compiler.submit(
             decode_steps,
@@ -303,6 +305,7 @@ class ModelRun:
             Sampling(),
             (),
             None if ev is None else ev.decoding(),
+            options=options,
         )
 
     def time_decode(self, compiled, state: DecodeState) -> tuple[float, DecodeState]:
@@ -349,6 +352,8 @@ class ModelRun:
         plan = [
             (FULL, None, FULL),
             (("snapkv", 0), None, ("snapkv", 0)),
+            (FULL, "dsf", FULL),
+            (("snapkv", 0), "dsf", ("snapkv", 0)),
             (("snapkv", 0), "xla", ("snapkv", 0)),
             (("momentkv", 0), None, ("snapkv", 0)),
             (("adakv", 0), None, ("adakv", 0)),
@@ -359,7 +364,10 @@ class ModelRun:
         jobs = []
         for cache, impl, source in plan:
             for b in sz.batches:
-                if cache == FULL:
+                if impl == "dsf":  # the default compiled with dynamic-slice fusion: the batch ends, 4K
+                    if b in (sz.batches[0], sz.batches[-1]):
+                        jobs.append((cache, impl, source, b, (c4,)))
+                elif cache == FULL:
                     jobs.append((cache, impl, source, b, (c4,)))
                     if (
                         b <= sz.probe
@@ -384,7 +392,11 @@ class ModelRun:
             shape = jax.eval_shape(
                 functools.partial(tile_state, batch=b), self.prefill_shape(source, contexts[0])
             )
-            decodes[job] = self.submit_decode(shape, eviction(cache, self.sz, contexts[0], impl))
+            kernels = None if impl == "dsf" else impl
+            options = DYNAMIC_SLICE_FUSION if impl == "dsf" else None
+            decodes[job] = self.submit_decode(
+                shape, eviction(cache, self.sz, contexts[0], kernels), options
+            )
         return prefills, decodes
 
     def prefill_shape(self, cache: Cache, context: int) -> DecodeState:

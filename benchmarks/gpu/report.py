@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import kernels_part
+import layers_part
 import model_part
 import serve_part
 from common import Results
@@ -36,7 +37,7 @@ def load(out: Path) -> dict:
 LABELS = {"kernel_checks": ("op", "score", "shape", "dtype", "slots"),
           "kernel_times": ("op", "score", "slots", "batch", "impl"),
           "prefill": ("cache", "context", "impl"), "decode": ("cache", "impl", "context", "batch", "largest_batch"),
-          "serve": ("slots",)}
+          "serve": ("slots",), "layers": ("variant", "layers", "dtype", "context", "batch")}
 
 
 def combine(runs: list[dict], names: list[str]) -> dict:
@@ -165,7 +166,7 @@ def render(merged: dict, runs: list[str] | None = None) -> str:
     else:
         head += meta_lines(merged["meta"])
     r = view(merged)
-    lines = head + [""] + kernels_part.tables(r) + model_part.tables(r) + serve_part.tables(r) + \
+    lines = head + [""] + kernels_part.tables(r) + layers_part.tables(r) + model_part.tables(r) + serve_part.tables(r) + \
         peer_table(merged["parts"].get("peer", {})) + targets(merged)
     return "\n".join(lines)
 

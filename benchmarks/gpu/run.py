@@ -6,7 +6,8 @@ decode against its memory floor, transformers on the same card, and the serving 
     python benchmarks/gpu/run.py --parts kernels --seconds 200 --out $OUT
 
 Parts, each in a process of its own (so that each has the whole card, and a crash ends only its part):
-kernels (``kernels_part``), model (prefill and decode, ``model_part``; also measures the copy bandwidth and the
+kernels (``kernels_part``), layers (one decode step of the layers, four ways: where its bytes go,
+``layers_part``), model (prefill and decode, ``model_part``; also measures the copy bandwidth and the
 bf16 matrix rate), serve (``serve_part``), peer (``peer_transformers``). ``--seconds`` is the whole run's budget:
 each part gets a share of what is left when it starts, stops starting new measurements at its deadline and is
 killed 60 s after it. Every measurement is a row in ``OUT/parts/<part>.json`` (written as it is made, so a run
@@ -28,8 +29,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("kernels", "model", "serve", "peer")
-SHARES = {"kernels": 0.32, "model": 0.6, "serve": 0.5, "peer": 1.0}  # of the time left when the part starts
+PARTS = ("kernels", "layers", "model", "serve", "peer")
+SHARES = {"kernels": 0.32, "layers": 0.15, "model": 0.6, "serve": 0.5, "peer": 1.0}  # of the time left when the part starts
 GRACE_S = 60
 
 
@@ -77,6 +78,9 @@ def run_part(args) -> int:
             import kernels_part
             kernels_part.run(results, deadline, compiler, args.smoke, timings=not args.no_kernel_timings,
                              f32_precision=args.f32_precision)
+        elif args.part == "layers":
+            import layers_part
+            layers_part.run(results, deadline, args.smoke)
         elif args.part == "model":
             import model_part
             ceilings = measure_ceilings(args.smoke)

@@ -15,20 +15,26 @@ from __future__ import annotations
 
 import functools
 
-from kvjax.kernels._shared import check_impl, check_score, check_shapes
+from kvjax.kernels._shared import check_impl, check_score, check_shapes, stacked_layer
 from kvjax.kernels.block_attention.api import by_platform
 from kvjax.kernels.decode_attention import gpu, reference, tpu
 from kvjax.kernels.decode_attention.reference import corrected_attention
 
 
-def _reference(q, k, v, slot_pos, query_pos, query_weights, moments, *, score: str, zeroth: bool):
+def _reference(
+    q, k, v, slot_pos, query_pos, query_weights, moments, layer, *, score: str, zeroth: bool
+):
+    if layer is not None:
+        k, v = k[layer], v[layer]
     return reference.decode_attention_with_scores(
         q, k, v, slot_pos, query_pos, query_weights, score, moments, zeroth
     )
 
 
-def _corrected(kernel, q, k, v, slot_pos, query_pos, query_weights, moments, *, zeroth: bool):
-    out, lse, col = kernel(q, k, v, slot_pos, query_pos, query_weights)
+def _corrected(
+    kernel, q, k, v, slot_pos, query_pos, query_weights, moments, layer, *, zeroth: bool
+):
+    out, lse, col = kernel(q, k, v, slot_pos, query_pos, query_weights, layer=layer)
     if moments is not None:
         out = corrected_attention(out, lse, q, moments, zeroth)
     return out.astype(q.dtype), lse, col
@@ -45,6 +51,7 @@ def decode_attention_with_scores(
     moments=None,
     zeroth: bool = False,
     *,
+    layer=None,
     impl: str | None = None,
     interpret=False,
     block_k: int | None = None,
@@ -54,7 +61,7 @@ def decode_attention_with_scores(
 
     Args:
         q: [B, 1, H, K].
-        k, v: [B, Hk, S, K].
+        k, v: [B, Hk, S, K], or with ``layer`` the stacked [L, B, Hk, S, K] of every layer.
         slot_pos: [B, Hk, S] int32 (-1 = empty).
         query_pos: [B, 1] int32.
         query_weights: [B, 1] float32 or None.
@@ -62,6 +69,8 @@ def decode_attention_with_scores(
         moments: one layer's ``kvjax.cache.dense.Moments`` (count [B, Hk], k_sum, v_sum [B, Hk, K],
             vk_sum [B, Hk, K, K]) or None.
         zeroth: the zeroth-order correction (estimate v̄ only).
+        layer: an int32 scalar, the layer of stacked k, v to attend over. The kernels read it in
+            place; the XLA reference slices it out.
         impl / interpret / block_k: as ``block_attention_with_scores``.
 
     Returns (out [B, 1, H, K] in q's dtype, lse [B, 1, H] float32 of the kept slots,
@@ -70,11 +79,12 @@ def decode_attention_with_scores(
     check_score(score)
     check_impl(impl)
     reference.check_decode(q)
-    check_shapes(q, k, v, slot_pos, query_pos, query_weights)
+    one_layer = stacked_layer(k, v, layer)[3] if layer is not None else k
+    check_shapes(q, one_layer, one_layer, slot_pos, query_pos, query_weights)
     kernel = functools.partial(_corrected, zeroth=zeroth)
     tiles = {"score": score, "block_k": block_k}
     return by_platform(
-        (q, k, v, slot_pos, query_pos, query_weights, moments),
+        (q, k, v, slot_pos, query_pos, query_weights, moments, layer),
         impl,
         q.shape[-1],
         xla=functools.partial(_reference, score=score, zeroth=zeroth),

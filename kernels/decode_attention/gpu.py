@@ -11,8 +11,9 @@ tiles (``gpu_common.softmax_kernel``) and writes partial (o, m, l); the partials
 (a log-sum-exp over ≤ 8 splits of [G, K]). The scores pass, grid (B, Hk, key tiles), recomputes each
 tile's logits with the merged statistics and writes the per-slot scores of the G rows (rows padded
 to 16, the minimum of ``tl.dot``; ``gpu_common.head_scores``). Unweighted: the wrapper multiplies by
-the query's weight. The cache is read from the [B, Hk, S, K] arrays in masked power-of-two tiles
-(``gpu_common.load_tile``), never padded in HBM.
+the query's weight. The cache is read in masked power-of-two tiles (``gpu_common.load_tile``), never
+padded in HBM, from the stacked [L, B, Hk, S, K] arrays at the layer given (a [1] input each program
+reads): the layer's keys and values are never sliced out into a copy.
 """
 
 from __future__ import annotations
@@ -25,11 +26,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from kvjax.kernels import gpu_common as common
-from kvjax.kernels._shared import check_score, check_shapes, next_pow2
+from kvjax.kernels._shared import check_score, check_shapes, next_pow2, stacked_layer
 from kvjax.kernels.decode_attention.reference import check_decode
 
 
+def _heads(layer_ref) -> tuple:
+    """The (layer, row, KV head) of this program in the stacked k, v refs."""
+    return layer_ref[0], pl.program_id(0), pl.program_id(1)
+
+
+def _softmax_kernel(layer_ref, *refs, **kwargs):
+    """``gpu_common.softmax_kernel`` over this program's head of the stacked k, v refs."""
+    common.softmax_kernel(*refs, head=_heads(layer_ref), **kwargs)
+
+
 def _scores_kernel(
+    layer_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -49,7 +61,7 @@ def _scores_kernel(
     """Unweighted scores of key tile program_id(2) for the Gp rows (query heads) of a KV head."""
     first = pl.program_id(2) * block_k
     v_ref = None if score == "attn" else v_ref
-    tile = common.dense_tile(k_ref, v_ref, spos_ref, first, block_k, n_slots)
+    tile = common.dense_tile(k_ref, v_ref, spos_ref, first, block_k, n_slots, _heads(layer_ref))
     rows = common.QueryRefs(q_ref, qpos_ref, None, o_ref, m_ref, l_ref)
     col_ref[...] = common.head_scores(score, tile, rows, n_heads=n_heads, scale=scale)
 
@@ -63,6 +75,7 @@ def decode_attention_gpu(
     query_weights=None,
     score: str = "attn",
     *,
+    layer=None,
     block_k: int | None = None,
     splits: int | None = None,
     interpret=False,
@@ -70,11 +83,13 @@ def decode_attention_gpu(
     num_stages: int = 2,
 ):
     """(o [B, 1, H, K] float32 — uncorrected —, lse [B, 1, H], col [B, Hk, G, S] or None), as
-    ``reference.decode_attention_with_scores`` without moments. block_k is rounded up to a power of
-    two ≥ 16; splits (default: up to 8) is the number of cache splits of the softmax pass."""
+    ``reference.decode_attention_with_scores`` without moments; with ``layer`` (an int32 scalar),
+    k, v are [L, B, Hk, S, K] and layer ``layer`` is read. block_k is rounded up to a power of two
+    ≥ 16; splits (default: up to 8) is the number of cache splits of the softmax pass."""
     check_score(score)
     check_decode(q)
-    B, _, H, Hk, S, K = check_shapes(q, k, v, slot_pos, query_pos, query_weights)
+    k, v, layer, one_layer = stacked_layer(k, v, layer)
+    B, _, H, Hk, S, K = check_shapes(q, one_layer, one_layer, slot_pos, query_pos, query_weights)
     G = H // Hk
     common.check_head_dim(K)
     rows, qpos, gp = common.decode_queries(q, query_pos, Hk)
@@ -87,12 +102,13 @@ def decode_attention_gpu(
     spos = slot_pos.astype(jnp.int32)
 
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, s: (b, h, 0, 0))
-    # whole head: masked tile loads
-    head_kv = pl.BlockSpec((None, None, S, K), lambda b, h, s: (b, h, 0, 0))
+    # whole stacked k, v: each program loads its head's tiles by masked loads
+    stack = pl.BlockSpec(k.shape, lambda b, h, s: (0, 0, 0, 0, 0))
+    whole = pl.BlockSpec((1,), lambda b, h, s: (0,))
     head_pos = pl.BlockSpec((None, None, S), lambda b, h, s: (b, h, 0))
     o_part, m_part, l_part = pl.pallas_call(
         functools.partial(
-            common.softmax_kernel,
+            _softmax_kernel,
             n_slots=S,
             block_k=bk,
             n_tiles=per_split,
@@ -101,9 +117,10 @@ def decode_attention_gpu(
         ),
         grid=(B, Hk, n_splits),
         in_specs=[
+            whole,
             head_spec,
-            head_kv,
-            head_kv,
+            stack,
+            stack,
             head_pos,
             pl.BlockSpec((None, gp), lambda b, h, s: (b, 0)),
         ],
@@ -120,7 +137,7 @@ def decode_attention_gpu(
         compiler_params=params,
         interpret=interpret,
         name="decode_attention_partial_softmax",
-    )(rows, k, v, spos, qpos)
+    )(layer, rows, k, v, spos, qpos)
 
     m = jnp.max(m_part, axis=2)  # every split has a real slot: all finite
     o, l = common.merge_splits(o_part, m_part, l_part, m)  # [B, Hk, gp, K], [B, Hk, gp]
@@ -128,7 +145,6 @@ def decode_attention_gpu(
     if query_weights is None:
         return out, lse, None
 
-    head_kv = pl.BlockSpec((None, None, S, K), lambda b, h, j: (b, h, 0, 0))
     head_pos = pl.BlockSpec((None, None, S), lambda b, h, j: (b, h, 0))
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, j: (b, h, 0, 0))
     head_vec = pl.BlockSpec((None, None, gp), lambda b, h, j: (b, h, 0))
@@ -138,9 +154,10 @@ def decode_attention_gpu(
         ),
         grid=(B, Hk, nk),
         in_specs=[
+            whole,
             head_spec,
-            head_kv,
-            head_kv,
+            stack,
+            stack,
             head_pos,
             pl.BlockSpec((None, gp), lambda b, h, j: (b, 0)),
             head_spec,
@@ -152,5 +169,5 @@ def decode_attention_gpu(
         compiler_params=params,
         interpret=interpret,
         name="decode_attention_scores",
-    )(rows, k, v, spos, qpos, o, m, l)
+    )(layer, rows, k, v, spos, qpos, o, m, l)
     return out, lse, col[:, :, :G, :S] * query_weights.astype(jnp.float32).reshape(B, 1, 1, 1)

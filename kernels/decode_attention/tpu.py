@@ -18,7 +18,9 @@ score(g, s) and the wrapper multiplies by the query's weight w_b (no reduction o
 needed). The obcache-key/joint terms use the differences v_s − o_g themselves, one head row at a
 time, reduced over K on the MXU (``ones[8, K] · Xᵀ``) to land along lanes.
 
-The query position is a scalar per sequence, prefetched into SMEM (``PrefetchScalarGridSpec``).
+The query position is a scalar per sequence, prefetched into SMEM (``PrefetchScalarGridSpec``), and
+so is the layer: K and V are tiled straight out of the stacked [L, B, Hk, S, K] arrays (a slice
+handed to the kernel would be a copy of the layer's keys and values every step).
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels import tpu_common as common
-from kvjax.kernels._shared import check_score, check_shapes, round_up
+from kvjax.kernels._shared import check_score, check_shapes, round_up, stacked_layer
 from kvjax.kernels.decode_attention.reference import check_decode
 
 
 def _decode_kernel(
     qpos_ref,
+    layer_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -96,15 +99,18 @@ def decode_attention_tpu(
     query_weights=None,
     score: str = "attn",
     *,
+    layer=None,
     block_k: int | None = None,
     interpret=False,
 ):
     """Attention of one query per sequence over the cache: (o [B, 1, H, K] float32 — uncorrected —,
     lse [B, 1, H], col [B, Hk, G, S] or None), as ``reference.decode_attention_with_scores`` without
-    moments. block_k is rounded up to a multiple of 128."""
+    moments; with ``layer`` (an int32 scalar), k, v are [L, B, Hk, S, K] and layer ``layer`` is
+    read. block_k is rounded up to a multiple of 128."""
     check_score(score)
     check_decode(q)
-    B, _, H, Hk, S, K = check_shapes(q, k, v, slot_pos, query_pos, query_weights)
+    k, v, layer, one_layer = stacked_layer(k, v, layer)
+    B, _, H, Hk, S, K = check_shapes(q, one_layer, one_layer, slot_pos, query_pos, query_weights)
     G = H // Hk
     common.check_head_dim(K)
     rows, gp = common.decode_rows(q, Hk)
@@ -119,10 +125,13 @@ def decode_attention_tpu(
 
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, p, j, *_: (b, h, 0, 0))
     stats_spec = pl.BlockSpec((None, None, gp, common.LANES), lambda b, h, p, j, *_: (b, h, 0, 0))
-    kv_spec = pl.BlockSpec((None, None, bk, K), lambda b, h, p, j, *_: (b, h, j, 0))
+    kv_spec = pl.BlockSpec(
+        (None, None, None, bk, K), lambda b, h, p, j, qpos, layer: (layer[0], b, h, j, 0)
+    )
     if score == "attn":  # phase 1 does not read V: keep its last tile, so it is not fetched again
         v_spec = pl.BlockSpec(
-            (None, None, bk, K), lambda b, h, p, j, *_: (b, h, j + p * (nk - 1 - j), 0)
+            (None, None, None, bk, K),
+            lambda b, h, p, j, qpos, layer: (layer[0], b, h, j + p * (nk - 1 - j), 0),
         )
     else:
         v_spec = kv_spec
@@ -146,7 +155,7 @@ def decode_attention_tpu(
             precision=common.mxu_precision(q.dtype),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=2,
             grid=(B, Hk, 2 if scoring else 1, nk),
             in_specs=[
                 head_spec,
@@ -161,7 +170,7 @@ def decode_attention_tpu(
         compiler_params=common.compiler_params(2),
         interpret=interpret,
         name="decode_attention_with_scores",
-    )(qpos, rows, k, v, spos)
+    )(qpos, layer, rows, k, v, spos)
     out, lse, _, _ = common.decode_outputs(*results[:2], G)
     if not scoring:
         return out, lse, None

@@ -121,13 +121,13 @@ class BudgetCache(SlotsView):
         )
         p = seg.policy
 
-        def decode(h: BudgetCache):
+        def decode(h: BudgetCache):  # reads layer ``layer`` of the stacked k_all, v_all in place
             return lambda weights, moments: per_shard(
                 lambda *a: decode_attention_with_scores(
-                    *a[:-1], p.score_kind, a[-1], p.zeroth_order, impl=p.impl
+                    *a[:-2], p.score_kind, a[-2], p.zeroth_order, layer=a[-1], impl=p.impl
                 ),
-                (q, h.k, h.v, h.pos, seg.positions, weights, moments),
-                (*ATTENTION_AXES, KV),
+                (q, k_all, v_all, h.pos, seg.positions, weights, moments, layer),
+                (ATTENTION_AXES[0], (None, *KV), (None, *KV), *ATTENTION_AXES[3:], KV, ()),
                 ATTENTION_OUT_AXES,
                 B,
                 Hk,

@@ -1,0 +1,199 @@
+"""Part "layers": where a decode step's bytes go in the layer loop (NOTES.md, call 2: batch-1 decode ran at 3.3×
+its byte floor). One step of the 8B-shaped model's layers (``decode_hidden``: no sampling, no logits) against a
+full cache of 4K tokens, at batch 1 and 64, four ways (on a CPU: its first 4 layers in float32, batch 1 and 8;
+``python benchmarks/gpu/run.py --parts layers --out DIR`` runs it there too):
+
+- ``scan``: kvjax as it is, a ``lax.scan`` over the stacked layers (XLA slices each layer's weights and keys and
+  values out of the stacked arrays);
+- ``scan, dynamic-slice fusion``: the same program compiled with ``xla_gpu_enable_dynamic_slice_fusion`` (XLA
+  then hands the slices to cuBLAS as addresses where it can);
+- ``unstacked``: every layer's weights a separate array, a Python loop over ``decoder_layer`` (no weight slicing;
+  the cache is still stacked);
+- ``unstacked, cache per layer``: the same with a cache per layer (nothing sliced at all).
+
+Each row: ms per step, its floor (weights but the embedding table, plus the cache's keys and values, over the copy
+bandwidth measured in this part), and the bytes the compiled program writes per step by instructions that only
+slice or copy (read from the optimized HLO, loop bodies counted once per trip). Each variant's batch-1 HLO is
+written to ``OUT/hlo/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+from common import (
+    DYNAMIC_SLICE_FUSION,
+    Deadline,
+    Results,
+    guarded,
+    log,
+    measure_ceilings,
+    median_seconds,
+)
+from model_part import LLAMA_8B, sizes
+
+import kvjax
+from kvjax.cache.full import FullCache
+from kvjax.model.decoder import decode_hidden, decoder_layer, rms_norm
+from kvjax.model.rope import inverse_frequencies
+from kvjax.model.segment import Segment
+
+VARIANTS = ("scan", "scan, dynamic-slice fusion", "unstacked", "unstacked, cache per layer")
+BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8,
+         "s64": 8, "u64": 8}
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]\S* ([\w\-]+)\(")
+_SLICING = {"slice", "dynamic-slice"}
+_FREE = {"parameter", "constant", "bitcast"}
+
+
+def moved_bytes(hlo: str) -> int:
+    """Bytes written per call of an optimized HLO module by instructions that only slice or copy: ``copy``,
+    ``slice`` and ``dynamic-slice`` ops and fusions of nothing else, outside fused computations; those in a
+    ``while`` body times its known trip count."""
+    comps: dict[str, list[tuple[str, str, int, str]]] = {}
+    lines: dict[str, list[str]] = {}
+    name = None
+    for line in hlo.splitlines():
+        if (header := _HEADER.match(line)) is not None:
+            name = header.group(1)
+            comps[name], lines[name] = [], []
+        elif name is not None:
+            lines[name].append(line)
+        if name is not None and (m := _INSTR.match(line)) is not None:
+            size = BYTES.get(m.group(2), 4)
+            for d in filter(None, m.group(3).split(",")):
+                size *= int(d)
+            comps[name].append((m.group(1), m.group(4), size, line))
+    called = lambda line, key: re.findall(rf"{key}=%([\w.\-]+)", line)  # noqa: E731
+    fused = {c for body in comps.values() for *_, line in body for c in called(line, "calls")}
+    only_slices = {c for c in fused if c in comps
+                   and {op for _, op, _, _ in comps[c]} - _FREE <= _SLICING | {"copy"}}
+    trips = {c: 1 for c in comps if c not in fused}
+    for c in list(trips):  # loop bodies: times their trip count (one level of nesting is enough here)
+        for line in lines[c]:
+            if " while(" in line and (n := re.search(r'"known_trip_count":\{"n":"(\d+)"', line)):
+                for body in called(line, "body"):
+                    trips[body] = trips[c] * int(n.group(1))
+    total = 0
+    for c, times in trips.items():
+        for _, op, size, line in comps.get(c, []):
+            moves = op in _SLICING | {"copy"} or (op == "fusion" and set(called(line, "calls")) & only_slices)
+            total += times * size if moves else 0
+    return total
+
+
+def unstacked_step(cfg, layers, embed, tokens, caches, seg):
+    """``decode_hidden`` as a Python loop over per-layer weights (and, when ``caches`` is a list, per-layer
+    caches of one layer each)."""
+    inv_freq = inverse_frequencies(cfg)
+    x = jnp.take(embed, tokens, axis=0)
+    per_layer = isinstance(caches, list)
+    for i, p in enumerate(layers):
+        cache = caches[i] if per_layer else caches
+        x, cache = decoder_layer(cfg, x, p, jnp.int32(0 if per_layer else i), cache, seg, inv_freq)
+        if per_layer:
+            caches[i] = cache
+        else:
+            caches = cache
+    return x, caches
+
+
+def layer_sizes(smoke: bool) -> tuple:
+    """(config, dtype, context, batches): the 8B-shaped model in bfloat16 on a GPU; on a CPU its first 4 layers
+    in float32 (the CPU emulates bfloat16 products); tiny for the smoke run."""
+    if smoke:
+        sz = sizes(True)
+        return sz.cfg, jnp.bfloat16, sz.contexts[0], (1, 2)
+    if jax.default_backend() == "cpu":
+        return dataclasses.replace(LLAMA_8B, n_layers=4), jnp.float32, 4096, (1, 8)
+    return LLAMA_8B, jnp.bfloat16, 4096, (1, 64)
+
+
+def run(results: Results, deadline: Deadline, smoke: bool) -> None:
+    cfg, dtype, context, batches = layer_sizes(smoke)
+    ceilings = measure_ceilings(smoke)
+    results.meta["ceilings"] = ceilings.__dict__
+    params = jax.block_until_ready(
+        jax.jit(kvjax.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), dtype))
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params.layers)) + (
+        params.final_norm.size * params.final_norm.dtype.itemsize)
+    layers = [jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(cfg.n_layers)]
+    hlo_dir = results.path.parent.parent / "hlo"
+    hlo_dir.mkdir(parents=True, exist_ok=True)
+    log(f"layers: {cfg.n_layers} layers, weights {weight_bytes / 1e9:.2f} GB, context {context}")
+
+    def scan_step(params, tokens, cache, seg):
+        return decode_hidden(params, tokens, cache, seg)
+
+    def unstacked(layers, embed, tokens, caches, seg):
+        x, caches = unstacked_step(cfg, layers, embed, tokens, caches, seg)
+        return rms_norm(x, params.final_norm, cfg.norm_eps), caches
+
+    for batch in batches:
+        for variant in VARIANTS:
+            label = {"variant": variant, "layers": cfg.n_layers, "dtype": jnp.dtype(dtype).name,
+                     "context": context, "batch": batch}
+            if deadline.passed():
+                results.add("layers", {**label, "error": "not run: the part's deadline passed"})
+                continue
+
+            def measure(variant=variant, batch=batch):
+                tokens = jnp.ones((batch, 1), jnp.int32)
+                seg = Segment(positions=jnp.full((batch, 1), context - 1, jnp.int32), from_start=False)
+                key = jax.random.key(batch)
+                if variant == "unstacked, cache per layer":
+                    one = FullCache.init(dataclasses.replace(cfg, n_layers=1), batch, context, dtype)
+                    cache = [one.replace(k=jax.random.normal(jax.random.fold_in(key, i), one.k.shape, one.k.dtype),
+                                         v=jax.random.normal(jax.random.fold_in(key, cfg.n_layers + i), one.v.shape, one.v.dtype))
+                             for i in range(cfg.n_layers)]
+                else:
+                    full = FullCache.init(cfg, batch, context, dtype)
+                    cache = full.replace(k=jax.random.normal(key, full.k.shape, full.k.dtype),
+                                         v=jax.random.normal(jax.random.fold_in(key, 1), full.v.shape, full.v.dtype))
+                if variant.startswith("scan"):
+                    fn, args = jax.jit(scan_step, donate_argnums=2), (params,)
+                else:
+                    fn, args = jax.jit(unstacked, donate_argnums=3), (layers, params.embed)
+                options = DYNAMIC_SLICE_FUSION if variant == "scan, dynamic-slice fusion" else None
+                compiled = fn.lower(*args, tokens, cache, seg).compile(compiler_options=options)
+                hlo = compiled.as_text()
+                if batch == batches[0]:
+                    (hlo_dir / f"{variant.replace(', ', '+').replace(' ', '-')}.txt").write_text(hlo)
+                state = {"cache": cache}
+
+                def step():
+                    out, state["cache"] = compiled(*args, tokens, state["cache"], seg)
+                    return out
+
+                seconds = median_seconds(step, 7)
+                kv_bytes = 2 * batch * cfg.n_layers * cfg.n_kv_heads * context * cfg.head_dim * jnp.dtype(dtype).itemsize
+                floor_s = (weight_bytes + kv_bytes) / (ceilings.copy_gb_s * 1e9)
+                return {"ms_per_step": 1e3 * seconds, "floor_ms": 1e3 * floor_s, "ratio": seconds / floor_s,
+                        "moved_gb_per_step": moved_bytes(hlo) / 1e9, "kv_gb": kv_bytes / 1e9}
+
+            row = guarded(results, "layers", label, measure)
+            if row:
+                log(f"layers {variant}, batch {batch}: {row['ms_per_step']:.2f} ms/step, "
+                    f"{row['ratio']:.2f}× floor, {row['moved_gb_per_step']:.3g} GB sliced or copied")
+
+
+def tables(results: Results) -> list[str]:
+    rows = results.rows("layers")
+    if not rows:
+        return []
+    out = ["### The layer loop: one decode step of the layers over a full cache", "",
+           "| variant | layers | dtype | context | batch | ms/step | floor ms | step / floor | "
+           "sliced or copied GB per step | K/V GB |",
+           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        head = f"| {r['variant']} | {r['layers']} | {r['dtype']} | {r['context']} | {r['batch']} |"
+        if "error" in r:
+            out.append(f"{head} {r['error'][:200]} | | | | |")
+        else:
+            out.append(f"{head} {r['ms_per_step']:.2f} | {r['floor_ms']:.2f} | "
+                       f"{r['ratio']:.2f} | {r['moved_gb_per_step']:.3g} | {r['kv_gb']:.3g} |")
+    return out + [""]
