@@ -40,7 +40,10 @@ from kvjax.kernels.block_attention import reference as block_ref
 from kvjax.kernels.block_attention import tpu as block_tpu
 from kvjax.kernels.decode_attention import reference as decode_ref
 
+import kvjax
+from kvjax.cache.full import FullCache
 from kvjax.eviction.moments import Moments
+from kvjax.model.segment import Segment
 
 SCORES = ("attn", "obcache-value", "obcache-key", "obcache-joint")
 TOLERANCE = {  # dtype -> output -> (atol, rtol); atol is a fraction of max |reference| except for lse
@@ -327,6 +330,28 @@ def test_decode_kernels_read_their_layer_of_the_stacked_cache_in_place(platform,
     v3 = jnp.stack([-case[2], case[2], case[2] * 3])
     got = decode_attention_with_scores(case[0], k3, v3, *case[3:], layer=jnp.int32(1), impl="xla")
     assert_outputs_close(got, decode_ref.decode_attention_with_scores(*case), jnp.float32)
+
+
+@pytest.mark.parametrize("platform,call", [(p, c) for p, _, c in LOWERINGS])
+def test_full_cache_decode_lowers_to_the_decode_kernel_over_the_whole_stack(platform, call):
+    """The full cache's decode step (T = 1) is the platform's decode kernel, handed the whole stacked cache."""
+    L, B, Hk, G, K, S = 4, 2, 3, 3, 64, 320
+    cfg = kvjax.ModelConfig(arch="llama", vocab_size=256, d_model=128, n_layers=L, n_heads=Hk * G, n_kv_heads=Hk,
+                            head_dim=K, d_ff=256, max_seq_len=1024)
+    cache = jax.eval_shape(lambda: FullCache.init(cfg, B, S, jnp.bfloat16))
+    q = jax.ShapeDtypeStruct((B, 1, Hk * G, K), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, 1, Hk, K), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((B, 1), jnp.int32)
+
+    def step(cache, q, k, v, pos, layer):
+        return cache.attend(layer, q, k, v, Segment(positions=pos, from_start=False))
+
+    checks = GPU_EXPORT_CHECKS if platform == "cuda" else []
+    text = jax.export.export(jax.jit(step), platforms=[platform], disabled_checks=checks)(
+        cache, q, kv, kv, pos, jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
+    calls = [line for line in text.splitlines() if f"custom_call @{call}" in line]
+    assert calls and all(f"{L}x{B}x{Hk}x{S}x{K}xbf16" in line for line in calls), calls
+
 
 
 @pytest.mark.parametrize("platform,call,other", [("tpu", "tpu_custom_call", TRITON_CALL),

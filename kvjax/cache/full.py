@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.kernels import attention_with_scores
+from kvjax.cache.attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV
+from kvjax.kernels import attention_with_scores, decode_attention_with_scores
 from kvjax.model.config import ModelConfig
 from kvjax.model.segment import Segment
+from kvjax.sharding import per_shard
 
 PREFILL_CHUNK = 256  # query chunk of the full-cache causal prefill
 
@@ -68,9 +70,22 @@ class FullCache:
         self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, seg: Segment
     ) -> tuple[jax.Array, FullCache]:
         """Layer ``layer``: write k, v [B, T, Hk, K] at their positions (in place), attend q
-        [B, T, H, K]."""
-        T = k.shape[1]
+        [B, T, H, K]. A decode step (T = 1) runs the decode kernel of the platform, which reads the
+        layer of the stacked cache in place."""
+        B, T, Hk, _ = k.shape
         cache = self.write(layer, k, v, seg.positions)
+        if T == 1:
+            S = self.capacity
+            slot_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, Hk, S))
+            out, _, _ = per_shard(
+                lambda *a: decode_attention_with_scores(*a[:-1], layer=a[-1]),
+                (q, cache.k, cache.v, slot_pos, seg.positions, layer),
+                (ATTENTION_AXES[0], (None, *KV), (None, *KV), KV, ("batch",), ()),
+                ATTENTION_OUT_AXES,
+                B,
+                Hk,
+            )
+            return out, cache
         k_layer, v_layer = cache.k[layer], cache.v[layer]
         if seg.from_start and T > PREFILL_CHUNK and T % PREFILL_CHUNK == 0:
             # Causal prefill: query chunk c only needs the keys of chunks 0..c.

@@ -172,7 +172,8 @@ class EvictionOptions:
             if self.impl is not None:
                 raise ValueError(
                     f"impl={self.impl!r} chooses the attention of the budget cache; the full "
-                    "cache (budget=None) always runs XLA attention"
+                    "cache (budget=None) takes none: it prefills with XLA and decodes with the "
+                    "platform's decode kernel (XLA on CPU)"
                 )
             return None
         scoring_pass = BASES[split_name(self.scorer)[1]].scoring_pass
