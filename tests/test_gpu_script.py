@@ -12,7 +12,7 @@ GPU = ROOT / "benchmarks" / "gpu"
 
 def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     done = subprocess.run([sys.executable, str(GPU / "run.py"), "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     merged = json.loads((tmp_path / "results.json").read_text())
     parts = merged["parts"]
@@ -35,6 +35,10 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert {r["cache"] for r in decode if r.get("largest_batch")} == {"full", "snapkv 64"}
     assert {r["cache"] for r in decode} >= {"full", "snapkv 64", "momentkv 64", "adakv 64"}
     assert all(r["ms_per_step"] > 0 and r["floor_ms"] > 0 for r in decode)
+    profiled = {(r["cache"], r["batch"]): r["profile"] for r in decode if "profile" in r}
+    assert set(profiled) == {("full", 1), ("full", 2), ("snapkv 64", 2), ("adakv 64", 2)}
+    assert all("error" not in p and p["ms_per_step"] > 0 and p["top"] for p in profiled.values()), profiled
+    assert profiled["adakv 64", 2]["kinds"]["sort"] > 0  # AdaKV's step sorts (the kinds are told apart)
     assert {r["slots"] for r in parts["serve"]} == {1, 4}
     assert {(r["variant"], r["batch"]) for r in parts["layers"]} == {(v, b) for v in VARIANTS for b in (1, 2)}
     assert sorted(p.name for p in (tmp_path / "hlo").iterdir()) == [

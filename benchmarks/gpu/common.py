@@ -3,13 +3,18 @@ two ceilings (copy bandwidth and bf16 matrix rate) measured on the machine of th
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import glob
+import gzip
 import json
 import os
+import re
 import statistics
+import tempfile
 import sys
 import time
 import traceback
@@ -120,6 +125,54 @@ class Compiler:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+_XLA_OP = re.compile(r"[a-z][\w-]*(\.\d+)?")  # an XLA thunk's event on CPU (not the executor's or Python's)
+KINDS = (  # (kind, name fragments), first match wins
+    ("cache write", ("dynamic-update-slice", "dynamic_update_slice", "scatter")),
+    ("slice or copy", ("dynamic_slice", "dynamic-slice", "slice", "copy", "memcpy")),
+    ("attention kernel", ("attention",)),
+    ("matmul", ("gemm", "dot", "xmma", "cublas", "cutlass", "ynn", "matmul")),
+    ("sort", ("sort",)),
+)
+
+
+def device_profile(run: Callable[[], Any], steps: int, top: int = 8) -> dict:
+    """Where one call of ``run`` (``steps`` decode steps) spends device time, from JAX's profiler (a Perfetto
+    trace): ms per step per kind of op (``KINDS``, else "other") and the ``top`` names by time. On a GPU the
+    kernels of the device's stream threads (the "XLA Ops" line if there are none); on a CPU, XLA's thunks."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready(run())
+        events = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    meta = [e for e in events if e.get("ph") == "M"]
+    devices = {e["pid"] for e in meta if e.get("name") == "process_name"
+               and "/device:" in e.get("args", {}).get("name", "")}
+    threads = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in meta
+               if e.get("name") == "thread_name" and e.get("pid") in devices}
+    lines = [t for t, n in threads.items() if "stream" in n.lower()] or \
+        [t for t, n in threads.items() if n == "XLA Ops"]
+    per_name = collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") != "X":
+            continue
+        if devices:
+            if (e.get("pid"), e.get("tid")) not in lines:
+                continue
+        elif not _XLA_OP.fullmatch(name) or name.startswith(("while", "call", "conditional")):
+            continue
+        per_name[name] += e.get("dur", 0) / 1e3 / steps
+    kinds = collections.Counter()
+    for name, ms in per_name.items():
+        lower = name.lower()
+        kinds[next((k for k, parts in KINDS if any(p in lower for p in parts)), "other")] += ms
+    return {"ms_per_step": sum(per_name.values()), "kinds": dict(kinds),
+            "top": [[name, ms] for name, ms in per_name.most_common(top)],
+            # the trace lines counted (none on a device: every device line's name, to see why)
+            "lines": (sorted({threads[t] for t in lines}) or [f"none of {sorted(set(threads.values()))}"])
+            if devices else ["XLA:CPU thunks"]}
 
 
 def memory_stats() -> dict[str, int]:

@@ -9,7 +9,8 @@ Decode: ms per step of ``kvjax.runtime.decoding.decode_steps`` (the loop ``kvjax
 step evicting one token per row and KV head) at batch 1, 8, 32 and 64, from the prefilled state of one prompt
 repeated over the batch (every row holds the same cache; the prefill above made it). MomentKV decodes from
 SnapKV's prefilled cache (the same layout; its moment sums start empty): its step is what is timed. Impl
-"dsf" is the default compiled with XLA's dynamic-slice fusion (batch 1 and 64 at 4K; see layers_part). Beside each
+"dsf" is the default compiled with XLA's dynamic-slice fusion (batch 1 and 64 at 4K; see layers_part). JAX's
+profiler traces 4 more steps of a few rows (``ModelRun.profiled``): their device time by kind of op. Beside each
 figure its floor: the bytes a step must read (every weight but the embedding table, plus the kept keys and
 values of every row) over the copy bandwidth measured in the same run. The largest batch that fits at 32K is
 found from a compiled program's memory figures (state and temporaries per row) against the allocator's free
@@ -34,7 +35,9 @@ from common import (
     Ceilings,
     Compiler,
     Deadline,
+    KINDS,
     Results,
+    device_profile,
     error_text,
     guarded,
     log,
@@ -90,6 +93,7 @@ TINY = dataclasses.replace(
     max_seq_len=4096,
 )
 OUT_WIDTH = 256  # decode steps a state has room for
+PROFILE_STEPS = 4  # decode steps traced by the profiler
 NEW = 64  # max_new_tokens of the prefills (room in the full cache after the prompt)
 
 
@@ -327,14 +331,28 @@ class ModelRun:
             )
         return seconds, state
 
-    def decode_row(self, future, source: DecodeState, batch: int) -> dict:
+    def decode_row(self, future, source: DecodeState, batch: int, profile: bool = False) -> dict:
+        """The timed row; with ``profile``, also where the device time of PROFILE_STEPS more steps goes."""
         compiled, compile_s = future.result(timeout=max(1.0, self.deadline.left()))
         state = tile_state(source, batch)
         seconds, state = self.time_decode(compiled, state)
         kept = kept_kv_bytes(state, self.sz.cfg)
         floor = (self.weight_bytes + kept) / (self.ceilings.copy_gb_s * 1e9)
         mem = compiled.memory_analysis()
+        extra = {}
+        if profile:
+            box, stop = {"state": state}, int(state.step) + PROFILE_STEPS
+
+            def steps():
+                box["state"] = compiled(self.params, box["state"], jnp.int32(1 << 20), jnp.int32(stop))
+                return box["state"].logits
+
+            try:
+                extra["profile"] = device_profile(steps, PROFILE_STEPS)
+            except Exception as e:  # noqa: BLE001 - the timing stands without its profile
+                extra["profile"] = {"error": error_text(e)}
         return {
+            **extra,
             "ms_per_step": 1e3 * seconds,
             "tokens_per_s": batch / seconds,
             "floor_ms": 1e3 * floor,
@@ -461,9 +479,23 @@ class ModelRun:
                     "decode",
                     label,
                     functools.partial(
-                        self.decode_row, futures[job], self.states[source, context], b
+                        self.decode_row,
+                        futures[job],
+                        self.states[source, context],
+                        b,
+                        self.profiled(cache, impl, b, context),
                     ),
                 )
+
+    def profiled(self, cache: Cache, impl: str | None, batch: int, context: int) -> bool:
+        """The decode rows traced by the profiler: the full cache at batch 1, and the full cache, SnapKV and
+        AdaKV (the larger budget) at the largest batch of the plan, at the shorter context, default impl."""
+        sz = self.sz
+        if impl is not None or context != sz.contexts[0]:
+            return False
+        return (cache == FULL and batch == sz.batches[0]) or (
+            batch == sz.batches[-1] and cache in (FULL, ("snapkv", 0), ("adakv", 0))
+        )
 
     def largest_batch_row(self, cache: Cache, probe_future) -> dict:
         """Size the batch from the compiled probe's (the plan's program at batch ≤ 8) state and temporaries per
@@ -571,5 +603,24 @@ def tables(results: Results) -> list[str]:
                     f"{r['tokens_per_s']:.0f} | {r['floor_ms']:.2f} | {r['step_over_floor']:.2f} | "
                     f"{r['kv_bytes_kept'] / 1e9:.2f} | {r['compile_s']:.1f} |"
                 )
+        lines.append("")
+    profiled = [r for r in rows if "profile" in r]
+    if profiled:
+        kinds = [k for k, _ in KINDS] + ["other"]
+        lines += [
+            "### Where a decode step's device time goes (JAX's profiler, ms per step)",
+            "",
+            "| cache | context | batch | step ms | device ms | " + " | ".join(kinds) + " | largest |",
+            "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in kinds) + " | --- |",
+        ]
+        for r in profiled:
+            p = r["profile"]
+            head = f"| {r['cache']} | {r['context']} | {r['batch']} | {r['ms_per_step']:.2f} |"
+            if "error" in p:
+                lines.append(f"{head} {p['error'][:200]} |" + " |" * (len(kinds) + 1))
+                continue
+            cells = " | ".join(f"{p['kinds'].get(k, 0):.2f}" for k in kinds)
+            largest = "; ".join(f"{name[:48]} {ms:.2f}" for name, ms in p["top"][:3])
+            lines.append(f"{head} {p['ms_per_step']:.2f} | {cells} | {largest} |")
         lines.append("")
     return lines

@@ -38,7 +38,8 @@ def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="directory for results.json, results.md, parts/")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
-    parser.add_argument("--seconds", type=float, default=420.0, help="budget of the whole run")
+    parser.add_argument("--seconds", type=float, help="budget of the whole run (default 420; 900 with --smoke, "
+                        "where a loaded CPU slows the interpreter: the budget bounds, the work decides)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the Pallas interpreter)")
     parser.add_argument("--workers", type=int, default=None, help="compile threads (default: CPU count - 2)")
     parser.add_argument("--no-kernel-timings", action="store_true", help="kernels: the checks alone")
@@ -46,6 +47,7 @@ def parse(argv=None):
                         "under this matmul precision (default: JAX's, TF32 dots in Triton)")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # run one part in this process
     args = parser.parse_args(argv)
+    args.seconds = args.seconds or (900.0 if args.smoke else 420.0)
     args.parts = [p for p in args.parts.split(",") if p]
     if unknown := set(args.parts) - set(PARTS):
         parser.error(f"--parts: unknown {sorted(unknown)}; choose from {PARTS}")
