@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from common import (
     DYNAMIC_SLICE_FUSION,
+    Compiler,
     Deadline,
     Results,
     guarded,
@@ -113,7 +114,7 @@ def layer_sizes(smoke: bool) -> tuple:
     return LLAMA_8B, jnp.bfloat16, 4096, (1, 64)
 
 
-def run(results: Results, deadline: Deadline, smoke: bool) -> None:
+def run(results: Results, deadline: Deadline, compiler: Compiler, smoke: bool) -> None:
     cfg, dtype, context, batches = layer_sizes(smoke)
     ceilings = measure_ceilings(smoke)
     results.meta["ceilings"] = ceilings.__dict__
@@ -133,6 +134,33 @@ def run(results: Results, deadline: Deadline, smoke: bool) -> None:
         x, caches = unstacked_step(cfg, layers, embed, tokens, caches, seg)
         return rms_norm(x, params.final_norm, cfg.norm_eps), caches
 
+    def inputs(variant: str, batch: int, key=None):
+        """(tokens, cache, segment) of one step; with ``key`` None, the cache's shapes alone."""
+        tokens = jnp.ones((batch, 1), jnp.int32)
+        seg = Segment(positions=jnp.full((batch, 1), context - 1, jnp.int32), from_start=False)
+        per_layer = variant == "unstacked, cache per layer"
+        full = FullCache.init(dataclasses.replace(cfg, n_layers=1) if per_layer else cfg, batch, context,
+                              dtype) if key is not None else jax.eval_shape(
+            lambda: FullCache.init(dataclasses.replace(cfg, n_layers=1) if per_layer else cfg, batch,
+                                   context, dtype))
+        fill = lambda c, i: c if key is None else c.replace(  # noqa: E731
+            k=jax.random.normal(jax.random.fold_in(key, 2 * i), c.k.shape, c.k.dtype),
+            v=jax.random.normal(jax.random.fold_in(key, 2 * i + 1), c.v.shape, c.v.dtype))
+        cache = [fill(full, i) for i in range(cfg.n_layers)] if per_layer else fill(full, 0)
+        return tokens, cache, seg
+
+    def program(variant: str) -> tuple:
+        if variant.startswith("scan"):
+            return jax.jit(scan_step, donate_argnums=2), (params,)
+        return jax.jit(unstacked, donate_argnums=3), (layers, params.embed)
+
+    futures = {}  # every program compiles in the background, in the order measured
+    for batch in batches:
+        for variant in VARIANTS:
+            fn, args = program(variant)
+            options = DYNAMIC_SLICE_FUSION if variant == "scan, dynamic-slice fusion" else None
+            futures[variant, batch] = compiler.submit(fn, *args, *inputs(variant, batch), options=options)
+
     for batch in batches:
         for variant in VARIANTS:
             label = {"variant": variant, "layers": cfg.n_layers, "dtype": jnp.dtype(dtype).name,
@@ -142,27 +170,12 @@ def run(results: Results, deadline: Deadline, smoke: bool) -> None:
                 continue
 
             def measure(variant=variant, batch=batch):
-                tokens = jnp.ones((batch, 1), jnp.int32)
-                seg = Segment(positions=jnp.full((batch, 1), context - 1, jnp.int32), from_start=False)
-                key = jax.random.key(batch)
-                if variant == "unstacked, cache per layer":
-                    one = FullCache.init(dataclasses.replace(cfg, n_layers=1), batch, context, dtype)
-                    cache = [one.replace(k=jax.random.normal(jax.random.fold_in(key, i), one.k.shape, one.k.dtype),
-                                         v=jax.random.normal(jax.random.fold_in(key, cfg.n_layers + i), one.v.shape, one.v.dtype))
-                             for i in range(cfg.n_layers)]
-                else:
-                    full = FullCache.init(cfg, batch, context, dtype)
-                    cache = full.replace(k=jax.random.normal(key, full.k.shape, full.k.dtype),
-                                         v=jax.random.normal(jax.random.fold_in(key, 1), full.v.shape, full.v.dtype))
-                if variant.startswith("scan"):
-                    fn, args = jax.jit(scan_step, donate_argnums=2), (params,)
-                else:
-                    fn, args = jax.jit(unstacked, donate_argnums=3), (layers, params.embed)
-                options = DYNAMIC_SLICE_FUSION if variant == "scan, dynamic-slice fusion" else None
-                compiled = fn.lower(*args, tokens, cache, seg).compile(compiler_options=options)
+                compiled, compile_s = futures[variant, batch].result(timeout=max(1.0, deadline.left()))
                 hlo = compiled.as_text()
                 if batch == batches[0]:
                     (hlo_dir / f"{variant.replace(', ', '+').replace(' ', '-')}.txt").write_text(hlo)
+                args = program(variant)[1]
+                tokens, cache, seg = inputs(variant, batch, jax.random.key(batch))
                 state = {"cache": cache}
 
                 def step():
@@ -170,10 +183,12 @@ def run(results: Results, deadline: Deadline, smoke: bool) -> None:
                     return out
 
                 seconds = median_seconds(step, 7)
-                kv_bytes = 2 * batch * cfg.n_layers * cfg.n_kv_heads * context * cfg.head_dim * jnp.dtype(dtype).itemsize
+                kv_bytes = 2 * batch * cfg.n_layers * cfg.n_kv_heads * context * cfg.head_dim * \
+                    jnp.dtype(dtype).itemsize
                 floor_s = (weight_bytes + kv_bytes) / (ceilings.copy_gb_s * 1e9)
                 return {"ms_per_step": 1e3 * seconds, "floor_ms": 1e3 * floor_s, "ratio": seconds / floor_s,
-                        "moved_gb_per_step": moved_bytes(hlo) / 1e9, "kv_gb": kv_bytes / 1e9}
+                        "moved_gb_per_step": moved_bytes(hlo) / 1e9, "kv_gb": kv_bytes / 1e9,
+                        "compile_s": compile_s}
 
             row = guarded(results, "layers", label, measure)
             if row:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PARTS = ("kernels", "layers", "model", "serve", "peer")
-SHARES = {"kernels": 0.32, "layers": 0.15, "model": 0.6, "serve": 0.5, "peer": 1.0}  # of the time left when the part starts
+SHARES = {"kernels": 0.32, "layers": 0.25, "model": 0.6, "serve": 0.5, "peer": 1.0}  # of the time left when the part starts
 GRACE_S = 60
 
 
@@ -82,7 +82,7 @@ def run_part(args) -> int:
                              f32_precision=args.f32_precision)
         elif args.part == "layers":
             import layers_part
-            layers_part.run(results, deadline, args.smoke)
+            layers_part.run(results, deadline, compiler, args.smoke)
         elif args.part == "model":
             import model_part
             ceilings = measure_ceilings(args.smoke)
