@@ -42,7 +42,8 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert {r["slots"] for r in parts["serve"]} == {1, 4}
     assert {(r["variant"], r["batch"]) for r in parts["layers"]} == {(v, b) for v in VARIANTS for b in (1, 2)}
     assert sorted(p.name for p in (tmp_path / "hlo").iterdir()) == [
-        "scan+dynamic-slice-fusion.txt", "scan.txt", "unstacked+cache-per-layer.txt", "unstacked.txt"]
+        "scan+Triton-GEMMs.txt", "scan+dynamic-slice-fusion.txt", "scan.txt", "unstacked+cache-per-layer.txt",
+        "unstacked.txt"]
     peer = parts["peer"]
     assert "error" not in peer and peer["decode"] and not [r for r in peer["decode"] if "error" in r]
     report = (tmp_path / "results.md").read_text()

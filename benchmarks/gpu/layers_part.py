@@ -1,12 +1,14 @@
 """Part "layers": where a decode step's bytes go in the layer loop (NOTES.md, call 2: batch-1 decode ran at 3.3×
 its byte floor). One step of the 8B-shaped model's layers (``decode_hidden``: no sampling, no logits) against a
-full cache of 4K tokens, at batch 1 and 64, four ways (on a CPU: its first 4 layers in float32, batch 1 and 8;
+full cache of 4K tokens, at batch 1 and 64, five ways (on a CPU: its first 4 layers in float32, batch 1 and 8;
 ``python benchmarks/gpu/run.py --parts layers --out DIR`` runs it there too):
 
 - ``scan``: kvjax as it is, a ``lax.scan`` over the stacked layers (XLA slices each layer's weights and keys and
   values out of the stacked arrays);
 - ``scan, dynamic-slice fusion``: the same program compiled with ``xla_gpu_enable_dynamic_slice_fusion`` (XLA
   then hands the slices to cuBLAS as addresses where it can);
+- ``scan, Triton GEMMs``: compiled with ``xla_gpu_triton_gemm_any`` (every product a Triton GEMM fusion, which
+  may read its operand through the slice);
 - ``unstacked``: every layer's weights a separate array, a Python loop over ``decoder_layer`` (no weight slicing;
   the cache is still stacked);
 - ``unstacked, cache per layer``: the same with a cache per layer (nothing sliced at all).
@@ -42,7 +44,11 @@ from kvjax.model.decoder import decode_hidden, decoder_layer, rms_norm
 from kvjax.model.rope import inverse_frequencies
 from kvjax.model.segment import Segment
 
-VARIANTS = ("scan", "scan, dynamic-slice fusion", "unstacked", "unstacked, cache per layer")
+VARIANTS = ("scan", "scan, dynamic-slice fusion", "scan, Triton GEMMs", "unstacked", "unstacked, cache per layer")
+OPTIONS = {  # the scan variants compiled with XLA options
+    "scan, dynamic-slice fusion": DYNAMIC_SLICE_FUSION,
+    "scan, Triton GEMMs": {"xla_gpu_triton_gemm_any": True},  # Triton GEMM fusions may take the slice as operand
+}
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8,
          "s64": 8, "u64": 8}
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
@@ -158,7 +164,7 @@ def run(results: Results, deadline: Deadline, compiler: Compiler, smoke: bool) -
     for batch in batches:
         for variant in VARIANTS:
             fn, args = program(variant)
-            options = DYNAMIC_SLICE_FUSION if variant == "scan, dynamic-slice fusion" else None
+            options = OPTIONS.get(variant)
             futures[variant, batch] = compiler.submit(fn, *args, *inputs(variant, batch), options=options)
 
     for batch in batches:

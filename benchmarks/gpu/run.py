@@ -6,7 +6,7 @@ decode against its memory floor, transformers on the same card, and the serving 
     python benchmarks/gpu/run.py --parts kernels --seconds 200 --out $OUT
 
 Parts, each in a process of its own (so that each has the whole card, and a crash ends only its part):
-kernels (``kernels_part``), layers (one decode step of the layers, four ways: where its bytes go,
+kernels (``kernels_part``), layers (one decode step of the layers, five ways: where its bytes go,
 ``layers_part``), model (prefill and decode, ``model_part``; also measures the copy bandwidth and the
 bf16 matrix rate), serve (``serve_part``), peer (``peer_transformers``). ``--seconds`` is the whole run's budget:
 each part gets a share of what is left when it starts, stops starting new measurements at its deadline and is
