@@ -40,7 +40,7 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert all("error" not in p and p["ms_per_step"] > 0 and p["top"] for p in profiled.values()), profiled
     assert profiled["adakv 64", 2]["kinds"]["sort"] > 0  # AdaKV's step sorts (the kinds are told apart)
     assert {r["slots"] for r in parts["serve"]} == {1, 4}
-    assert {(r["variant"], r["batch"]) for r in parts["layers"]} == {(v, b) for v in VARIANTS for b in (1, 2)}
+    assert {r["variant"] for r in parts["layers"]} == set(VARIANTS) and {r["batch"] for r in parts["layers"]} == {1}
     assert sorted(p.name for p in (tmp_path / "hlo").iterdir()) == [
         "scan+Triton-GEMMs.txt", "scan+dynamic-slice-fusion.txt", "scan.txt", "unstacked+cache-per-layer.txt",
         "unstacked.txt"]

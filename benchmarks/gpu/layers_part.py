@@ -111,10 +111,10 @@ def unstacked_step(cfg, layers, embed, tokens, caches, seg):
 
 def layer_sizes(smoke: bool) -> tuple:
     """(config, dtype, context, batches): the 8B-shaped model in bfloat16 on a GPU; on a CPU its first 4 layers
-    in float32 (the CPU emulates bfloat16 products); tiny for the smoke run."""
+    in float32 (the CPU emulates bfloat16 products); tiny, batch 1 alone, for the smoke run."""
     if smoke:
         sz = sizes(True)
-        return sz.cfg, jnp.bfloat16, sz.contexts[0], (1, 2)
+        return sz.cfg, jnp.bfloat16, sz.contexts[0], (1,)
     if jax.default_backend() == "cpu":
         return dataclasses.replace(LLAMA_8B, n_layers=4), jnp.float32, 4096, (1, 8)
     return LLAMA_8B, jnp.bfloat16, 4096, (1, 64)
