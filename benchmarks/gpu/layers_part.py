@@ -145,14 +145,12 @@ def run(results: Results, deadline: Deadline, compiler: Compiler, smoke: bool) -
         tokens = jnp.ones((batch, 1), jnp.int32)
         seg = Segment(positions=jnp.full((batch, 1), context - 1, jnp.int32), from_start=False)
         per_layer = variant == "unstacked, cache per layer"
-        full = FullCache.init(dataclasses.replace(cfg, n_layers=1) if per_layer else cfg, batch, context,
-                              dtype) if key is not None else jax.eval_shape(
-            lambda: FullCache.init(dataclasses.replace(cfg, n_layers=1) if per_layer else cfg, batch,
-                                   context, dtype))
-        fill = lambda c, i: c if key is None else c.replace(  # noqa: E731
-            k=jax.random.normal(jax.random.fold_in(key, 2 * i), c.k.shape, c.k.dtype),
-            v=jax.random.normal(jax.random.fold_in(key, 2 * i + 1), c.v.shape, c.v.dtype))
-        cache = [fill(full, i) for i in range(cfg.n_layers)] if per_layer else fill(full, 0)
+        one = dataclasses.replace(cfg, n_layers=1) if per_layer else cfg
+        shape = jax.eval_shape(lambda: FullCache.init(one, batch, context, dtype))
+        fill = lambda i: shape if key is None else shape.replace(  # noqa: E731 - random, never a zero copy
+            k=jax.random.normal(jax.random.fold_in(key, 2 * i), shape.k.shape, shape.k.dtype),
+            v=jax.random.normal(jax.random.fold_in(key, 2 * i + 1), shape.v.shape, shape.v.dtype))
+        cache = [fill(i) for i in range(cfg.n_layers)] if per_layer else fill(0)
         return tokens, cache, seg
 
     def program(variant: str) -> tuple:
