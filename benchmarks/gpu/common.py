@@ -14,8 +14,8 @@ import json
 import os
 import re
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -23,7 +23,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-
 
 # XLA's dynamic-slice fusion: cuBLAS reads a slice of a larger operand (a layer of the stacked weights) in place
 DYNAMIC_SLICE_FUSION = {"xla_gpu_enable_dynamic_slice_fusion": True}
