@@ -3,16 +3,18 @@ the cache once per step costs at this machine's measured bandwidth (SmolLM2, flo
 
     .venv/bin/python benchmarks/batch_decode.py                          # about 10 minutes on 2 cores
     .venv/bin/python benchmarks/batch_decode.py --contexts 1024 --caches full   # a quick look
+    .venv/bin/python benchmarks/batch_decode.py --contexts 1024 --caches full 256 --layers stacked unstacked
+
+``--layers unstacked`` runs the model with ``kvjax.unstack_layers`` (a loop over per-layer arrays, no slices).
 
 For each (cache, context, batch): the best of ``--repeats`` timed runs of ``--steps`` greedy decode steps after
-a compiled warm-up run; XLA's cost analysis of the compiled decode loop (its body counted once: one step)
-gives the bytes a step touches and its flops. "floor ms" is the weights' and the cache's bytes (keys and
-values of every row) divided by the bandwidth a batch-1 full-cache step at the shortest context reaches on the
-weights alone, i.e. the time a step would take if it did nothing but stream them once. The last three columns
-come from JAX's profiler over one more run: the time XLA's CPU thunks spent per step in matrix products, in
+a compiled warm-up run. "floor ms" is the weights' and the cache's bytes (keys and values of every row) divided
+by the bandwidth a batch-1 full-cache step at the shortest context (of the first ``--layers``) reaches on the
+weights alone, i.e. the time a step would take if it did nothing but stream them once. The matmuls, slice copies
+and other ops columns come from JAX's profiler over one more run: the time XLA's CPU thunks spent per step in matrix products, in
 dynamic-slice copies (a layer's weights and cache taken out of the stacked arrays by the layer scan) and in
-everything else, summed over the thread pool's threads (so they may add up to more than the step). Markdown to
-stdout.
+everything else, summed over the thread pool's threads (so they may add up to more than the step); "compile s"
+is one compilation of the decode loop. Markdown to stdout.
 """
 
 from __future__ import annotations
@@ -57,13 +59,12 @@ def run(params, context: int, batch: int, budget: int | None, steps: int, repeat
         best = min(best, (time.perf_counter() - start) / steps)
     ops = profile(gen, steps)
     stop = int(to_host(gen.state.step)) + 1
-    compiled = decode_steps.lower(params, gen.state, jnp.int32(total), jnp.int32(stop), Sampling(), (),
-                                  gen.ev).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return dict(ms=1e3 * best, kv_bytes=cache_bytes(gen.state.cache, kv_only=True),
-                touched=float(cost.get("bytes accessed", float("nan"))), flops=float(cost.get("flops", float("nan"))),
-                **ops)
+    jax.clear_caches()  # or the compilation below is the one the runs above made
+    lowered = decode_steps.lower(params, gen.state, jnp.int32(total), jnp.int32(stop), Sampling(), (), gen.ev)
+    start = time.perf_counter()
+    lowered.compile()
+    return dict(ms=1e3 * best, compile_s=time.perf_counter() - start,
+                kv_bytes=cache_bytes(gen.state.cache, kv_only=True), **ops)
 
 
 OP = re.compile(r"[a-z][\w-]*(\.\d+)?")  # an XLA thunk's event (not the executor's, the loops' or Python's)
@@ -95,37 +96,42 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", nargs="+", default=["stacked"], choices=["stacked", "unstacked"],
+                        help="the layers' layout: stacked (lax.scan) or unstacked (kvjax.unstack_layers)")
     args = parser.parse_args()
 
-    params = kvjax.load(MODEL)
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    loaded = kvjax.load(MODEL)
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(loaded))
     results = {}
-    for cache in args.caches:
-        budget = None if cache == "full" else int(cache)
-        for context in args.contexts:
-            if budget is not None and budget >= context:
-                continue
-            for batch in args.batches:
-                results[cache, context, batch] = run(params, context, batch, budget, args.steps, args.repeats)
-                print(f"[{cache} {context} x{batch}: {results[cache, context, batch]['ms']:.1f} ms/step]",
-                      flush=True, file=sys.stderr)
-    base = results.get(("full", min(args.contexts), 1))
+    for layers in args.layers:
+        params = kvjax.unstack_layers(loaded) if layers == "unstacked" else loaded
+        for cache in args.caches:
+            budget = None if cache == "full" else int(cache)
+            for context in args.contexts:
+                if budget is not None and budget >= context:
+                    continue
+                for batch in args.batches:
+                    r = results[layers, cache, context, batch] = run(params, context, batch, budget, args.steps,
+                                                                     args.repeats)
+                    print(f"[{layers} {cache} {context} x{batch}: {r['ms']:.1f} ms/step]", flush=True,
+                          file=sys.stderr)
+    base = results.get((args.layers[0], "full", min(args.contexts), 1))
     bandwidth = weights / (base["ms"] / 1e3) if base else float("nan")  # bytes/s streaming the weights alone
     print(f"SmolLM2-135M-Instruct, float32, CPU ({jax.device_count()} device, {os.cpu_count()} "
           f"cores); weights {weights / 1e6:.0f} MB; bandwidth taken as weights / batch-1 full-cache step at "
           f"{min(args.contexts)} tokens = {bandwidth / 1e9:.1f} GB/s; best of {args.repeats} runs of {args.steps} "
           "steps\n")
-    print("| cache | context | batch | ms/step | KV MB | floor ms | step / floor | XLA bytes touched MB | GFLOP | "
-          "tokens/s | batch-8 / batch-1 throughput | matmuls ms | slice copies ms | other ops ms |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for (cache, context, batch), r in results.items():
+    print("| layers | cache | context | batch | ms/step | KV MB | floor ms | step / floor | tokens/s | "
+          "batch-8 / batch-1 throughput | matmuls ms | slice copies ms | other ops ms | compile s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (layers, cache, context, batch), r in results.items():
         floor = 1e3 * (weights + r["kv_bytes"]) / bandwidth
         rate = batch / (r["ms"] / 1e3)
-        one = results.get((cache, context, 1))
+        one = results.get((layers, cache, context, 1))
         ratio = f"{rate / (1e3 / one['ms']):.2f}x" if one and batch != 1 else ""
-        print(f"| {cache} | {context} | {batch} | {r['ms']:.1f} | {r['kv_bytes'] / 1e6:.0f} | {floor:.1f} | "
-              f"{r['ms'] / floor:.2f} | {r['touched'] / 1e6:.0f} | {r['flops'] / 1e9:.2f} | {rate:.1f} | {ratio} | "
-              f"{r['matmul_ms']:.1f} | {r['slice_ms']:.1f} | {r['other_ms']:.1f} |")
+        print(f"| {layers} | {cache} | {context} | {batch} | {r['ms']:.1f} | {r['kv_bytes'] / 1e6:.0f} | "
+              f"{floor:.1f} | {r['ms'] / floor:.2f} | {rate:.1f} | {ratio} | {r['matmul_ms']:.1f} | "
+              f"{r['slice_ms']:.1f} | {r['other_ms']:.1f} | {r['compile_s']:.1f} |")
     return 0
 
 

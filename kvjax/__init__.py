@@ -7,7 +7,7 @@ from kvjax.checkpoint.errors import CheckpointError
 from kvjax.eviction import ALLOCATIONS, SCORERS, kvzip_prompt
 from kvjax.loading import chat_tokens, load, load_tokenizer
 from kvjax.model.config import ModelConfig
-from kvjax.model.params import Params, init_params
+from kvjax.model.params import Params, init_params, stack_layers, unstack_layers
 from kvjax.runtime.context import Context, decode, extend
 from kvjax.runtime.generate import forward, generate, generate_stream
 from kvjax.runtime.options import EvictionOptions
@@ -42,4 +42,6 @@ __all__ = [
     "prefill",
     "prefill_full",
     "shard",
+    "stack_layers",
+    "unstack_layers",
 ]

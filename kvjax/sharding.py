@@ -104,7 +104,11 @@ def specs(tree, mesh):
             path: partition(spec.axes, spec.shape, mesh)
             for path, spec in param_specs(tree.config).items()
         }
-        return params_from_flat(tree.config, flat)
+        stacked = params_from_flat(tree.config, flat)
+        if not isinstance(tree.layers, tuple):
+            return stacked
+        one = jax.tree.map(lambda p: P(*p[1:]), stacked.layers, is_leaf=lambda x: isinstance(x, P))
+        return stacked.replace(layers=(one,) * len(tree.layers))
     fields = {}
     for f in dataclasses.fields(tree):
         value = getattr(tree, f.name)

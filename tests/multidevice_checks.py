@@ -3,8 +3,8 @@ fake CPU devices; ``pytest tests/multidevice_checks.py`` needs ``XLA_FLAGS=--xla
 
 On meshes (data=2, model=4) and (model=8) (and (data=8) for the full and the paged cache) of a small model
 whose heads divide, and SmolLM2 on (data=2) and (model=2, its 3 KV and 9 query heads then replicated): the
-same generated tokens, logits within 1e-5, the same kept positions per (layer, row, KV head); the params and
-caches placed as their logical axes say; the compiled decode step gathers no keys, values or scorer state.
+same generated tokens, logits within 1e-5, the same kept positions per (layer, row, KV head); the params
+(stacked or unstacked) and caches placed as their logical axes say; the compiled decode step gathers no keys, values or scorer state.
 "Logits within 1e-5" is relative to the largest logit: a reduction split over devices adds in another order.
 """
 
@@ -118,6 +118,18 @@ def test_params_are_placed_by_their_logical_axes(model, spec):
     assert placed(params.layers.w_down) == (None, heads, None)
     assert placed(params.embed) == (heads, None)
     assert shard(params, make_mesh(spec)) is params  # already placed: nothing moves
+
+
+def test_unstacked_layers_are_placed_and_run_as_the_stacked_scan(model):
+    mesh = make_mesh("data=2,model=4")
+    params = shard(kvjax.unstack_layers(model), mesh)
+    assert all(placed(layer.wq) == (None, "model", None) for layer in params.layers)
+    assert all(placed(layer.w_down) == ("model", None) for layer in params.layers)
+    rows = prompts(8, 128, seed=3)
+    _, one = run(model, rows, SETTINGS["snapkv"], None)
+    _, many = run(params, rows, SETTINGS["snapkv"], mesh)
+    for a, b in zip(one, many, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_batch_that_does_not_fill_the_data_axis_is_padded(model):

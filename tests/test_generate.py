@@ -7,6 +7,7 @@ import pytest
 
 import kvjax
 from kvjax.runtime.decoding import Generation
+from kvjax.runtime.generate import _forward
 from kvjax.runtime.sampling import Sampling, sample
 
 
@@ -114,3 +115,40 @@ def test_bfloat16_batch_generates(tiny_llama):
     prompts = [random_prompt(7, 1), random_prompt(12, 2)]
     out = kvjax.generate(cast_params(tiny_llama, "bfloat16"), prompts, max_new_tokens=4, stop_ids=())
     assert [len(o) for o in out] == [4, 4]
+
+
+@pytest.mark.parametrize(
+    "eviction",
+    [
+        {},
+        dict(budget=16, scorer="snapkv", window=4, obs_window=4),
+        dict(budget=16, scorer="tova", protocol="prefill"),
+        dict(budget=16, scorer="adakv", window=4, obs_window=4),
+        dict(budget=16, scorer="momentkv", window=4, obs_window=4),
+    ],
+    ids=["full", "snapkv", "tova-prefill", "adakv", "momentkv"],
+)
+def test_unstacked_layers_generate_as_the_stacked_scan(tiny_llama, eviction):
+    unstacked = kvjax.unstack_layers(tiny_llama)
+    assert len(unstacked.layers) == tiny_llama.config.n_layers
+    assert unstacked.layers[1].wq.shape == tiny_llama.layers.wq.shape[1:]
+    prompts = [random_prompt(n, seed) for seed, n in enumerate([5, 40, 23])]
+    stacked = kvjax.generate(tiny_llama, prompts, 10, stop_ids=(), **eviction)
+    looped = kvjax.generate(unstacked, prompts, 10, stop_ids=(), **eviction)
+    for a, b in zip(stacked, looped, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_unstacked_layers_forward_and_round_trip(tiny_llama):
+    unstacked = kvjax.unstack_layers(tiny_llama)
+    tokens = random_prompt(30, 7)[None]
+    np.testing.assert_allclose(
+        kvjax.forward(unstacked, tokens), kvjax.forward(tiny_llama, tokens), rtol=0, atol=1e-6
+    )
+    trace = lambda p: str(jax.make_jaxpr(_forward)(p, jnp.asarray(tokens)))  # noqa: E731
+    assert "scan" in trace(tiny_llama) and "scan" not in trace(unstacked)
+    assert kvjax.unstack_layers(unstacked) is unstacked
+    restacked = kvjax.stack_layers(unstacked)
+    for a, b in zip(jax.tree.leaves(restacked), jax.tree.leaves(tiny_llama), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert kvjax.stack_layers(tiny_llama) is tiny_llama

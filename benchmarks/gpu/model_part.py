@@ -9,7 +9,10 @@ Decode: ms per step of ``kvjax.runtime.decoding.decode_steps`` (the loop ``kvjax
 step evicting one token per row and KV head) at batch 1, 8, 32 and 64, from the prefilled state of one prompt
 repeated over the batch (every row holds the same cache; the prefill above made it). MomentKV decodes from
 SnapKV's prefilled cache (the same layout; its moment sums start empty): its step is what is timed. Impl
-"dsf" is the default compiled with XLA's dynamic-slice fusion (batch 1 and 64 at 4K; see layers_part). JAX's
+"dsf" is the default compiled with XLA's dynamic-slice fusion (batch 1 and 64 at 4K; see layers_part); impl
+"unstacked" is the default run with ``kvjax.unstack_layers`` (a loop over per-layer weights: nothing sliced;
+its prefills at 4K, its decodes at batch 1 and 64 at 4K; the per-layer copy of the weights exists only while
+those rows run). JAX's
 profiler traces 4 more steps of a few rows (``ModelRun.profiled``): their device time by kind of op. Beside each
 figure its floor: the bytes a step must read (every weight but the embedding table, plus the kept keys and
 values of every row) over the copy bandwidth measured in the same run. The largest batch that fits at 32K is
@@ -123,11 +126,12 @@ FULL: Cache = ("full", None)
 
 
 def eviction(cache: Cache, sz: Sizes, context: int, impl: str | None):
-    """The Eviction of a cache (None for the full cache)."""
+    """The Eviction of a cache (None for the full cache); impls other than "xla" use the default kernels."""
     scorer, which = cache
     if scorer == "full":
         return None
-    return eviction_from(context=context, budget=sz.budgets[which], scorer=scorer, impl=impl)
+    kernels = impl if impl == "xla" else None
+    return eviction_from(context=context, budget=sz.budgets[which], scorer=scorer, impl=kernels)
 
 
 def cache_label(cache: Cache, sz: Sizes) -> str:
@@ -201,11 +205,23 @@ class ModelRun:
             sum(x.size * x.dtype.itemsize for x in leaves) - embed.size * embed.dtype.itemsize
         )
         self.states: dict[tuple[Cache, int], DecodeState] = {}
+        self.unstacked = None  # kvjax.unstack_layers(self.params) while the "unstacked" rows run
         results.meta["model"] = {
             "config": dataclasses.asdict(self.sz.cfg),
             "weight_bytes_read_per_step": self.weight_bytes,
             "memory_after_weights": memory_stats(),
         }
+
+    def params_for(self, impl: str | None, abstract: bool = False):
+        """The weights a row runs with: per-layer arrays for impl "unstacked" (made on first use; with
+        ``abstract``, their shapes alone), else the stacked ones."""
+        if impl != "unstacked":
+            return self.params
+        if abstract:
+            return jax.eval_shape(kvjax.unstack_layers, self.params)
+        if self.unstacked is None:
+            self.unstacked = jax.block_until_ready(kvjax.unstack_layers(self.params))
+        return self.unstacked
 
     # --- prefill -----------------------------------------------------------------------------------------------
 
@@ -215,26 +231,25 @@ class ModelRun:
         lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
         key = jax.eval_shape(lambda: jax.random.key(0))
         ev = eviction(cache, self.sz, context, impl)
+        params = self.params_for(impl, abstract=True)
         if ev is None:
             return (
                 feed_full,
-                (self.params, tokens, lengths, key),
+                (params, tokens, lengths, key),
                 dict(capacity=round_capacity(context + NEW), out_width=OUT_WIDTH),
             )
         return (
             feed_budget,
-            (self.params, None, tokens, lengths, lengths, key),
+            (params, None, tokens, lengths, lengths, key),
             dict(ev=ev, out_width=OUT_WIDTH, decode_spare=ev.decode_spare(OUT_WIDTH)),
         )
 
-    def call_prefill(self, compiled, cache: Cache, context: int) -> DecodeState:
+    def call_prefill(self, compiled, cache: Cache, context: int, params) -> DecodeState:
         ids = jnp.asarray(prompt(context, self.sz.cfg.vocab_size))
         lengths = jnp.full((1,), context, jnp.int32)
         if cache == FULL:
-            return compiled(self.params, ids, lengths, jax.random.key(0))
-        return compiled(
-            self.params, None, ids, jnp.zeros((1,), jnp.int32), lengths, jax.random.key(0)
-        )
+            return compiled(params, ids, lengths, jax.random.key(0))
+        return compiled(params, None, ids, jnp.zeros((1,), jnp.int32), lengths, jax.random.key(0))
 
     def prefill_plan(self) -> list[tuple[Cache, int, str | None]]:
         """(cache, context, impl) in priority order; the decode states come from the default-impl prefills."""
@@ -247,6 +262,8 @@ class ModelRun:
             (FULL, c32, None),
             (snap, c32, None),
             (snap, c32, "xla"),
+            (FULL, c4, "unstacked"),
+            (snap, c4, "unstacked"),
             (ada, c4, None),
             (snap_lo, c4, None),
             (ada, c32, None),
@@ -277,13 +294,15 @@ class ModelRun:
                     self.prefill_row, futures[cache, context, impl], cache, context, impl
                 ),
             )
+        self.unstacked = None  # its memory back for the decodes' largest batches
 
     def prefill_row(self, future, cache: Cache, context: int, impl: str | None) -> dict:
         compiled, compile_s = future.result(timeout=max(1.0, self.deadline.left()))
+        params = self.params_for(impl)
         times = []
         for _ in range(2 if context >= 16384 else 3):
             t0 = time.perf_counter()
-            state = jax.block_until_ready(self.call_prefill(compiled, cache, context))
+            state = jax.block_until_ready(self.call_prefill(compiled, cache, context, params))
             times.append(time.perf_counter() - t0)
         if impl is None:
             self.states[cache, context] = state
@@ -298,11 +317,11 @@ class ModelRun:
 
     # --- decode ------------------------------------------------------------------------------------------------
 
-    def submit_decode(self, state_shape, ev, options=None):
+    def submit_decode(self, state_shape, ev, options=None, params=None):
         n = jax.ShapeDtypeStruct((), jnp.int32)
         return self.compiler.submit(
             decode_steps,
-            self.params,
+            self.params if params is None else params,
             state_shape,
             n,
             n,
@@ -312,16 +331,14 @@ class ModelRun:
             options=options,
         )
 
-    def time_decode(self, compiled, state: DecodeState) -> tuple[float, DecodeState]:
+    def time_decode(self, compiled, state: DecodeState, params) -> tuple[float, DecodeState]:
         """(seconds per step over ``steps`` steps after a 2-step warm-up, the state after them)."""
         first = int(state.step)
         state = jax.block_until_ready(
-            compiled(self.params, state, jnp.int32(1 << 20), jnp.int32(first + 2))
+            compiled(params, state, jnp.int32(1 << 20), jnp.int32(first + 2))
         )
         t0 = time.perf_counter()
-        state = compiled(
-            self.params, state, jnp.int32(1 << 20), jnp.int32(first + 2 + self.sz.steps)
-        )
+        state = compiled(params, state, jnp.int32(1 << 20), jnp.int32(first + 2 + self.sz.steps))
         jax.block_until_ready(state.logits)
         seconds = (time.perf_counter() - t0) / self.sz.steps
         if int(state.step) != first + 2 + self.sz.steps or bool(jnp.any(state.done)):
@@ -331,11 +348,14 @@ class ModelRun:
             )
         return seconds, state
 
-    def decode_row(self, future, source: DecodeState, batch: int, profile: bool = False) -> dict:
+    def decode_row(
+        self, future, source: DecodeState, batch: int, profile: bool = False, impl: str | None = None
+    ) -> dict:
         """The timed row; with ``profile``, also where the device time of PROFILE_STEPS more steps goes."""
         compiled, compile_s = future.result(timeout=max(1.0, self.deadline.left()))
+        params = self.params_for(impl)
         state = tile_state(source, batch)
-        seconds, state = self.time_decode(compiled, state)
+        seconds, state = self.time_decode(compiled, state, params)
         kept = kept_kv_bytes(state, self.sz.cfg)
         floor = (self.weight_bytes + kept) / (self.ceilings.copy_gb_s * 1e9)
         mem = compiled.memory_analysis()
@@ -344,7 +364,7 @@ class ModelRun:
             box, stop = {"state": state}, int(state.step) + PROFILE_STEPS
 
             def steps():
-                box["state"] = compiled(self.params, box["state"], jnp.int32(1 << 20), jnp.int32(stop))
+                box["state"] = compiled(params, box["state"], jnp.int32(1 << 20), jnp.int32(stop))
                 return box["state"].logits
 
             try:
@@ -372,6 +392,8 @@ class ModelRun:
             (("snapkv", 0), None, ("snapkv", 0)),
             (FULL, "dsf", FULL),
             (("snapkv", 0), "dsf", ("snapkv", 0)),
+            (FULL, "unstacked", FULL),
+            (("snapkv", 0), "unstacked", ("snapkv", 0)),
             (("snapkv", 0), "xla", ("snapkv", 0)),
             (("momentkv", 0), None, ("snapkv", 0)),
             (("adakv", 0), None, ("adakv", 0)),
@@ -382,7 +404,7 @@ class ModelRun:
         jobs = []
         for cache, impl, source in plan:
             for b in sz.batches:
-                if impl == "dsf":  # the default compiled with dynamic-slice fusion: the batch ends, 4K
+                if impl in ("dsf", "unstacked"):  # the default, compiled or run otherwise: batch ends, 4K
                     if b in (sz.batches[0], sz.batches[-1]):
                         jobs.append((cache, impl, source, b, (c4,)))
                 elif cache == FULL:
@@ -410,10 +432,12 @@ class ModelRun:
             shape = jax.eval_shape(
                 functools.partial(tile_state, batch=b), self.prefill_shape(source, contexts[0])
             )
-            kernels = None if impl == "dsf" else impl
             options = DYNAMIC_SLICE_FUSION if impl == "dsf" else None
             decodes[job] = self.submit_decode(
-                shape, eviction(cache, self.sz, contexts[0], kernels), options
+                shape,
+                eviction(cache, self.sz, contexts[0], impl),
+                options,
+                self.params_for(impl, abstract=True),
             )
         return prefills, decodes
 
@@ -452,9 +476,11 @@ class ModelRun:
                 label,
                 functools.partial(self.largest_batch_row, cache, probe),
             )
-        for job in jobs:
-            if job not in first:
-                self.decode_job(futures, job)
+        rest = [j for j in jobs if j not in first]
+        for i, job in enumerate(rest):
+            self.decode_job(futures, job)
+            if job[1] == "unstacked" and all(j[1] != "unstacked" for j in rest[i + 1 :]):
+                self.unstacked = None
 
     def decode_job(self, futures: dict, job: tuple) -> None:
         cache, impl, source, b, contexts = job
@@ -484,14 +510,19 @@ class ModelRun:
                         self.states[source, context],
                         b,
                         self.profiled(cache, impl, b, context),
+                        impl,
                     ),
                 )
 
     def profiled(self, cache: Cache, impl: str | None, batch: int, context: int) -> bool:
-        """The decode rows traced by the profiler: the full cache at batch 1, and the full cache, SnapKV and
-        AdaKV (the larger budget) at the largest batch of the plan, at the shorter context, default impl."""
+        """The decode rows traced by the profiler, at the shorter context: the full cache at batch 1 (default and
+        unstacked), and the full cache, SnapKV and AdaKV (the larger budget) at the largest batch of the plan."""
         sz = self.sz
-        if impl is not None or context != sz.contexts[0]:
+        if context != sz.contexts[0]:
+            return False
+        if impl == "unstacked":
+            return cache == FULL and batch == sz.batches[0]
+        if impl is not None:
             return False
         return (cache == FULL and batch == sz.batches[0]) or (
             batch == sz.batches[-1] and cache in (FULL, ("snapkv", 0), ("adakv", 0))
@@ -610,12 +641,12 @@ def tables(results: Results) -> list[str]:
         lines += [
             "### Where a decode step's device time goes (JAX's profiler, ms per step)",
             "",
-            "| cache | context | batch | step ms | device ms | " + " | ".join(kinds) + " | largest |",
-            "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in kinds) + " | --- |",
+            "| cache | impl | context | batch | step ms | device ms | " + " | ".join(kinds) + " | largest |",
+            "| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in kinds) + " | --- |",
         ]
         for r in profiled:
             p = r["profile"]
-            head = f"| {r['cache']} | {r['context']} | {r['batch']} | {r['ms_per_step']:.2f} |"
+            head = f"| {r['cache']} | {r['impl']} | {r['context']} | {r['batch']} | {r['ms_per_step']:.2f} |"
             if "error" in p:
                 lines.append(f"{head} {p['error'][:200]} |" + " |" * (len(kinds) + 1))
                 continue

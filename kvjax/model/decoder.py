@@ -1,5 +1,5 @@
-"""The decoder as plain functions: embed, a ``lax.scan`` over stacked layers, final norm and
-logits."""
+"""The decoder as plain functions: embed, a ``lax.scan`` over stacked layers (or a loop over
+unstacked ones), final norm and logits."""
 
 from __future__ import annotations
 
@@ -50,11 +50,16 @@ def decoder_layer(
 def decode_hidden(params: Params, tokens: jax.Array, cache, seg: Segment):
     """Run new tokens [B, T] at ``seg.positions`` [B, T] through every layer against ``cache``.
 
-    Returns the final-normed hidden states [B, T, D] and the updated cache.
+    Stacked ``params.layers`` run under ``lax.scan``; a tuple of layers (``unstack_layers``) as an
+    unrolled loop. Returns the final-normed hidden states [B, T, D] and the updated cache.
     """
     cfg = params.config
     inv_freq = inverse_frequencies(cfg)
     x = jnp.take(params.embed, tokens, axis=0)
+    if isinstance(params.layers, tuple):
+        for index, p in enumerate(params.layers):
+            x, cache = decoder_layer(cfg, x, p, jnp.int32(index), cache, seg, inv_freq)
+        return rms_norm(x, params.final_norm, cfg.norm_eps), cache
 
     def body(carry, layer):
         x, cache = carry

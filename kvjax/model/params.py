@@ -1,7 +1,10 @@
 """Parameter pytrees and the one table that declares every tensor's shape and logical axes.
 
 Shapes use: L layers, V vocab, D d_model, H query heads, Hk KV heads, K head_dim, F d_ff.
-Every ``LayerParams`` leaf carries the leading L axis, so the forward pass scans over it.
+``Params.layers`` is stacked: every ``LayerParams`` leaf carries the leading L axis, and the forward
+pass scans over it. ``unstack_layers`` gives a tuple of one ``LayerParams`` per layer instead (no L
+axis), which the forward pass runs as an unrolled loop (docs/performance.md, "Stacked or unstacked
+layers").
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class Params:
 
     config: ModelConfig = struct.field(pytree_node=False)
     embed: jax.Array  # [V, D]
-    layers: LayerParams
+    layers: LayerParams | tuple[LayerParams, ...]  # stacked, or one per layer (``unstack_layers``)
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [D, V]; None when tied to ``embed``
 
@@ -106,12 +109,36 @@ def params_from_flat(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
 
 
 def params_to_flat(params: Params) -> dict[str, Any]:
-    """Inverse of ``params_from_flat`` (absent optional tensors are left out)."""
+    """Inverse of ``params_from_flat`` (absent optional tensors are left out; unstacked layers are
+    stacked)."""
+    layers = stack_layers(params).layers
     flat = {"embed": params.embed, "final_norm": params.final_norm, "lm_head": params.lm_head}
-    flat |= {
-        f"layers.{f.name}": getattr(params.layers, f.name) for f in dataclasses.fields(LayerParams)
-    }
+    flat |= {f"layers.{f.name}": getattr(layers, f.name) for f in dataclasses.fields(LayerParams)}
     return {k: v for k, v in flat.items() if v is not None}
+
+
+def unstack_layers(params: Params) -> Params:
+    """The same weights with ``layers`` as a tuple of one ``LayerParams`` per layer.
+
+    The forward pass then runs an unrolled loop whose products read each layer's own arrays,
+    where the scan over stacked arrays slices them (XLA:CPU copies every slice before its product
+    reads it). The cost: compile time grows with depth. Unstacked params are returned as they
+    are; the result holds new arrays, so drop the stacked ones to free their memory."""
+    if isinstance(params.layers, tuple):
+        return params
+    stacked = params.layers
+    return params.replace(
+        layers=tuple(
+            jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(params.config.n_layers)
+        )
+    )
+
+
+def stack_layers(params: Params) -> Params:
+    """Inverse of ``unstack_layers`` (stacked params are returned as they are)."""
+    if not isinstance(params.layers, tuple):
+        return params
+    return params.replace(layers=jax.tree.map(lambda *a: jnp.stack(a), *params.layers))
 
 
 def shape_mismatches(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[str]:
