@@ -51,21 +51,25 @@ def check_shapes(
     return B, T, H, Hk, S, K
 
 
+def one_layer(k, v, layer):
+    """A [B, Hk, S, K] stand-in for ``check_shapes`` of one layer of k, v: [L, B, Hk, S, K] with
+    ``layer`` (checked), else [B, Hk, S, K] themselves."""
+    if layer is None:
+        return k
+    if k.ndim != 5 or v.shape != k.shape:
+        raise ValueError(f"with layer, k and v must be [L, B, Hk, S, K]; got {k.shape}, {v.shape}")
+    return jax.ShapeDtypeStruct(k.shape[1:], k.dtype)
+
+
 def stacked_layer(k, v, layer):
     """The decode kernels read their layer of stacked k, v [L, B, Hk, S, K] in place (a slice
     handed to a kernel would be a copy of the layer's keys and values every step): (k, v stacked,
-    ``layer`` as [1] int32, a [B, Hk, S, K] stand-in for ``check_shapes``). With ``layer`` None,
-    k, v [B, Hk, S, K] are read as a stack of one."""
+    ``layer`` as [1] int32, ``one_layer``'s stand-in). With ``layer`` None, k, v [B, Hk, S, K] are
+    read as a stack of one."""
+    shape = one_layer(k, v, layer)
     if layer is None:
         k, v, layer = k[None], v[None], 0
-    elif k.ndim != 5 or v.shape != k.shape:
-        raise ValueError(f"with layer, k and v must be [L, B, Hk, S, K]; got {k.shape}, {v.shape}")
-    return (
-        k,
-        v,
-        jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
-        jax.ShapeDtypeStruct(k.shape[1:], k.dtype),
-    )
+    return k, v, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), shape
 
 
 def round_up(x: int, m: int) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from kvjax.kernels._shared import check_impl, check_score, check_shapes, stacked_layer
+from kvjax.kernels._shared import check_impl, check_score, check_shapes, one_layer
 from kvjax.kernels.block_attention.api import by_platform
 from kvjax.kernels.decode_attention import gpu, reference, tpu
 from kvjax.kernels.decode_attention.reference import corrected_attention
@@ -79,8 +79,8 @@ def decode_attention_with_scores(
     check_score(score)
     check_impl(impl)
     reference.check_decode(q)
-    one_layer = stacked_layer(k, v, layer)[3] if layer is not None else k
-    check_shapes(q, one_layer, one_layer, slot_pos, query_pos, query_weights)
+    layer_shape = one_layer(k, v, layer)
+    check_shapes(q, layer_shape, layer_shape, slot_pos, query_pos, query_weights)
     kernel = functools.partial(_corrected, zeroth=zeroth)
     tiles = {"score": score, "block_k": block_k}
     return by_platform(

@@ -88,8 +88,8 @@ def decode_attention_gpu(
     ≥ 16; splits (default: up to 8) is the number of cache splits of the softmax pass."""
     check_score(score)
     check_decode(q)
-    k, v, layer, one_layer = stacked_layer(k, v, layer)
-    B, _, H, Hk, S, K = check_shapes(q, one_layer, one_layer, slot_pos, query_pos, query_weights)
+    k, v, layer, shape = stacked_layer(k, v, layer)
+    B, _, H, Hk, S, K = check_shapes(q, shape, shape, slot_pos, query_pos, query_weights)
     G = H // Hk
     common.check_head_dim(K)
     rows, qpos, gp = common.decode_queries(q, query_pos, Hk)

@@ -109,8 +109,8 @@ def decode_attention_tpu(
     read. block_k is rounded up to a multiple of 128."""
     check_score(score)
     check_decode(q)
-    k, v, layer, one_layer = stacked_layer(k, v, layer)
-    B, _, H, Hk, S, K = check_shapes(q, one_layer, one_layer, slot_pos, query_pos, query_weights)
+    k, v, layer, shape = stacked_layer(k, v, layer)
+    B, _, H, Hk, S, K = check_shapes(q, shape, shape, slot_pos, query_pos, query_weights)
     G = H // Hk
     common.check_head_dim(K)
     rows, gp = common.decode_rows(q, Hk)
