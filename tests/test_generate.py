@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.cache.full import FullCache
+from kvjax.model.segment import Segment
 from kvjax.runtime.decoding import Generation
-from kvjax.runtime.generate import _forward
+from kvjax.runtime.generate import _forward, _generation
 from kvjax.runtime.sampling import Sampling, sample
+from kvjax.serving import Engine
 
 
 def random_prompt(n, seed, vocab=97):
@@ -150,3 +153,22 @@ def test_unstacked_layers_forward_and_round_trip(tiny_llama):
     for a, b in zip(jax.tree.leaves(restacked), jax.tree.leaves(tiny_llama), strict=True):
         np.testing.assert_array_equal(a, b)
     assert kvjax.stack_layers(tiny_llama) is tiny_llama
+
+
+def test_full_cache_impl_chooses_the_decode_attention(tiny_llama):
+    """budget=None with impl: the full cache's decode steps run XLA ("xla") or the kernels under the interpreter
+    ("pallas" on CPU); the tokens are the default's. An unknown impl names the choices."""
+    prompts = [random_prompt(n, seed) for seed, n in enumerate([9, 30])]
+    default = kvjax.generate(tiny_llama, prompts, 6, stop_ids=())
+    for impl in ("xla", "pallas"):
+        for a, b in zip(default, kvjax.generate(tiny_llama, prompts, 6, stop_ids=(), impl=impl), strict=True):
+            np.testing.assert_array_equal(a, b)
+        gen = _generation(tiny_llama, prompts, 6, Sampling(), 0, (), {"impl": impl}, None)
+        assert gen.state.cache.impl == impl
+        assert Engine(tiny_llama, slots=2, max_prompt=32, impl=impl).init_state().cache.impl == impl
+    cache = FullCache.init(tiny_llama.config, 1, 16, jnp.float32, "pallas")
+    q, kv = jnp.ones((1, 1, 4, 8)), jnp.ones((1, 1, 2, 8))
+    seg = Segment(positions=jnp.full((1, 1), 3, jnp.int32), from_start=False)
+    assert "pallas_call" in str(jax.make_jaxpr(lambda c: c.attend(jnp.int32(1), q, kv, kv, seg))(cache))
+    with pytest.raises(ValueError, match="impl='triton' must be one of"):
+        kvjax.generate(tiny_llama, prompts, 6, impl="triton")

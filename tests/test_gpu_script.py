@@ -48,6 +48,7 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert sorted(p.name for p in (tmp_path / "hlo").iterdir()) == [
         "scan+Triton-GEMMs.txt", "scan+dynamic-slice-fusion.txt", "scan.txt", "unstacked+cache-per-layer.txt",
         "unstacked.txt"]
+    assert all("matches XLA's" in merged["meta"][part]["decode_attention"] for part in ("layers", "model"))
     peer = parts["peer"]
     assert "error" not in peer and peer["decode"] and not [r for r in peer["decode"] if "error" in r]
     report = (tmp_path / "results.md").read_text()
@@ -90,3 +91,33 @@ def test_moved_bytes_counts_what_a_layer_scan_slices_out_once_per_trip():
     x = jnp.ones((1, n), jnp.float32)
     assert moved_bytes(scan.lower(stacked, x).compile().as_text()) >= L * n * n * 4
     assert moved_bytes(loop.lower(list(stacked), x).compile().as_text()) < n * n * 4
+
+
+def test_a_failing_decode_kernel_sends_every_row_to_xla(monkeypatch):
+    """common.decode_attention: a decode kernel that raises, or that is off XLA's output, makes the parts run XLA's
+    attention, and says why."""
+    import kvjax.kernels
+
+    sys.path.insert(0, str(GPU))
+    try:
+        from common import decode_attention
+    finally:
+        sys.path.remove(str(GPU))
+    real = kvjax.kernels.decode_attention_with_scores
+
+    def broken(*args, impl=None, **kwargs):
+        if impl != "xla":
+            raise RuntimeError("triton: unsupported layout")
+        return real(*args, impl=impl, **kwargs)
+
+    monkeypatch.setattr(kvjax.kernels, "decode_attention_with_scores", broken)
+    impl, why = decode_attention()
+    assert impl == "xla" and "failed" in why and "unsupported layout" in why
+
+    def off(*args, impl=None, **kwargs):
+        out = real(*args, impl=impl, **kwargs)
+        return out if impl == "xla" else (out[0] * 1.5, *out[1:])
+
+    monkeypatch.setattr(kvjax.kernels, "decode_attention_with_scores", off)
+    impl, why = decode_attention()
+    assert impl == "xla" and "off XLA's" in why

@@ -334,11 +334,11 @@ def test_decode_kernels_read_their_layer_of_the_stacked_cache_in_place(platform,
 
 @pytest.mark.parametrize("platform,call", [(p, c) for p, _, c in LOWERINGS])
 def test_full_cache_decode_lowers_to_the_decode_kernel_over_the_whole_stack(platform, call):
-    """The full cache's decode step (T = 1) is the platform's decode kernel, handed the whole stacked cache."""
+    """The full cache's decode step (T = 1) is the platform's decode kernel, handed the whole stacked cache; with
+    impl="xla" (``FullCache.impl``) it is XLA's attention, no kernel."""
     L, B, Hk, G, K, S = 4, 2, 3, 3, 64, 320
     cfg = kvjax.ModelConfig(arch="llama", vocab_size=256, d_model=128, n_layers=L, n_heads=Hk * G, n_kv_heads=Hk,
                             head_dim=K, d_ff=256, max_seq_len=1024)
-    cache = jax.eval_shape(lambda: FullCache.init(cfg, B, S, jnp.bfloat16))
     q = jax.ShapeDtypeStruct((B, 1, Hk * G, K), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((B, 1, Hk, K), jnp.bfloat16)
     pos = jax.ShapeDtypeStruct((B, 1), jnp.int32)
@@ -346,11 +346,15 @@ def test_full_cache_decode_lowers_to_the_decode_kernel_over_the_whole_stack(plat
     def step(cache, q, k, v, pos, layer):
         return cache.attend(layer, q, k, v, Segment(positions=pos, from_start=False))
 
-    checks = GPU_EXPORT_CHECKS if platform == "cuda" else []
-    text = jax.export.export(jax.jit(step), platforms=[platform], disabled_checks=checks)(
-        cache, q, kv, kv, pos, jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
-    calls = [line for line in text.splitlines() if f"custom_call @{call}" in line]
+    def lowered(impl):
+        cache = jax.eval_shape(lambda: FullCache.init(cfg, B, S, jnp.bfloat16, impl))
+        checks = GPU_EXPORT_CHECKS if platform == "cuda" else []
+        return jax.export.export(jax.jit(step), platforms=[platform], disabled_checks=checks)(
+            cache, q, kv, kv, pos, jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
+
+    calls = [line for line in lowered(None).splitlines() if f"custom_call @{call}" in line]
     assert calls and all(f"{L}x{B}x{Hk}x{S}x{K}xbf16" in line for line in calls), calls
+    assert f"custom_call @{call}" not in lowered("xla")
 
 
 

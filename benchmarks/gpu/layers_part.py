@@ -31,6 +31,7 @@ from common import (
     Compiler,
     Deadline,
     Results,
+    decode_attention,
     guarded,
     log,
     measure_ceilings,
@@ -124,6 +125,8 @@ def run(results: Results, deadline: Deadline, compiler: Compiler, smoke: bool) -
     cfg, dtype, context, batches = layer_sizes(smoke)
     ceilings = measure_ceilings(smoke)
     results.meta["ceilings"] = ceilings.__dict__
+    attention, results.meta["decode_attention"] = decode_attention()
+    log(f"layers: {results.meta['decode_attention']}")
     params = jax.block_until_ready(
         jax.jit(kvjax.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), dtype))
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params.layers)) + (
@@ -146,7 +149,7 @@ def run(results: Results, deadline: Deadline, compiler: Compiler, smoke: bool) -
         seg = Segment(positions=jnp.full((batch, 1), context - 1, jnp.int32), from_start=False)
         per_layer = variant == "unstacked, cache per layer"
         one = dataclasses.replace(cfg, n_layers=1) if per_layer else cfg
-        shape = jax.eval_shape(lambda: FullCache.init(one, batch, context, dtype))
+        shape = jax.eval_shape(lambda: FullCache.init(one, batch, context, dtype, attention))
         fill = lambda i: shape if key is None else shape.replace(  # noqa: E731 - random, never a zero copy
             k=jax.random.normal(jax.random.fold_in(key, 2 * i), shape.k.shape, shape.k.dtype),
             v=jax.random.normal(jax.random.fold_in(key, 2 * i + 1), shape.v.shape, shape.v.dtype))

@@ -15,7 +15,9 @@ its prefills at 4K, its decodes at batch 1 and 64 at 4K; the per-layer copy of t
 those rows run). JAX's
 profiler traces 4 more steps of a few rows (``ModelRun.profiled``): their device time by kind of op. Beside each
 figure its floor: the bytes a step must read (every weight but the embedding table, plus the kept keys and
-values of every row) over the copy bandwidth measured in the same run. The largest batch that fits at 32K is
+values of every row) over the copy bandwidth measured in the same run. Every row's attention is the kernels' unless
+``common.decode_attention`` finds the decode kernel failing on the device (then XLA's, said in the report's head).
+The largest batch that fits at 32K is
 found from a compiled program's memory figures (state and temporaries per row) against the allocator's free
 bytes, then run (10% smaller, up to twice, if it does not).
 
@@ -40,6 +42,7 @@ from common import (
     Deadline,
     KINDS,
     Results,
+    decode_attention,
     device_profile,
     error_text,
     guarded,
@@ -125,13 +128,12 @@ Cache = tuple  # ("full", None) or (scorer, index into Sizes.budgets)
 FULL: Cache = ("full", None)
 
 
-def eviction(cache: Cache, sz: Sizes, context: int, impl: str | None):
-    """The Eviction of a cache (None for the full cache); impls other than "xla" use the default kernels."""
+def eviction(cache: Cache, sz: Sizes, context: int, attention: str | None):
+    """The Eviction of a cache (None for the full cache) whose attention is ``attention`` (``ModelRun.attention``)."""
     scorer, which = cache
     if scorer == "full":
         return None
-    kernels = impl if impl == "xla" else None
-    return eviction_from(context=context, budget=sz.budgets[which], scorer=scorer, impl=kernels)
+    return eviction_from(context=context, budget=sz.budgets[which], scorer=scorer, impl=attention)
 
 
 def cache_label(cache: Cache, sz: Sizes) -> str:
@@ -206,11 +208,18 @@ class ModelRun:
         )
         self.states: dict[tuple[Cache, int], DecodeState] = {}
         self.unstacked = None  # kvjax.unstack_layers(self.params) while the "unstacked" rows run
+        self.kernels, results.meta["decode_attention"] = decode_attention()
+        log(f"model: {results.meta['decode_attention']}")
         results.meta["model"] = {
             "config": dataclasses.asdict(self.sz.cfg),
             "weight_bytes_read_per_step": self.weight_bytes,
             "memory_after_weights": memory_stats(),
         }
+
+    def attention(self, impl: str | None) -> str | None:
+        """The attention impl of a row: "xla" for impl "xla", else the kernels (or "xla" if ``decode_attention``
+        found them failing)."""
+        return "xla" if impl == "xla" else self.kernels
 
     def params_for(self, impl: str | None, abstract: bool = False):
         """The weights a row runs with: per-layer arrays for impl "unstacked" (made on first use; with
@@ -230,14 +239,11 @@ class ModelRun:
         tokens = jax.ShapeDtypeStruct((1, context), jnp.int32)
         lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
         key = jax.eval_shape(lambda: jax.random.key(0))
-        ev = eviction(cache, self.sz, context, impl)
+        ev = eviction(cache, self.sz, context, self.attention(impl))
         params = self.params_for(impl, abstract=True)
         if ev is None:
-            return (
-                feed_full,
-                (params, tokens, lengths, key),
-                dict(capacity=round_capacity(context + NEW), out_width=OUT_WIDTH),
-            )
+            static = dict(capacity=round_capacity(context + NEW), out_width=OUT_WIDTH, impl=self.attention(impl))
+            return feed_full, (params, tokens, lengths, key), static
         return (
             feed_budget,
             (params, None, tokens, lengths, lengths, key),
@@ -435,7 +441,7 @@ class ModelRun:
             options = DYNAMIC_SLICE_FUSION if impl == "dsf" else None
             decodes[job] = self.submit_decode(
                 shape,
-                eviction(cache, self.sz, contexts[0], impl),
+                eviction(cache, self.sz, contexts[0], self.attention(impl)),
                 options,
                 self.params_for(impl, abstract=True),
             )
@@ -534,7 +540,7 @@ class ModelRun:
         twice)."""
         c32 = self.sz.contexts[1]
         source = self.states[cache, c32]
-        ev = eviction(cache, self.sz, c32, None)
+        ev = eviction(cache, self.sz, c32, self.attention(None))
         probe_batch = self.sz.probe
         one = cache_bytes(jax.eval_shape(functools.partial(tile_state, batch=1), source))
         shape = jax.eval_shape(functools.partial(tile_state, batch=probe_batch), source)

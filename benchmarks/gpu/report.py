@@ -155,6 +155,8 @@ def meta_lines(meta: dict, run: str = "") -> list[str]:
             continue
         lines.append(f"- {run}{part}: {m.get('device', '')} · jax {m.get('jax', '')} · {m.get('started', '')} · "
                      f"{m.get('seconds', 0):.0f} s{' · exit ' + m['exit'] if 'exit' in m else ''}")
+        if why := m.get("decode_attention"):
+            lines.append(f"- {run}{part}'s decode attention: {why}")
         if ceilings := m.get("ceilings"):
             lines.append(f"- {run}ceilings: copy {ceilings['copy_gb_s']:.0f} GB/s counting bytes read and written, "
                          f"bf16 {ceilings['matmul_n']}³ matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")

@@ -26,10 +26,13 @@ class FullCache:
 
     Fields:
         k, v: [L, B, Hk, S, K] with S the static capacity (prompt bucket + new tokens).
+        impl: the decode step's attention (static; ``EvictionOptions.impl``): None = the
+            platform's (XLA on CPU, the decode kernel on TPU and CUDA), "xla", "pallas".
     """
 
     k: jax.Array
     v: jax.Array
+    impl: str | None = struct.field(pytree_node=False, default=None)
 
     AXES = dict(
         k=("layers", "batch", "kv_heads", "slots", "head_dim"),
@@ -37,9 +40,11 @@ class FullCache:
     )
 
     @classmethod
-    def init(cls, cfg: ModelConfig, batch: int, capacity: int, dtype) -> FullCache:
+    def init(
+        cls, cfg: ModelConfig, batch: int, capacity: int, dtype, impl: str | None = None
+    ) -> FullCache:
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), impl=impl)
 
     @property
     def capacity(self) -> int:
@@ -61,7 +66,7 @@ class FullCache:
             jnp.arange(Hk)[None, :, None],
             positions[:, None, :],
         )
-        return FullCache(
+        return self.replace(
             k=self.k.at[index].set(k.swapaxes(1, 2).astype(self.k.dtype)),
             v=self.v.at[index].set(v.swapaxes(1, 2).astype(self.v.dtype)),
         )
@@ -70,15 +75,15 @@ class FullCache:
         self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, seg: Segment
     ) -> tuple[jax.Array, FullCache]:
         """Layer ``layer``: write k, v [B, T, Hk, K] at their positions (in place), attend q
-        [B, T, H, K]. A decode step (T = 1) runs the decode kernel of the platform, which reads the
-        layer of the stacked cache in place."""
+        [B, T, H, K]. A decode step (T = 1) runs the decode attention of ``impl`` (the platform's
+        kernel reads the layer of the stacked cache in place); longer blocks run XLA."""
         B, T, Hk, _ = k.shape
         cache = self.write(layer, k, v, seg.positions)
         if T == 1:
             S = self.capacity
             slot_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, Hk, S))
             out, _, _ = per_shard(
-                lambda *a: decode_attention_with_scores(*a[:-1], layer=a[-1]),
+                lambda *a: decode_attention_with_scores(*a[:-1], layer=a[-1], impl=self.impl),
                 (q, cache.k, cache.v, slot_pos, seg.positions, layer),
                 (ATTENTION_AXES[0], (None, *KV), (None, *KV), KV, ("batch",), ()),
                 ATTENTION_OUT_AXES,

@@ -86,7 +86,7 @@ def start_state(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "out_width"))
+@functools.partial(jax.jit, static_argnames=("capacity", "out_width", "impl"))
 def feed_full(
     params: Params,
     tokens: jax.Array,
@@ -94,11 +94,12 @@ def feed_full(
     key: jax.Array,
     capacity: int,
     out_width: int,
+    impl: str | None = None,
 ) -> DecodeState:
     """The decode state after feeding prompts tokens [B, P] (right-padded, ``lengths`` [B] valid
-    tokens each) into a new full cache of ``capacity`` slots."""
+    tokens each) into a new full cache of ``capacity`` slots (``impl``: ``FullCache.impl``)."""
     B, P = tokens.shape
-    cache = constrain(FullCache.init(params.config, B, capacity, params.dtype))
+    cache = constrain(FullCache.init(params.config, B, capacity, params.dtype, impl))
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     hidden, cache = decode_hidden(
         params, tokens, cache, Segment(positions=positions, from_start=True)
@@ -252,9 +253,11 @@ class Generation:
         stop_ids: Sequence[int] | None,
         ev: Eviction | None,
         mesh: Mesh | None = None,
+        impl: str | None = None,
     ) -> Generation:
         """Pad validated prompt rows (``kvjax.generate`` checks them and ``max_new_tokens``) to
-        their bucket and prefill them (full cache or the eviction protocol) on ``mesh``."""
+        their bucket and prefill them (full cache, whose decode attention is ``impl``, or the
+        eviction protocol) on ``mesh``."""
         cfg = params.config
         longest = max(len(r) for r in rows)
         bucket = prompt_bucket(longest, 1 if ev is None else ev.block_size)
@@ -269,6 +272,7 @@ class Generation:
                     key,
                     capacity=round_capacity(bucket + max_new_tokens),
                     out_width=out_width,
+                    impl=impl,
                 )
             else:
                 state = feed_budget(

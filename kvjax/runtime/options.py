@@ -89,8 +89,8 @@ class EvictionOptions:
     )
     impl: str | None = _option(
         None,
-        "attention with scores: None = XLA on CPU, the Pallas kernels on TPU and "
-        "CUDA; pallas = the platform's kernels (interpreted on CPU)",
+        "attention with scores (the full cache's: its decode steps'): None = XLA on CPU, the "
+        "Pallas kernels on TPU and CUDA; pallas = the platform's kernels (interpreted on CPU)",
         IMPLS,
     )
     mi_batch: int = _option(
@@ -168,13 +168,7 @@ class EvictionOptions:
                 f"repeat={self.repeat!r}, but repeat_prompt was made in the {made!r} form: "
                 f"pass kvjax.kvzip_prompt(tokenizer, {self.repeat!r})"
             )
-        if budget is None:
-            if self.impl is not None:
-                raise ValueError(
-                    f"impl={self.impl!r} chooses the attention of the budget cache; the full "
-                    "cache (budget=None) takes none: it prefills with XLA and decodes with the "
-                    "platform's decode kernel (XLA on CPU)"
-                )
+        if budget is None:  # the full cache: ``impl`` is its decode step's (``FullCache.impl``)
             return None
         scoring_pass = BASES[split_name(self.scorer)[1]].scoring_pass
         if (self.repeat_prompt is not None) != (scoring_pass == "kvzip"):

@@ -40,7 +40,7 @@ from kvjax.runtime.inputs import (
     prompt_bucket,
     round_capacity,
 )
-from kvjax.runtime.options import eviction_from
+from kvjax.runtime.options import EvictionOptions
 from kvjax.runtime.protocol import APPEND, Eviction
 from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import auto_mesh, check_batch, constrain, on_mesh, shard
@@ -172,7 +172,7 @@ def _settings(inputs: Inputs) -> Settings:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("ev", "capacity", "decode_spare"))
+@functools.partial(jax.jit, static_argnames=("ev", "capacity", "decode_spare", "impl"))
 def prefill(
     params: Params,
     inputs: Inputs,
@@ -181,9 +181,11 @@ def prefill(
     decode_spare: int,
     context=None,
     start: jax.Array | None = None,
+    impl: str | None = None,
 ) -> Prefix:
     """Prefill one prompt (``inputs.tokens`` [1, bucket]): under ``ev`` into a budget cache with
-    ``decode_spare`` spare slots per head, or (ev=None) into a full cache of ``capacity`` slots.
+    ``decode_spare`` spare slots per head, or (ev=None) into a full cache of ``capacity`` slots
+    whose decode attention is ``impl``.
 
     Args:
         context: a compressed context's cache (batch 1) the prompt continues, or None.
@@ -191,7 +193,9 @@ def prefill(
     """
     key = jax.random.key(0)  # unused: the request's key comes from its seed
     if ev is None:
-        state = feed_full(params, inputs.tokens, inputs.length, key, capacity=capacity, out_width=1)
+        state = feed_full(
+            params, inputs.tokens, inputs.length, key, capacity=capacity, out_width=1, impl=impl
+        )
     else:
         state = feed_budget(
             params,
@@ -325,7 +329,8 @@ class Engine:
                 )
             )
         if contexts is None:
-            ev = eviction_from(**eviction)
+            options = EvictionOptions.of(**eviction)
+            ev = options.resolve()
         else:
             ev = contexts if evict else contexts.without_eviction()
         if contexts is None and ev is not None and ev.policy.scorer.scoring_pass is not None:
@@ -348,6 +353,7 @@ class Engine:
             mesh,
         )
         self.ev, self.decode_ev = ev, None if ev is None else ev.decoding()
+        self.full_impl = options.impl if contexts is None and ev is None else None
         block = 1 if ev is None else ev.block_size
         self.bucket = functools.partial(prompt_bucket, multiple=block)
         self.buckets = tuple(sorted({self.bucket(n) for n in _bucket_probes(max_prompt)}))
@@ -476,6 +482,7 @@ class Engine:
                 decode_spare=self.decode_spare,
                 context=None if context is None else context.cache,
                 start=None if context is None else jnp.asarray(context.lengths, jnp.int32),
+                impl=self.full_impl,
             )
 
     def insert(self, prefix: Prefix, state: Slots, slot: int) -> Slots:
@@ -498,6 +505,7 @@ class Engine:
                 self.ev,
                 self.capacity,
                 self.decode_spare,
+                self.full_impl,
             )
 
     def warmup(self) -> None:
@@ -519,10 +527,14 @@ def _bucket_probes(max_prompt: int) -> list[int]:
     return [1 << i for i in range(max_prompt.bit_length()) if 1 << i < max_prompt] + [max_prompt]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "slots", "ev", "capacity", "spare"))
-def _init_state(cfg, dtype, slots: int, ev: Eviction | None, capacity: int, spare: int) -> Slots:
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "dtype", "slots", "ev", "capacity", "spare", "impl")
+)
+def _init_state(
+    cfg, dtype, slots: int, ev: Eviction | None, capacity: int, spare: int, impl: str | None
+) -> Slots:
     cache = (
-        FullCache.init(cfg, slots, capacity, dtype)
+        FullCache.init(cfg, slots, capacity, dtype, impl)
         if ev is None
         else ev.empty_cache(cfg, slots, spare, dtype)
     )
