@@ -9,9 +9,9 @@ full cache of 4K tokens, at batch 1 and 64, five ways (on a CPU: its first 4 lay
   then hands the slices to cuBLAS as addresses where it can);
 - ``scan, Triton GEMMs``: compiled with ``xla_gpu_triton_gemm_any`` (every product a Triton GEMM fusion, which
   may read its operand through the slice);
-- ``unstacked``: every layer's weights a separate array, a Python loop over ``decoder_layer`` (no weight slicing;
-  the cache is still stacked);
-- ``unstacked, cache per layer``: the same with a cache per layer (nothing sliced at all).
+- ``unstacked``: ``decode_hidden`` of ``kvjax.unstack_layers(params)``, every layer's weights a separate array
+  run by an unrolled loop (no weight slicing; the cache is still stacked);
+- ``unstacked, cache per layer``: the same loop written here with a cache per layer (nothing sliced at all).
 
 Each row: ms per step, its floor (weights but the embedding table, plus the cache's keys and values, over the copy
 bandwidth measured in this part), and the bytes the compiled program writes per step by instructions that only
@@ -94,19 +94,12 @@ def moved_bytes(hlo: str) -> int:
     return total
 
 
-def unstacked_step(cfg, layers, embed, tokens, caches, seg):
-    """``decode_hidden`` as a Python loop over per-layer weights (and, when ``caches`` is a list, per-layer
-    caches of one layer each)."""
+def per_layer_caches_step(cfg, layers, embed, tokens, caches, seg):
+    """``decode_hidden`` of unstacked ``layers`` over a list of caches of one layer each."""
     inv_freq = inverse_frequencies(cfg)
     x = jnp.take(embed, tokens, axis=0)
-    per_layer = isinstance(caches, list)
     for i, p in enumerate(layers):
-        cache = caches[i] if per_layer else caches
-        x, cache = decoder_layer(cfg, x, p, jnp.int32(0 if per_layer else i), cache, seg, inv_freq)
-        if per_layer:
-            caches[i] = cache
-        else:
-            caches = cache
+        x, caches[i] = decoder_layer(cfg, x, p, jnp.int32(0), caches[i], seg, inv_freq)
     return x, caches
 
 
@@ -131,16 +124,13 @@ def run(results: Results, deadline: Deadline, compiler: Compiler, smoke: bool) -
         jax.jit(kvjax.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), dtype))
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params.layers)) + (
         params.final_norm.size * params.final_norm.dtype.itemsize)
-    layers = [jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(cfg.n_layers)]
+    unstacked = kvjax.unstack_layers(params)
     hlo_dir = results.path.parent.parent / "hlo"
     hlo_dir.mkdir(parents=True, exist_ok=True)
     log(f"layers: {cfg.n_layers} layers, weights {weight_bytes / 1e9:.2f} GB, context {context}")
 
-    def scan_step(params, tokens, cache, seg):
-        return decode_hidden(params, tokens, cache, seg)
-
-    def unstacked(layers, embed, tokens, caches, seg):
-        x, caches = unstacked_step(cfg, layers, embed, tokens, caches, seg)
+    def per_layer_caches(layers, embed, tokens, caches, seg):
+        x, caches = per_layer_caches_step(cfg, layers, embed, tokens, caches, seg)
         return rms_norm(x, params.final_norm, cfg.norm_eps), caches
 
     def inputs(variant: str, batch: int, key=None):
@@ -157,9 +147,9 @@ def run(results: Results, deadline: Deadline, compiler: Compiler, smoke: bool) -
         return tokens, cache, seg
 
     def program(variant: str) -> tuple:
-        if variant.startswith("scan"):
-            return jax.jit(scan_step, donate_argnums=2), (params,)
-        return jax.jit(unstacked, donate_argnums=3), (layers, params.embed)
+        if variant.startswith("scan") or variant == "unstacked":
+            return jax.jit(decode_hidden, donate_argnums=2), (unstacked if variant == "unstacked" else params,)
+        return jax.jit(per_layer_caches, donate_argnums=3), (unstacked.layers, params.embed)
 
     futures = {}  # every program compiles in the background, in the order measured
     for batch in batches:
