@@ -156,7 +156,7 @@ class Recorded:
         tokens[0, :self.P] = ids
         full, col, self.first_logits = _record_prefill(params, jnp.asarray(tokens), jnp.int32(self.P), W)
         pad = ((0, 0),) * 3 + ((0, room), (0, 0))
-        self.full = FullCache(k=jnp.pad(full.k, pad), v=jnp.pad(full.v, pad))
+        self.full = full.replace(k=jnp.pad(full.k, pad), v=jnp.pad(full.v, pad))
         self.col = np.asarray(col[:, 0, :, :self.P])  # [L, H, P]
 
     def mask(self, keep: np.ndarray) -> jax.Array:

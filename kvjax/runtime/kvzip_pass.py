@@ -138,7 +138,7 @@ def kvzip_scores(
     # a copy with room for a repeat input
     grow = [(0, 0)] * 3 + [(0, max(0, longest + width - C)), (0, 0)]
     scoring = RepeatScoring(
-        full=FullCache(k=jnp.pad(full.k, grow), v=jnp.pad(full.v, grow)),
+        full=full.replace(k=jnp.pad(full.k, grow), v=jnp.pad(full.v, grow)),
         scores=jnp.zeros((L, B, Hk, C), jnp.float32),
         start=jnp.zeros(B, jnp.int32),
         stop=jnp.zeros(B, jnp.int32),
