@@ -139,7 +139,6 @@ def _generation(
     if ev is not None and ev.policy.scorer.scoring_pass is not None:
         context = compress_rows(params, rows, True, ev, options.scoring_data(params.config), mesh)
         return resume(params, context, None, max_new, sampling, seed, stop_ids)
-    full_impl = options.impl if ev is None else None
     return Generation.from_prompts(
-        params, rows, max_new, sampling, seed, stop_ids, ev, mesh, impl=full_impl
+        params, rows, max_new, sampling, seed, stop_ids, ev, mesh, impl=options.full_cache_impl
     )

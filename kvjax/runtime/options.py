@@ -155,6 +155,12 @@ class EvictionOptions:
             )
         return cls(**options)
 
+    @property
+    def full_cache_impl(self) -> str | None:
+        """The full cache's decode attention (``FullCache.impl``): ``impl`` without a budget, else
+        None (no full cache)."""
+        return self.impl if self.budget is None else None
+
     def resolve(self, context: int | None = None) -> Eviction | None:
         """The validated engine configuration (None for budget=None: the full cache). ``context``:
         the longest prompt, which a fractional budget is a fraction of (without it, only the
@@ -168,7 +174,7 @@ class EvictionOptions:
                 f"repeat={self.repeat!r}, but repeat_prompt was made in the {made!r} form: "
                 f"pass kvjax.kvzip_prompt(tokenizer, {self.repeat!r})"
             )
-        if budget is None:  # the full cache: ``impl`` is its decode step's (``FullCache.impl``)
+        if budget is None:  # the full cache: ``impl`` is its decode step's (``full_cache_impl``)
             return None
         scoring_pass = BASES[split_name(self.scorer)[1]].scoring_pass
         if (self.repeat_prompt is not None) != (scoring_pass == "kvzip"):

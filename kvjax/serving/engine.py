@@ -353,7 +353,7 @@ class Engine:
             mesh,
         )
         self.ev, self.decode_ev = ev, None if ev is None else ev.decoding()
-        self.full_impl = options.impl if contexts is None and ev is None else None
+        self.full_impl = options.full_cache_impl if contexts is None else None
         block = 1 if ev is None else ev.block_size
         self.bucket = functools.partial(prompt_bucket, multiple=block)
         self.buckets = tuple(sorted({self.bucket(n) for n in _bucket_probes(max_prompt)}))
