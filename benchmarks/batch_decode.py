@@ -21,14 +21,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import os
-import re
 import sys
-import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +36,9 @@ from kvjax.runtime.decoding import Generation, decode_steps
 from kvjax.runtime.options import eviction_from
 from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import to_host
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from common import device_profile  # noqa: E402 - the GPU script's profiler reading (benchmarks/gpu/common.py)
 
 MODEL = "smollm2-135m-instruct"
 
@@ -67,24 +66,18 @@ def run(params, context: int, batch: int, budget: int | None, steps: int, repeat
                 kv_bytes=cache_bytes(gen.state.cache, kv_only=True), **ops)
 
 
-OP = re.compile(r"[a-z][\w-]*(\.\d+)?")  # an XLA thunk's event (not the executor's, the loops' or Python's)
-
-
 def profile(gen: Generation, steps: int) -> dict:
     """ms per step the thunks spent in matmuls, dynamic-slice copies and the rest (one traced run)."""
+
+    def run():
+        gen.run(steps)
+        return gen.state.logits
+
     found = collections.Counter()
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            gen.run(steps)
-            jax.block_until_ready(gen.state.logits)
-        events = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]))
-    for e in events["traceEvents"] if isinstance(events, dict) else events:
-        name = e.get("name", "")
-        if e.get("ph") != "X" or not OP.fullmatch(name) or name.startswith(("while", "call", "conditional")):
-            continue
+    for name, ms in device_profile(run, steps, top=None)["top"]:  # every XLA:CPU thunk's name, ms per step
         kind = ("matmul_ms" if name.startswith(("dot", "ynn")) else
                 "slice_ms" if name.startswith("dynamic-slice") else "other_ms")
-        found[kind] += e.get("dur", 0) / 1e3 / steps
+        found[kind] += ms
     return {kind: found[kind] for kind in ("matmul_ms", "slice_ms", "other_ms")}
 
 

@@ -138,7 +138,8 @@ KINDS = (  # (kind, name fragments), first match wins
 
 def device_profile(run: Callable[[], Any], steps: int, top: int = 8) -> dict:
     """Where one call of ``run`` (``steps`` decode steps) spends device time, from JAX's profiler (a Perfetto
-    trace): ms per step per kind of op (``KINDS``, else "other") and the ``top`` names by time. On a GPU the
+    trace): ms per step per kind of op (``KINDS``, else "other") and the ``top`` names by time (None: all; also
+    read by ``benchmarks/batch_decode.py``). On a GPU the
     kernels of the device's stream threads (the "XLA Ops" line if there are none); on a CPU, XLA's thunks."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
