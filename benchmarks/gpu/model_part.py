@@ -12,14 +12,13 @@ SnapKV's prefilled cache (the same layout; its moment sums start empty): its ste
 "dsf" is the default compiled with XLA's dynamic-slice fusion (batch 1 and 64 at 4K; see layers_part); impl
 "unstacked" is the default run with ``kvjax.unstack_layers`` (a loop over per-layer weights: nothing sliced;
 its prefills at 4K, its decodes at batch 1 and 64 at 4K; the per-layer copy of the weights exists only while
-those rows run). JAX's
-profiler traces 4 more steps of a few rows (``ModelRun.profiled``): their device time by kind of op. Beside each
-figure its floor: the bytes a step must read (every weight but the embedding table, plus the kept keys and
-values of every row) over the copy bandwidth measured in the same run. Every row's attention is the kernels' unless
-``common.decode_attention`` finds the decode kernel failing on the device (then XLA's, said in the report's head).
-The largest batch that fits at 32K is
-found from a compiled program's memory figures (state and temporaries per row) against the allocator's free
-bytes, then run (10% smaller, up to twice, if it does not).
+those rows run). JAX's profiler traces 4 more steps of a few rows (``ModelRun.profiled``): their device time by
+kind of op. Beside each figure its floor: the bytes a step must read (every weight but the embedding table, plus
+the kept keys and values of every row) over the copy bandwidth measured in the same run. Every row's attention
+is the kernels' unless ``common.decode_attention`` finds the decode kernel failing on the device (then XLA's,
+said in the report's head). The largest batch that fits at 32K is found from a compiled program's memory figures
+(state and temporaries per row) against the allocator's free bytes, then run (10% smaller, up to twice, if it
+does not).
 
 Every program is compiled in the background first; timed runs wait for the compilations (XLA autotunes on the
 device while it compiles) for at most a third of the part's time.
