@@ -1,5 +1,7 @@
 """Plain helpers and constants shared by several test modules (fixtures live in conftest.py)."""
 
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -7,6 +9,16 @@ import transformers
 from reference_eviction import parse_scorer
 
 from kvjax.eviction.moments import Moments
+
+QUICK_COMPILE = "--xla_backend_optimization_level=0"  # every test process's (conftest.py)
+
+
+def xla_flags(devices: int | None = None, *, optimized: bool = False) -> dict[str, str]:
+    """XLA_FLAGS for a subprocess: this run's, with ``devices`` fake CPU devices, or without QUICK_COMPILE
+    (``optimized``: the compiler as a user's process runs it)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not (optimized and f == QUICK_COMPILE)]
+    return {"XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"] * bool(devices))}
+
 
 # --- real-model prompts: a needle in repetitive filler (SmolLM2 tests)
 NEEDLE = "The special magic number is 7341295. "

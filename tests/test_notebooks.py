@@ -9,6 +9,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from helpers import xla_flags
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
@@ -41,6 +42,7 @@ def test_notebook_runs_on_cpu(path, monkeypatch):
                 f"{path.name}: a {SKIP} cell holds Python code:\n{cell.source}"
 
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the kernel inherits the environment
+    monkeypatch.setenv("XLA_FLAGS", xla_flags(optimized=True)["XLA_FLAGS"])  # as a user's kernel compiles
     client = NotebookClient(notebook, timeout=TIMEOUT, kernel_name="python3", skip_cells_with_tag=SKIP,
                             resources={"metadata": {"path": str(ROOT)}})
     try:

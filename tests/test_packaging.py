@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import xla_flags
 
 import kvjax
 from kvjax import loading
@@ -56,7 +57,7 @@ def test_a_fresh_environment_without_torch_installs_the_wheel_and_answers_paris(
     assert not (site / "torch").exists()  # no torch there
     before = sorted(p.relative_to(site) for p in site.rglob("*") if "__pycache__" not in p.parts)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVJAX_")} | {
-        "XDG_CACHE_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path / "home")}
+        "XDG_CACHE_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path / "home")} | xla_flags(optimized=True)
     work = tmp_path / "work"
     work.mkdir()
     done = subprocess.run([str(venv / "bin" / "kvjax"), "generate", "--model", "smollm2-135m-instruct", "--chat",

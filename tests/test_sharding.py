@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import xla_flags
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
@@ -63,7 +64,7 @@ def test_on_8_devices():
     """tests/multidevice_checks.py: meshes (data=8), (data=2, model=4), (model=8) and SmolLM2 on (data=2) and
     (model=2) equal the one-device run; shardings; no gathered cache in the decode step."""
     result = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/multidevice_checks.py"],
-                  {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, timeout=1800)
+                  xla_flags(8), timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
 
