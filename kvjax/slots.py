@@ -9,6 +9,7 @@ first).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def _per_row_head(update, lead: int = 2):
@@ -52,3 +53,23 @@ def set_layer_slots(
     written back in place. A scatter batched over the middle axes of the stacked array instead makes
     XLA transpose and copy all of it for every layer."""
     return jax.lax.dynamic_update_index_in_dim(x, set_slots(x[layer], index, values), layer, 0)
+
+
+def inverse_permutation(permutation: jax.Array) -> jax.Array:
+    """[..., N] the inverse of each permutation along the last axis (``jnp.argsort(permutation)``,
+    by a scatter instead of a second sort)."""
+    index = jnp.broadcast_to(jnp.arange(permutation.shape[-1]), permutation.shape)
+    return set_slots(jnp.zeros_like(index), permutation, index, lead=permutation.ndim - 1)
+
+
+def true_first(mask: jax.Array, k: int | None = None) -> jax.Array:
+    """[..., k] indices of mask [..., N]'s True entries ascending, then of its False ones ascending:
+    the first ``k`` (default N) of ``jnp.argsort(~mask, stable=True)``, by a cumulative sum and a
+    scatter instead of a sort."""
+    N = mask.shape[-1]
+    k = N if k is None else k
+    index = jnp.broadcast_to(jnp.arange(N), mask.shape)
+    trues = jnp.cumsum(mask, -1, dtype=jnp.int32)  # inclusive: i − trues Falses before a False i
+    rank = jnp.where(mask, trues - 1, trues[..., -1:] + index - trues)
+    out = jnp.zeros(mask.shape[:-1] + (k,), jnp.int32)
+    return set_slots(out, rank, index, lead=mask.ndim - 1, mode="drop")

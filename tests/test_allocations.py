@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 from reference_eviction import shared_counts
 
 import kvjax
-from kvjax.eviction.allocations import FLOOR_MODES, AdaKV, floor_count
+from kvjax.eviction.allocations import FLOOR_MODES, AdaKV, floor_count, ranks, shared_drops, shared_targets
 from kvjax.runtime.decoding import Generation
 from kvjax.runtime.options import eviction_from
 from kvjax.runtime.sampling import Sampling
+from kvjax.slots import inverse_permutation, true_first
 
 SMOLLM2 = kvjax.ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                             head_dim=64, d_ff=1536, max_seq_len=8192)
@@ -142,3 +143,44 @@ def test_adakv_targets_match_brute_force(floor_mode):
                 expected, _, _ = shared_counts(heads, Hk * b, floor, Hk * b)
                 assert list(got[layer, row]) == expected, (alpha, layer, row)
         assert (got >= min(floor, b)).all()
+
+
+@pytest.mark.parametrize("floor", [0, 3, 6])
+def test_a_decoding_steps_few_drops_equal_the_sorted_ranking(floor):
+    """``shared_drops`` (AdaKV's eviction in a decoding step: at most one slot per head to drop over the layer's
+    heads, by greedy min-reductions) drops exactly the slots that ``shared_targets`` and the ranking by
+    (key, position, head) leave out: on keys with many exact ties (within and across heads, equal positions in
+    several heads), protected slots, heads at their floor and heads over the cap (AdaKV's: the layer's total)."""
+    rng = np.random.default_rng(floor)
+    B, H, S, total = 600, 3, 24, 21  # a budget of 7 per head
+    count = rng.integers(2, 13, (B, H))
+    over = rng.integers(0, H + 1, B)  # how many slots over the total each row holds
+    big = rng.random(B) < 0.2  # rows with one head near the total, over it where `over` allows
+    count[big] = np.stack([rng.integers(20, S + 1, big.sum()), np.ones(big.sum(), int), np.ones(big.sum(), int)], -1)
+    for b in range(B):  # at most `over` above the total: the fullest head gives up its last slots
+        while count[b].sum() > total + over[b]:
+            count[b, np.argmax(count[b])] -= 1
+    pos = np.where(np.arange(S) < count[..., None], np.arange(S) + rng.integers(0, 3, (B, H, 1)), -1)
+    key = np.where(pos >= 0, rng.integers(0, 4, (B, H, S)).astype(np.float32), -np.inf)  # 4 values: ties
+    key = np.where((pos >= 0) & (rng.random((B, H, S)) < 0.1), np.inf, key)
+    key, pos = jnp.asarray(key), jnp.asarray(pos, jnp.int32)
+    kept = shared_targets(key, pos, total, floor, total)
+    expected = np.asarray((key > -jnp.inf) & ~(ranks(-key, -pos) < kept[..., None]))
+    np.testing.assert_array_equal(np.asarray(shared_drops(key, pos, total, floor, total, H)), expected)
+    drops = expected.sum((-2, -1))
+    assert (drops > 0).mean() > 0.3 and (drops == H).any() and (count > total).any()
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 33), (2, 2, 3, 40)])
+def test_sort_free_partitions_equal_numpys_sorts(shape):
+    """The paged cache's bookkeeping without sorts: ``true_first`` (free pages, dropped slots, holes and tails)
+    and ``inverse_permutation`` (ranks) against NumPy's stable argsort, at every density and cut."""
+    rng = np.random.default_rng(len(shape))
+    for density in (0.0, 0.2, 0.5, 0.9, 1.0):
+        mask = rng.random(shape) < density
+        for k in sorted({1, max(1, shape[-1] // 3), shape[-1]}):
+            np.testing.assert_array_equal(np.asarray(true_first(jnp.asarray(mask), k)),
+                                          np.argsort(~mask, axis=-1, kind="stable")[..., :k])
+        permutation = np.argsort(rng.random(shape), axis=-1)
+        np.testing.assert_array_equal(np.asarray(inverse_permutation(jnp.asarray(permutation))),
+                                      np.argsort(permutation, axis=-1))

@@ -151,6 +151,15 @@ def test_shared_allocations_with_modifiers_match_reference(model3, case, allocat
                             distinct_prompts())
 
 
+@pytest.mark.parametrize("case", [ALLOCATION_CASES[1], ALLOCATION_CASES[3],
+                                  dict(scorer="momentkv", n_sink=1, window=4, obs_window=4, pool="max", kernel=3)],
+                         ids=lambda c: c["scorer"])
+def test_adakv_evicting_every_decoding_step_matches_reference(model3, case):
+    """evict_every=1: each decoding step drops one slot per KV head over the layer's heads, found by greedy steps
+    (allocations.shared_drops) instead of the ranking's sorts."""
+    check_against_reference(model3, case | dict(allocation="adakv", page_size=4), "prefill", 1, distinct_prompts())
+
+
 @pytest.mark.parametrize("case", [dict(scorer="snapkv", n_sink=2, window=4, obs_window=4, pool="max", kernel=3),
                                   dict(scorer="h2o", n_sink=2, window=3, allocation="adakv", page_size=4)],
                          ids=lambda c: c.get("allocation", "uniform"))

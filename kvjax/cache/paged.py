@@ -41,7 +41,7 @@ from kvjax.kernels.paged_attention.reference import gather_pages
 from kvjax.model.config import ModelConfig
 from kvjax.model.segment import Segment, when
 from kvjax.sharding import per_shard
-from kvjax.slots import per_row, set_slots
+from kvjax.slots import per_row, set_slots, true_first
 
 
 def pool_pages(
@@ -187,7 +187,7 @@ class PagedCache(SlotsView):
         def take(cache: PagedCache) -> PagedCache:
             B, N = cache.free.shape
             # free pages first, ascending
-            first_free = jnp.argsort(~cache.free, axis=-1, stable=True)
+            first_free = true_first(cache.free)
             start = jnp.cumsum(extra, -1) - extra  # [B, Hk]
             j = jnp.arange(-(-tokens // P) + 1)
             ok = j < extra[..., None]  # [B, Hk, E]
@@ -353,7 +353,22 @@ class PagedCache(SlotsView):
         )(self.state, self.pos, *kv, self.order, self.stats)
         valid = self.pos >= 0
         count = valid.sum(-1)
-        kept = p.allocation_spec.targets(key, self.pos, budgets, p.floor_count(), cap, head_budgets)
+        spec, floor = p.allocation_spec, p.floor_count()
+
+        def ranked():  # kept counts [L, B, Hk] and kept slots [L, B, Hk, C], by sorting
+            kept = spec.targets(key, self.pos, budgets, floor, cap, head_budgets)
+            return kept, valid & (ranks(-key, -self.pos) < kept[..., None])
+
+        def unsorted(find):  # the same from the slots that ``find`` drops
+            keep = (key > -jnp.inf) & ~find()
+            return keep.sum(-1).astype(jnp.int32), keep
+
+        few = spec.few_dropped(key, self.pos, budgets, floor, cap)
+        if few is None:
+            kept, best = ranked()
+        else:  # a decoding step's few drops need no sort
+            fits, find = few
+            kept, best = jax.lax.cond(fits, lambda: unsorted(find), ranked)
         if p.moment_eviction:
             evicted = over_layers(
                 lambda a: moment_informed_eviction(*a, p.zeroth_order, max_evict, p.mi_batch),
@@ -362,10 +377,10 @@ class PagedCache(SlotsView):
             )
             keep = valid & ~evicted
         else:
-            keep = valid & (ranks(-key, -self.pos) < kept[..., None])
+            keep = best
         dropped = valid & ~keep
         # [L, B, Hk, E]
-        first_dropped = jnp.argsort(~dropped, axis=-1, stable=True)[..., :max_evict]
+        first_dropped = true_first(dropped, max_evict)
         weight = jnp.take_along_axis(dropped, first_dropped, -1).astype(jnp.float32)
         k_out, v_out = self._rows(first_dropped)
         moments = jax.vmap(Moments.add)(self.moments, weight, k_out, v_out)
@@ -380,8 +395,8 @@ class PagedCache(SlotsView):
         n = keep.sum(-1)  # [L, B, Hk]
         hole = ~keep & (slot < n[..., None])
         tail = keep & (slot >= n[..., None])
-        holes = jnp.argsort(~hole, axis=-1, stable=True)[..., :max_moves]  # [L, B, Hk, E] ascending
-        tails = jnp.argsort(~tail, axis=-1, stable=True)[..., :max_moves]
+        holes = true_first(hole, max_moves)  # [L, B, Hk, E] ascending
+        tails = true_first(tail, max_moves)
         moving = jnp.arange(max_moves) < tail.sum(-1)[..., None]
         page_of = lambda s: jnp.take_along_axis(self.table, s // P, -1)  # noqa: E731
         dst_page = jnp.where(moving, page_of(holes), N)  # out of range: dropped

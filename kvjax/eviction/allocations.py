@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.slots import inverse_permutation
+
 PYRAMID_BETA = 20
 # How a shared allocation's floor counts a head's protected tokens (sinks and window): "adakv"
 # keeps floor × (budget − protected) of its best unprotected tokens on top of them (AdaKV's code);
@@ -79,8 +81,7 @@ def ranks(*keys: jax.Array) -> jax.Array:
     """Rank of every entry along the last axis when sorted ascending by ``keys`` (lexicographic;
     ties by index). keys: arrays of one shape [..., N]."""
     index = jnp.broadcast_to(jnp.arange(keys[0].shape[-1]), keys[0].shape)
-    permutation = jax.lax.sort((*keys, index), dimension=-1, num_keys=len(keys))[-1]
-    return jnp.argsort(permutation, axis=-1)
+    return inverse_permutation(jax.lax.sort((*keys, index), dimension=-1, num_keys=len(keys))[-1])
 
 
 def shared_targets(key: jax.Array, pos: jax.Array, total: int, floor: int, cap: int) -> jax.Array:
@@ -104,6 +105,41 @@ def shared_targets(key: jax.Array, pos: jax.Array, total: int, floor: int, cap: 
     chosen = (overall < rest[..., None]).reshape(key.shape) & eligible
     kept = floored + chosen.sum(-1)
     return jnp.where(count.sum(-1, keepdims=True) <= total, count, kept)
+
+
+def shared_drops(
+    key: jax.Array, pos: jax.Array, total: int, floor: int, cap: int, picks: int
+) -> jax.Array:
+    """[..., H, S] the slots ``shared_targets`` leaves out, found in ``picks`` greedy steps instead
+    of two sorts, for when at most ``picks`` slots go (the heads' count over ``total``).
+
+    Each step drops one slot: while a head holds more than ``cap``, the lowest of such heads' slots;
+    else the lowest of the heads above their floor (sorted last by ``shared_targets``: lowest key,
+    then earliest position, then highest head).
+    """
+    H = key.shape[-2]
+    valid = key > -jnp.inf
+    count = valid.sum(-1)
+    floored = jnp.minimum(jnp.maximum(floor, (key == jnp.inf).sum(-1)), count)
+    over = count.sum(-1, keepdims=True) > total  # [..., 1]: else every slot is kept
+    head = jnp.broadcast_to(jnp.arange(H)[:, None], key.shape)
+
+    def lowest(x, among, fill):  # [..., 1, 1] the least x over the heads' slots ``among``
+        return jnp.min(jnp.where(among, x, fill), (-2, -1), keepdims=True)
+
+    dropped, n = jnp.zeros(key.shape, bool), count
+    for _ in range(picks):
+        forced = n > cap  # [..., H]
+        anyone = forced.any(-1, keepdims=True)
+        go = over & (anyone | (n.sum(-1, keepdims=True) > total))
+        heads = jnp.where(anyone, forced, n > floored) & go
+        cand = valid & ~dropped & heads[..., None]
+        cand &= key == lowest(key, cand, jnp.inf)
+        cand &= pos == lowest(pos, cand, jnp.iinfo(jnp.int32).max)
+        cand &= head == -lowest(-head, cand, 1)  # the highest head
+        dropped |= cand
+        n = n - cand.sum(-1)
+    return dropped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +193,13 @@ class Allocation:
         count = (key > -jnp.inf).sum(-1)
         return jnp.minimum(count, jnp.asarray(budgets, jnp.int32)[:, None, None])
 
+    def few_dropped(self, key, pos, budgets, floor, cap):
+        """Where this allocation can find them without a sort, (fits, dropped): a bool scalar, True
+        where every (layer, row) has at most one slot per head to drop (a decoding step's
+        eviction), and a function of no arguments returning the [L, B, Hk, S] slots ``targets``
+        and the ranking leave out, valid only then; else None."""
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class Uniform(Allocation):
@@ -198,6 +241,11 @@ class AdaKV(Allocation):
         Hk = key.shape[2]
         return shared_targets(key, pos, Hk * budgets[0], floor, cap).astype(jnp.int32)
 
+    def few_dropped(self, key, pos, budgets, floor, cap):
+        Hk, total = key.shape[2], key.shape[2] * budgets[0]
+        fits = jnp.all((key > -jnp.inf).sum((-2, -1)) <= total + Hk)
+        return fits, lambda: shared_drops(key, pos, total, floor, cap, Hk)
+
 
 @dataclasses.dataclass(frozen=True)
 class Global(AdaKV):
@@ -217,6 +265,9 @@ class Global(AdaKV):
         rows = lambda x: x.transpose(1, 0, 2, 3).reshape(B, L * Hk, S)  # noqa: E731
         kept = shared_targets(rows(key), rows(pos), L * Hk * budgets[0], floor, cap)
         return kept.reshape(B, L, Hk).transpose(1, 0, 2).astype(jnp.int32)
+
+    def few_dropped(self, key, pos, budgets, floor, cap):
+        return None  # one new slot per head is L × Hk greedy steps over a whole row: the sorts
 
 
 @dataclasses.dataclass(frozen=True)
