@@ -17,7 +17,9 @@ def xla_flags(devices: int | None = None, *, optimized: bool = False) -> dict[st
     """XLA_FLAGS for a subprocess: this run's, with ``devices`` fake CPU devices, or without QUICK_COMPILE
     (``optimized``: the compiler as a user's process runs it)."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not (optimized and f == QUICK_COMPILE)]
-    return {"XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"] * bool(devices))}
+    if devices:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return {"XLA_FLAGS": " ".join(flags)}
 
 
 # --- real-model prompts: a needle in repetitive filler (SmolLM2 tests)

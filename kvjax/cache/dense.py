@@ -30,7 +30,7 @@ from kvjax.kernels import block_attention_with_scores, decode_attention_with_sco
 from kvjax.model.config import ModelConfig
 from kvjax.model.segment import Segment, when
 from kvjax.sharding import per_shard
-from kvjax.slots import set_layer_slots, set_slots
+from kvjax.slots import inverse_permutation, set_layer_slots, set_slots, true_first
 
 
 @struct.dataclass
@@ -203,10 +203,7 @@ class BudgetCache(SlotsView):
         drop = lowest_slots(key, n_drop)
         # Stable partition of the order: kept slots first (valid ones stay in position order),
         # dropped after.
-        dest = jnp.where(drop, b + jnp.cumsum(drop, -1) - 1, jnp.cumsum(~drop, -1) - 1)
-        rank = jnp.broadcast_to(jnp.arange(self.slots), pos.shape)
-        index = set_slots(jnp.zeros_like(rank), dest, rank)
-        order = jnp.take_along_axis(self.order, index, -1)
+        order = jnp.take_along_axis(self.order, true_first(~drop), -1)
         return self._release(p, order, order[..., b:])
 
     def _drop_few(self, p: Policy, dropped: jax.Array) -> BudgetCache:
@@ -267,4 +264,4 @@ def lowest_slots(key: jax.Array, n: int) -> jax.Array:
     """[B, Hk, S] mask of the ``n`` lowest entries of key; among equal keys the first goes first."""
     index = jnp.broadcast_to(jnp.arange(key.shape[-1]), key.shape)
     _, order = jax.lax.sort((key, index), dimension=-1, num_keys=2)
-    return set_slots(jnp.zeros_like(index), order, index) < n
+    return inverse_permutation(order) < n

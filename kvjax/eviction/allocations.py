@@ -84,6 +84,14 @@ def ranks(*keys: jax.Array) -> jax.Array:
     return inverse_permutation(jax.lax.sort((*keys, index), dimension=-1, num_keys=len(keys))[-1])
 
 
+def _floored(key: jax.Array, floor: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Of heads sharing a budget, key [..., H, S]: the valid slots, each head's count [..., H] and
+    the count it keeps at least (its protected slots, and ``floor``, as far as it has them)."""
+    valid = key > -jnp.inf
+    count = valid.sum(-1)
+    return valid, count, jnp.minimum(jnp.maximum(floor, (key == jnp.inf).sum(-1)), count)
+
+
 def shared_targets(key: jax.Array, pos: jax.Array, total: int, floor: int, cap: int) -> jax.Array:
     """Kept counts [..., H] of H heads sharing ``total`` slots; key, pos: [..., H, S].
 
@@ -93,10 +101,8 @@ def shared_targets(key: jax.Array, pos: jax.Array, total: int, floor: int, cap: 
     those are more. With no more valid slots than ``total``, every one is kept.
     """
     H, S = key.shape[-2:]
-    valid = key > -jnp.inf
-    count = valid.sum(-1)
+    valid, count, floored = _floored(key, floor)
     rank = ranks(-key, -pos)  # within each head; protected slots first
-    floored = jnp.minimum(jnp.maximum(floor, (key == jnp.inf).sum(-1)), count)
     eligible = valid & (rank >= floored[..., None]) & (rank < cap)
     rest = jnp.maximum(total - floored.sum(-1), 0)
     flat = lambda x: x.reshape(x.shape[:-2] + (H * S,))  # noqa: E731
@@ -118,9 +124,7 @@ def shared_drops(
     then earliest position, then highest head).
     """
     H = key.shape[-2]
-    valid = key > -jnp.inf
-    count = valid.sum(-1)
-    floored = jnp.minimum(jnp.maximum(floor, (key == jnp.inf).sum(-1)), count)
+    valid, count, floored = _floored(key, floor)
     over = count.sum(-1, keepdims=True) > total  # [..., 1]: else every slot is kept
     head = jnp.broadcast_to(jnp.arange(H)[:, None], key.shape)
 
