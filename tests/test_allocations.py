@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from reference_eviction import shared_counts
 
 import kvjax
+from kvjax.eviction import allocations
 from kvjax.eviction.allocations import FLOOR_MODES, AdaKV, floor_count, ranks, shared_drops, shared_targets
 from kvjax.runtime.decoding import Generation
 from kvjax.runtime.options import eviction_from
@@ -169,6 +170,36 @@ def test_a_decoding_steps_few_drops_equal_the_sorted_ranking(floor):
     np.testing.assert_array_equal(np.asarray(shared_drops(key, pos, total, floor, total, H)), expected)
     drops = expected.sum((-2, -1))
     assert (drops > 0).mean() > 0.3 and (drops == H).any() and (count > total).any()
+
+
+@pytest.mark.parametrize("kind", ["pyramidkv", "heads"])
+def test_a_decoding_steps_drop_per_head_equals_the_sorted_ranking(kind):
+    """Heads with budgets of their own (PyramidKV's per layer, kvzip-head's per head) holding at most one slot over
+    them: ``few_dropped`` (one min-reduction per head) drops what ``targets`` and the ranking by (key, position)
+    leave out, on keys with exact ties and protected slots, some heads holding more protected slots than their
+    budget; one head two over its budget is not a fit."""
+    rng = np.random.default_rng(len(kind))
+    L, B, Hk, S = 4, 150, 3, 16
+    spec, budgets = allocations.ALLOCATIONS[kind], (9, 7, 5, 3)
+    head_budgets = np.concatenate([rng.integers(4, 12, (L - 1, Hk)), [[3, 2, 1]]]) if kind == "heads" else None
+    limit = np.broadcast_to(np.asarray(spec.limits(budgets, head_budgets, Hk)), (L, B, Hk))
+    count = np.minimum(limit + rng.integers(-2, 2, (L, B, Hk)), S).clip(1)
+    pos = np.where(np.arange(S) < count[..., None], np.arange(S) + rng.integers(0, 3, (L, B, Hk, 1)), -1)
+    key = np.where(pos >= 0, rng.integers(0, 4, (L, B, Hk, S)).astype(np.float32), -np.inf)
+    key = np.where((pos >= 0) & (rng.random((L, B, Hk, S)) < 0.3), np.inf, key)  # all protected, in some heads
+    key, pos = jnp.asarray(key), jnp.asarray(pos, jnp.int32)
+    kept = spec.targets(key, pos, budgets, 0, max(budgets), head_budgets)
+    expected = np.asarray((key > -jnp.inf) & ~(ranks(-key, -pos) < kept[..., None]))
+    fits, dropped = spec.few_dropped(key, pos, budgets, 0, max(budgets), head_budgets)
+    assert bool(fits)
+    np.testing.assert_array_equal(np.asarray(dropped()), expected)
+    assert expected.sum(-1).max() == 1 and expected.any(-1).mean() > 0.2
+    assert (np.asarray((key == jnp.inf).sum(-1)) > limit).any()  # the ranking drops a protected slot there
+    two_over = np.arange(S) < limit[1, 0, 2] + 2
+    fits, _ = spec.few_dropped(key.at[1, 0, 2].set(np.where(two_over, 1.0, -np.inf)),
+                               pos.at[1, 0, 2].set(np.where(two_over, np.arange(S), -1)), budgets, 0, max(budgets),
+                               head_budgets)
+    assert not bool(fits)
 
 
 @pytest.mark.parametrize("shape", [(1,), (7,), (3, 33), (2, 2, 3, 40)])

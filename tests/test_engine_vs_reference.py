@@ -151,13 +151,16 @@ def test_shared_allocations_with_modifiers_match_reference(model3, case, allocat
                             distinct_prompts())
 
 
-@pytest.mark.parametrize("case", [ALLOCATION_CASES[1], ALLOCATION_CASES[3],
-                                  dict(scorer="momentkv", n_sink=1, window=4, obs_window=4, pool="max", kernel=3)],
-                         ids=lambda c: c["scorer"])
-def test_adakv_evicting_every_decoding_step_matches_reference(model3, case):
-    """evict_every=1: each decoding step drops one slot per KV head over the layer's heads, found by greedy steps
-    (allocations.shared_drops) instead of the ranking's sorts."""
-    check_against_reference(model3, case | dict(allocation="adakv", page_size=4), "prefill", 1, distinct_prompts())
+@pytest.mark.parametrize("case", [ALLOCATION_CASES[1] | dict(allocation="adakv"),
+                                  ALLOCATION_CASES[3] | dict(allocation="adakv"),
+                                  dict(scorer="momentkv", n_sink=1, window=4, obs_window=4, pool="max", kernel=3,
+                                       allocation="adakv"),
+                                  ALLOCATION_CASES[3] | PYRAMID | dict(allocation="pyramidkv")],
+                         ids=lambda c: f"{c['allocation']}-{c['scorer']}")
+def test_evicting_every_decoding_step_matches_reference(model3, case):
+    """evict_every=1: each decoding step drops one slot per KV head (AdaKV: over the layer's heads), found by
+    min-reductions (``Allocation.few_dropped``) instead of the ranking's sorts."""
+    check_against_reference(model3, case | dict(page_size=4), "prefill", 1, distinct_prompts())
 
 
 @pytest.mark.parametrize("case", [dict(scorer="snapkv", n_sink=2, window=4, obs_window=4, pool="max", kernel=3),

@@ -363,7 +363,7 @@ class PagedCache(SlotsView):
             keep = (key > -jnp.inf) & ~find()
             return keep.sum(-1).astype(jnp.int32), keep
 
-        few = spec.few_dropped(key, self.pos, budgets, floor, cap)
+        few = spec.few_dropped(key, self.pos, budgets, floor, cap, head_budgets)
         if few is None:
             kept, best = ranked()
         else:  # a decoding step's few drops need no sort

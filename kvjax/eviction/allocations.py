@@ -113,11 +113,10 @@ def shared_targets(key: jax.Array, pos: jax.Array, total: int, floor: int, cap: 
     return jnp.where(count.sum(-1, keepdims=True) <= total, count, kept)
 
 
-def shared_drops(
-    key: jax.Array, pos: jax.Array, total: int, floor: int, cap: int, picks: int
-) -> jax.Array:
+def shared_drops(key: jax.Array, pos: jax.Array, total, floor: int, cap, picks: int) -> jax.Array:
     """[..., H, S] the slots ``shared_targets`` leaves out, found in ``picks`` greedy steps instead
-    of two sorts, for when at most ``picks`` slots go (the heads' count over ``total``).
+    of two sorts, for when at most ``picks`` slots go (the heads' count over ``total``). total,
+    cap: ints, or arrays broadcasting to [..., 1].
 
     Each step drops one slot: while a head holds more than ``cap``, the lowest of such heads' slots;
     else the lowest of the heads above their floor (sorted last by ``shared_targets``: lowest key,
@@ -195,14 +194,27 @@ class Allocation:
             head_budgets: [L, Hk] int32 each head's budget (``Heads`` only).
         """
         count = (key > -jnp.inf).sum(-1)
-        return jnp.minimum(count, jnp.asarray(budgets, jnp.int32)[:, None, None])
+        return jnp.minimum(count, self.limits(budgets, head_budgets, key.shape[2]))
 
-    def few_dropped(self, key, pos, budgets, floor, cap):
-        """Where this allocation can find them without a sort, (fits, dropped): a bool scalar, True
-        where every (layer, row) has at most one slot per head to drop (a decoding step's
-        eviction), and a function of no arguments returning the [L, B, Hk, S] slots ``targets``
-        and the ranking leave out, valid only then; else None."""
-        return None
+    def limits(self, budgets, head_budgets: jax.Array | None, n_kv_heads: int) -> jax.Array:
+        """[L, 1, Hk or 1] int32 the most slots each head keeps (heads keeping budgets by
+        themselves)."""
+        return jnp.asarray(budgets, jnp.int32)[:, None, None]
+
+    def few_dropped(self, key, pos, budgets, floor, cap, head_budgets=None):
+        """(fits, dropped) for a decoding step's eviction, found without a sort, or None where this
+        allocation has none. fits: a bool scalar, True where every head holds at most one slot
+        over its limit (heads sharing a budget: at most one each over their total); dropped: a
+        function of no arguments returning the [L, B, Hk, S] slots that ``targets`` and the
+        ranking leave out, valid only where fits. Arguments as for ``targets``."""
+        limit = self.limits(budgets, head_budgets, key.shape[2])[..., None]  # [L, 1, Hk|1, 1]
+        fits = jnp.all((key > -jnp.inf).sum(-1) <= limit[..., 0] + 1)
+        one_head = lambda x: x[..., None, :]  # noqa: E731  each head a budget of its own
+
+        def dropped():  # shared_drops over one head: its lowest key, then earliest position
+            return shared_drops(one_head(key), one_head(pos), limit, 0, limit, 1)[..., 0, :]
+
+        return fits, dropped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +257,7 @@ class AdaKV(Allocation):
         Hk = key.shape[2]
         return shared_targets(key, pos, Hk * budgets[0], floor, cap).astype(jnp.int32)
 
-    def few_dropped(self, key, pos, budgets, floor, cap):
+    def few_dropped(self, key, pos, budgets, floor, cap, head_budgets=None):
         Hk, total = key.shape[2], key.shape[2] * budgets[0]
         fits = jnp.all((key > -jnp.inf).sum((-2, -1)) <= total + Hk)
         return fits, lambda: shared_drops(key, pos, total, floor, cap, Hk)
@@ -270,7 +282,7 @@ class Global(AdaKV):
         kept = shared_targets(rows(key), rows(pos), L * Hk * budgets[0], floor, cap)
         return kept.reshape(B, L, Hk).transpose(1, 0, 2).astype(jnp.int32)
 
-    def few_dropped(self, key, pos, budgets, floor, cap):
+    def few_dropped(self, key, pos, budgets, floor, cap, head_budgets=None):
         return None  # one new slot per head is L × Hk greedy steps over a whole row: the sorts
 
 
@@ -282,10 +294,8 @@ class Heads(Allocation):
         "keep the whole context, the others their sinks and window)"
     )
 
-    def targets(self, key, pos, budgets, floor, cap, head_budgets=None):
-        L, _, Hk, _ = key.shape
-        count = (key > -jnp.inf).sum(-1)
-        return jnp.minimum(count, jnp.asarray(head_budgets, jnp.int32).reshape(L, 1, Hk))
+    def limits(self, budgets, head_budgets, n_kv_heads):
+        return jnp.asarray(head_budgets, jnp.int32).reshape(-1, 1, n_kv_heads)
 
 
 ALLOCATIONS: dict[str, Allocation] = {

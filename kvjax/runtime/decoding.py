@@ -124,9 +124,11 @@ def feed_budget(
     """The decode state after feeding tokens [B, P] at positions ``start`` [B] + t into a budget
     ``cache`` (None = a new one) under the eviction protocol of ``ev``."""
     cfg, spare = params.config, ev.extend_spare(tokens.shape[1])
-    if cache is None:
+    if cache is None:  # made to measure: fitting it would gather XLA folds into a constant
         cache = ev.empty_cache(cfg, tokens.shape[0], spare, params.dtype)
-    cache, last = extend(params, constrain(ev.fit(cache, cfg, spare)), tokens, start, lengths, ev)
+    else:
+        cache = ev.fit(cache, cfg, spare)
+    cache, last = extend(params, constrain(cache), tokens, start, lengths, ev)
     return start_state(
         cfg,
         ev.fit(cache, cfg, decode_spare),
