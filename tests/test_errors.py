@@ -108,7 +108,8 @@ def test_conversion_is_atomic(hf_dir, checkpoint_root, monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(store, "_nest", fail)
+    # fails after the weights are written, before the config that marks a complete checkpoint
+    monkeypatch.setattr(kvjax.ModelConfig, "to_json", fail)
     with pytest.raises(RuntimeError, match="disk full"):
         kvjax.load(str(hf_dir))
     assert list(checkpoint_root.iterdir()) == []  # neither a partial checkpoint nor a temporary directory
