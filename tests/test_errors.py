@@ -152,3 +152,16 @@ def test_prompt_beyond_context(tiny_llama):
 def test_bad_sampling(tiny_llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
         kvjax.generate(tiny_llama, np.ones(5, np.int32), max_new_tokens=2, **kwargs)
+
+
+def test_moments_without_sums_are_refused_by_momentkv(tiny_llama):
+    """A cache filled under SnapKV keeps only the count of its evicted tokens; decoding it under MomentKV, which
+    reads their sums, is refused by name instead of starting from empty statistics."""
+    from kvjax.runtime.options import eviction_from
+
+    context = kvjax.prefill(tiny_llama, [np.arange(4, 40, dtype=np.int32)], budget=20, scorer="snapkv", window=4)
+    momentkv = eviction_from(budget=20, scorer="momentkv", window=4)
+    with pytest.raises(ValueError, match="scorer='snapkv\\+momentkv' reads the moments of the evicted tokens"):
+        momentkv.fit(context.cache, tiny_llama.config, 1)
+    assert momentkv.fit(kvjax.prefill(tiny_llama, [np.arange(4, 40, dtype=np.int32)], budget=20, scorer="momentkv",
+                                      window=4).cache, tiny_llama.config, 1).moments.summed

@@ -4,6 +4,7 @@ with --runslow (KVzip's names, which ``kvjax.prefill`` compresses with ``compres
 NumPy reference's ``run_kvzip_reference``); appending without eviction (``kvjax.decode(...,
 evict=False)``) keeps the whole question and answer."""
 
+import jax
 import numpy as np
 import pytest
 from helpers import (
@@ -78,10 +79,11 @@ def check_kvzip_compress(model, shared, name, settings):
     """``test_compress_equals_the_prefill_protocol``'s checks, for a KVzip name: the reference."""
     refs = kvzip_reference(model, distinct_prompts(), settings, 5)
     pos, moments = np.asarray(shared.cache.sorted_pos), shared.cache.moments
+    assert moments.summed == ("momentkv" in name)  # the sums only where MomentKV reads them
     for row, ref in enumerate(refs):
         assert kept_positions(pos, row) == ref["kept_after_prefill"]
         np.testing.assert_allclose(np.asarray(shared.logits[row]), ref["prefill_logits"], atol=1e-4)
-        for field in ("count", "k_sum", "v_sum", "vk_sum"):
+        for field in ("count", "k_sum", "v_sum", "vk_sum") if moments.summed else ("count",):
             got = np.asarray(getattr(moments, field)[:, row])
             np.testing.assert_allclose(got, ref["moments"][field], atol=1e-3)
     evicted = np.stack([r["moments"]["count"] for r in refs])
@@ -166,3 +168,21 @@ def test_compress_when_one_head_may_keep_more_than_the_prompt(tiny_llama, name, 
     direct = kvjax.prefill(tiny_llama, prompt, protocol="prefill", block_size=8, **settings)
     np.testing.assert_array_equal(kept(shared), kept(direct))
     assert int(np.asarray(direct.cache.moments.count).sum()) > 0  # something was evicted
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "momentkv", "adakv"])
+def test_a_saved_context_loads_as_it_was(tiny_llama, prefilled, scorer, tmp_path):
+    """``save_context`` then ``load_context``: every leaf of the cache as it was, MomentKV's moments with their sums
+    and the others' with none (zero-size arrays, which orbax cannot write: left out, then put back), and the
+    same answers."""
+    from kvjax.runtime.saved_context import load_context, save_context
+
+    context = prefilled.compress(budget=BUDGET, scorer=scorer, obs_window=4, n_sink=1, window=3)
+    save_context(str(tmp_path / "c"), context, tiny_llama)
+    loaded = load_context(str(tmp_path / "c"), tiny_llama)
+    assert loaded.cache.moments.summed == (scorer == "momentkv")
+    assert jax.tree.structure(loaded.cache) == jax.tree.structure(context.cache)
+    jax.tree.map(np.testing.assert_array_equal, loaded.cache, context.cache)
+    for a, b in zip(kvjax.decode(tiny_llama, loaded, max_new_tokens=4, stop_ids=()),
+                    kvjax.decode(tiny_llama, context, max_new_tokens=4, stop_ids=()), strict=True):
+        np.testing.assert_array_equal(a, b)

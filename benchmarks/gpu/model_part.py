@@ -51,6 +51,7 @@ from common import (
 
 import kvjax
 from kvjax.cache.full import cache_bytes
+from kvjax.eviction.moments import Moments
 from kvjax.model.config import ModelConfig
 from kvjax.runtime.decoding import (
     DecodeState,
@@ -143,11 +144,16 @@ def prompt(context: int, vocab: int) -> np.ndarray:
     return np.random.default_rng(context).integers(10, vocab - 10, (1, context), dtype=np.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("batch",))
-def tile_state(state: DecodeState, batch: int) -> DecodeState:
-    """One prefilled row repeated ``batch`` times along every leaf's batch axis."""
+@functools.partial(jax.jit, static_argnames=("batch", "moment_dim"))
+def tile_state(state: DecodeState, batch: int, moment_dim: int | None = None) -> DecodeState:
+    """One prefilled row repeated ``batch`` times along every leaf's batch axis; ``moment_dim``: the width of
+    the moments' sums the decoding needs (MomentKV decodes from SnapKV's prefill, which keeps none: its sums
+    start at zero, which costs what any others would)."""
     axes = _cache_batch_axes(state.cache)
     cache = jax.tree.map(lambda x, ax: jnp.repeat(x, batch, axis=ax), state.cache, axes)
+    if moment_dim is not None and moment_dim != cache.moments.k_sum.shape[-1]:
+        count = cache.moments.count
+        cache = cache.replace(moments=Moments.zeros(count.shape, moment_dim).replace(count=count))
     rep = lambda x: jnp.repeat(x, batch, axis=0)  # noqa: E731
     return DecodeState(
         cache=cache,
@@ -355,12 +361,13 @@ class ModelRun:
         return seconds, state
 
     def decode_row(
-        self, future, source: DecodeState, batch: int, profile: bool = False, impl: str | None = None
+        self, future, source: DecodeState, batch: int, profile: bool = False, impl: str | None = None,
+        moment_dim: int | None = None,
     ) -> dict:
         """The timed row; with ``profile``, also where the device time of PROFILE_STEPS more steps goes."""
         compiled, compile_s = future.result(timeout=max(1.0, self.deadline.left()))
         params = self.params_for(impl)
-        state = tile_state(source, batch)
+        state = tile_state(source, batch, moment_dim)
         seconds, state = self.time_decode(compiled, state, params)
         kept = kept_kv_bytes(state, self.sz.cfg)
         floor = (self.weight_bytes + kept) / (self.ceilings.copy_gb_s * 1e9)
@@ -435,17 +442,19 @@ class ModelRun:
         decodes = {}
         for job in self.decode_plan():
             cache, impl, source, b, contexts = job
+            ev = eviction(cache, self.sz, contexts[0], self.attention(impl))
             shape = jax.eval_shape(
-                functools.partial(tile_state, batch=b), self.prefill_shape(source, contexts[0])
+                functools.partial(tile_state, batch=b, moment_dim=self.moment_dim(cache)),
+                self.prefill_shape(source, contexts[0]),
             )
             options = DYNAMIC_SLICE_FUSION if impl == "dsf" else None
-            decodes[job] = self.submit_decode(
-                shape,
-                eviction(cache, self.sz, contexts[0], self.attention(impl)),
-                options,
-                self.params_for(impl, abstract=True),
-            )
+            decodes[job] = self.submit_decode(shape, ev, options, self.params_for(impl, abstract=True))
         return prefills, decodes
+
+    def moment_dim(self, cache: Cache) -> int | None:
+        """The width of the moments' sums decoding ``cache`` keeps (None: the full cache)."""
+        ev = eviction(cache, self.sz, self.sz.contexts[0], None)
+        return None if ev is None else ev.policy.moment_dim(self.sz.cfg.head_dim)
 
     def prefill_shape(self, cache: Cache, context: int) -> DecodeState:
         fn, args, static = self.prefill_program(cache, context, None)
@@ -517,6 +526,7 @@ class ModelRun:
                         b,
                         self.profiled(cache, impl, b, context),
                         impl,
+                        self.moment_dim(cache),
                     ),
                 )
 

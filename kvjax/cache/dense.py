@@ -66,7 +66,8 @@ class BudgetCache(SlotsView):
     )
 
     @classmethod
-    def init(cls, cfg: ModelConfig, batch: int, slots: int, dtype) -> BudgetCache:
+    def init(cls, cfg: ModelConfig, batch: int, slots: int, dtype, moment_dim: int) -> BudgetCache:
+        """Empty; ``moment_dim``: the K of its ``Moments`` (``Policy.moment_dim``)."""
         L, Hk, K = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         f32 = jnp.float32
         return cls(
@@ -75,7 +76,7 @@ class BudgetCache(SlotsView):
             pos=jnp.full((L, batch, Hk, slots), -1, jnp.int32),
             state=jnp.zeros((L, batch, Hk, cfg.group_size, slots), f32),
             order=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (L, batch, Hk, slots)),
-            moments=Moments.zeros((L, batch, Hk), K),
+            moments=Moments.zeros((L, batch, Hk), moment_dim),
         )
 
     @property

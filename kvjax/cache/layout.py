@@ -52,7 +52,9 @@ class Dense:
     """``BudgetCache``: budget + spare slots per (layer, row, KV head)."""
 
     def empty(self, cfg, policy, batch: int, spare: int, dtype) -> BudgetCache:
-        return BudgetCache.init(cfg, batch, policy.budget + spare, dtype)
+        return BudgetCache.init(
+            cfg, batch, policy.budget + spare, dtype, policy.moment_dim(cfg.head_dim)
+        )
 
     def fit(self, cache: BudgetCache, cfg, policy, spare: int) -> BudgetCache:
         return cache.resize(policy.budget + spare)
@@ -76,7 +78,7 @@ class Dense:
             pos=pos,
             state=state,
             order=order,
-            moments=Moments.zeros((L, B, Hk), K),
+            moments=Moments.zeros((L, B, Hk), policy.moment_dim(K)),
             stats=stats,
         )
         return full.evict(policy, seen)
@@ -98,13 +100,23 @@ class Paged:
 
     def empty(self, cfg, policy, batch: int, spare: int, dtype) -> PagedCache:
         pages_per_head, n_pool = self.geometry(cfg, policy, spare)
-        return PagedCache.init(cfg, batch, pages_per_head, self.page_size, n_pool, dtype)
+        return PagedCache.init(
+            cfg,
+            batch,
+            pages_per_head,
+            self.page_size,
+            n_pool,
+            dtype,
+            policy.moment_dim(cfg.head_dim),
+        )
 
     def fit(self, cache: PagedCache, cfg, policy, spare: int) -> PagedCache:
         return cache.resize(*self.geometry(cfg, policy, spare))
 
     def compress(self, policy, k, v, pos, state, stats, seen, head_budgets=None) -> PagedCache:
-        full = PagedCache.from_dense(k, v, pos, state, self.page_size).replace(stats=stats)
+        moment_dim = policy.moment_dim(k.shape[-1])
+        full = PagedCache.from_dense(k, v, pos, state, self.page_size, moment_dim)
+        full = full.replace(stats=stats)
         # a head may lose every token of the prompt
         return full.evict(policy, seen, max_evict=k.shape[3], head_budgets=head_budgets)
 

@@ -97,8 +97,16 @@ class PagedCache(SlotsView):
 
     @classmethod
     def init(
-        cls, cfg: ModelConfig, batch: int, pages_per_head: int, page_size: int, n_pool: int, dtype
+        cls,
+        cfg: ModelConfig,
+        batch: int,
+        pages_per_head: int,
+        page_size: int,
+        n_pool: int,
+        dtype,
+        moment_dim: int,
     ) -> PagedCache:
+        """Empty; ``moment_dim``: the K of its ``Moments`` (``Policy.moment_dim``)."""
         L, Hk, K, M, P = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, pages_per_head, page_size
         C = M * P
         return cls(
@@ -110,12 +118,18 @@ class PagedCache(SlotsView):
             pos=jnp.full((L, batch, Hk, C), -1, jnp.int32),
             state=jnp.zeros((L, batch, Hk, cfg.group_size, C), jnp.float32),
             order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (L, batch, Hk, C)),
-            moments=Moments.zeros((L, batch, Hk), K),
+            moments=Moments.zeros((L, batch, Hk), moment_dim),
         )
 
     @classmethod
     def from_dense(
-        cls, k: jax.Array, v: jax.Array, pos: jax.Array, state: jax.Array, page_size: int
+        cls,
+        k: jax.Array,
+        v: jax.Array,
+        pos: jax.Array,
+        state: jax.Array,
+        page_size: int,
+        moment_dim: int,
     ) -> PagedCache:
         """The paged copy of a full cache. Head (l, h) gets the pages (l·Hk + h)·M … of its row's
         pool (M = ⌈S / P⌉); those past its tokens are free.
@@ -124,6 +138,7 @@ class PagedCache(SlotsView):
             k, v: [L, B, Hk, S, K].
             pos: [L, B, Hk, S] with each head's valid tokens in slots 0 … n−1 in position order.
             state: [L, B, Hk, G, S].
+            moment_dim: the K of its (empty) ``Moments``.
         """
         L, B, Hk, S, K = k.shape
         P = page_size
@@ -151,7 +166,7 @@ class PagedCache(SlotsView):
             pos=pos,
             state=jnp.pad(state, [(0, 0)] * 4 + [(0, C - S)]),
             order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), pos.shape),
-            moments=Moments.zeros((L, B, Hk), K),
+            moments=Moments.zeros((L, B, Hk), moment_dim),
         )
 
     @property

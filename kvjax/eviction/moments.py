@@ -17,7 +17,9 @@ from kvjax.slots import max_slots
 
 @struct.dataclass
 class Moments:
-    """Statistics of the evicted tokens per (layer, row, KV head), float32.
+    """Statistics of the evicted tokens per (layer, row, KV head), float32. Only MomentKV reads the
+    sums; under every other scorer they have K = 0 (no memory, no updates) and only the count is
+    kept.
 
     Fields:
         count: [L, B, Hk].
@@ -39,7 +41,8 @@ class Moments:
 
     @classmethod
     def zeros(cls, lead: tuple[int, ...], head_dim: int) -> Moments:
-        """Empty statistics for the leading axes ``lead`` (e.g. (L, B, Hk))."""
+        """Empty statistics for the leading axes ``lead`` (e.g. (L, B, Hk)); head_dim 0: the
+        count alone."""
         f32 = jnp.float32
         return cls(
             count=jnp.zeros(lead, f32),
@@ -48,8 +51,16 @@ class Moments:
             vk_sum=jnp.zeros(lead + (head_dim, head_dim), f32),
         )
 
+    @property
+    def summed(self) -> bool:
+        """Whether the sums are kept (K > 0), not only the count."""
+        return self.k_sum.shape[-1] > 0
+
     def add(self, weight: jax.Array, k: jax.Array, v: jax.Array) -> Moments:
-        """Add tokens k, v [B, Hk, E, K] with 0/1 weight [B, Hk, E] (one layer's slice)."""
+        """Add tokens k, v [B, Hk, E, K] with 0/1 weight [B, Hk, E] (one layer's slice); without
+        sums, only their count (XLA then drops whatever computed k and v)."""
+        if not self.summed:
+            return self.replace(count=self.count + weight.sum(-1))
         k, v = k.astype(jnp.float32), v.astype(jnp.float32)
         return Moments(
             count=self.count + weight.sum(-1),

@@ -103,6 +103,10 @@ class Policy:
     def zeroth_order(self) -> bool:
         return self.modifier_spec.zeroth
 
+    def moment_dim(self, head_dim: int) -> int:
+        """The K of the cache's ``Moments``: head_dim where MomentKV reads them, else 0."""
+        return head_dim if self.moment_eviction or self.moment_correction else 0
+
     @property
     def allocation_spec(self) -> Allocation:
         """The allocation (``kvjax.eviction.allocations.ALLOCATIONS``)."""

@@ -98,6 +98,11 @@ class Eviction:
 
     def fit(self, cache: EvictingCache, cfg, spare: int) -> EvictingCache:
         """The same cache with room for ``spare`` new tokens per head (its kept tokens must fit)."""
+        if self.policy.moment_dim(cfg.head_dim) and not cache.moments.summed:
+            raise ValueError(
+                f"scorer={self.policy.name!r} reads the moments of the evicted tokens, and this "
+                "cache (filled under a scorer other than MomentKV) keeps only their count"
+            )
         return self.layout.fit(cache, cfg, self.policy, spare)
 
     def decoding(self) -> Eviction:

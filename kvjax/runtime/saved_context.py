@@ -16,7 +16,7 @@ import os
 
 import jax
 import numpy as np
-from flax.serialization import from_state_dict
+from flax.serialization import from_state_dict, to_state_dict
 
 from kvjax.cache.dense import BudgetCache
 from kvjax.cache.paged import PagedCache
@@ -79,7 +79,8 @@ def save_context(path: str, context: Context, params: Params) -> None:
         "lengths": [int(n) for n in context.lengths],
         "batched": context.batched,
     }
-    arrays = {"cache": jax.tree.map(to_host, context.cache), "logits": to_host(context.logits)}
+    cache = _without_empty(to_state_dict(jax.tree.map(to_host, context.cache)))
+    arrays = {"cache": cache, "logits": to_host(context.logits)}
     with atomic_directory(path) as tmp:
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(os.path.join(tmp, "cache"), arrays)
@@ -87,6 +88,27 @@ def save_context(path: str, context: Context, params: Params) -> None:
         # written last: marks a complete context
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(meta, f, indent=1)
+
+
+def _without_empty(tree):
+    """A cache's state dict without its zero-size arrays (moments without sums), which orbax
+    cannot write."""
+    if not isinstance(tree, dict):
+        return tree
+    return {k: _without_empty(v) for k, v in tree.items() if getattr(v, "size", 1) > 0}
+
+
+def _with_empty(stored, template):
+    """A restored state dict with the zero-size arrays of ``template`` (the abstract cache's state
+    dict) put back."""
+    if not isinstance(template, dict) or not isinstance(stored, dict):
+        return stored
+    empty = {
+        k: np.zeros(t.shape, t.dtype)
+        for k, t in template.items()
+        if k not in stored and getattr(t, "size", 1) == 0
+    }
+    return {k: _with_empty(v, template.get(k)) for k, v in stored.items()} | empty
 
 
 def read_meta(path: str) -> dict:
@@ -141,7 +163,8 @@ def load_context(path: str, params: Params) -> Context:
         except Exception as e:
             raise CheckpointError(f"{path}/cache is corrupt: {type(e).__name__}: {e}") from e
     try:
-        cache = jax.device_put(from_state_dict(template, stored["cache"]))
+        cache = from_state_dict(template, _with_empty(stored["cache"], to_state_dict(template)))
+        cache = jax.device_put(cache)
         logits = jax.device_put(stored["logits"])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}/cache does not hold a {meta['cache']} cache: {e}") from e
