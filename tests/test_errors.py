@@ -159,9 +159,10 @@ def test_moments_without_sums_are_refused_by_momentkv(tiny_llama):
     reads their sums, is refused by name instead of starting from empty statistics."""
     from kvjax.runtime.options import eviction_from
 
-    context = kvjax.prefill(tiny_llama, [np.arange(4, 40, dtype=np.int32)], budget=20, scorer="snapkv", window=4)
+    def cache(scorer):
+        return kvjax.prefill(tiny_llama, [np.arange(4, 40, dtype=np.int32)], budget=20, scorer=scorer, window=4).cache
+
     momentkv = eviction_from(budget=20, scorer="momentkv", window=4)
     with pytest.raises(ValueError, match="scorer='snapkv\\+momentkv' reads the moments of the evicted tokens"):
-        momentkv.fit(context.cache, tiny_llama.config, 1)
-    assert momentkv.fit(kvjax.prefill(tiny_llama, [np.arange(4, 40, dtype=np.int32)], budget=20, scorer="momentkv",
-                                      window=4).cache, tiny_llama.config, 1).moments.summed
+        momentkv.fit(cache("snapkv"), tiny_llama.config, 1)
+    assert momentkv.fit(cache("momentkv"), tiny_llama.config, 1).moments.summed
