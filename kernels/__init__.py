@@ -11,6 +11,8 @@ online softmax, the score pass of every score kind, tile sizes): ``tpu_common``,
   ``block_attention.reference.attention_with_scores``.
 * ``decode_attention_with_scores`` — one query per sequence, plus MomentKV's normalization
   correction.
+* ``causal_attention`` — a prompt over itself without scores (the full cache's prefill): cuDNN's
+  flash attention on CUDA, XLA's computation in query chunks elsewhere.
 
 What runs where, tiling rules and what has (not) been checked on hardware: ``docs/kernels.md``.
 
@@ -23,15 +25,18 @@ kinds ``SCORE_KINDS`` and ``NEG_INF``, the logit of a masked slot.
 from kvjax.kernels._shared import IMPLS, NEG_INF, SCORE_KINDS
 from kvjax.kernels.block_attention import block_attention_with_scores
 from kvjax.kernels.block_attention.reference import attention_with_scores
+from kvjax.kernels.causal_attention import PREFILL_CHUNK, causal_attention
 from kvjax.kernels.decode_attention import decode_attention_with_scores
 from kvjax.kernels.decode_attention.reference import corrected_attention
 
 __all__ = [
     "IMPLS",
     "NEG_INF",
+    "PREFILL_CHUNK",
     "SCORE_KINDS",
     "attention_with_scores",
     "block_attention_with_scores",
+    "causal_attention",
     "corrected_attention",
     "decode_attention_with_scores",
 ]

@@ -12,12 +12,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache.attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV
-from kvjax.kernels import attention_with_scores, decode_attention_with_scores
+from kvjax.kernels import attention_with_scores, causal_attention, decode_attention_with_scores
 from kvjax.model.config import ModelConfig
 from kvjax.model.segment import Segment
 from kvjax.sharding import per_shard
-
-PREFILL_CHUNK = 256  # query chunk of the full-cache causal prefill
 
 
 @struct.dataclass
@@ -26,8 +24,9 @@ class FullCache:
 
     Fields:
         k, v: [L, B, Hk, S, K] with S the static capacity (prompt bucket + new tokens).
-        impl: the decode step's attention (static; ``EvictionOptions.impl``): None = the
-            platform's (XLA on CPU, the decode kernel on TPU and CUDA), "xla", "pallas".
+        impl: the attention's implementation (static; ``EvictionOptions.impl``): None = the
+            platform's (XLA on CPU; on TPU and CUDA the decode kernel, and on CUDA cuDNN's
+            flash attention for the prompt), "xla", "pallas".
     """
 
     k: jax.Array
@@ -76,7 +75,8 @@ class FullCache:
     ) -> tuple[jax.Array, FullCache]:
         """Layer ``layer``: write k, v [B, T, Hk, K] at their positions (in place), attend q
         [B, T, H, K]. A decode step (T = 1) runs the decode attention of ``impl`` (the platform's
-        kernel reads the layer of the stacked cache in place); longer blocks run XLA."""
+        kernel reads the layer of the stacked cache in place); a prompt from position 0 runs
+        ``causal_attention`` of ``impl`` (cuDNN on CUDA), other blocks XLA over the cache."""
         B, T, Hk, _ = k.shape
         cache = self.write(layer, k, v, seg.positions)
         if T == 1:
@@ -91,21 +91,10 @@ class FullCache:
                 Hk,
             )
             return out, cache
+        if seg.from_start:  # a prompt into an empty cache: token t at slot t, causal
+            kv = lambda x: x.swapaxes(1, 2).astype(self.k.dtype)  # noqa: E731  as the cache holds it
+            return causal_attention(q, kv(k), kv(v), impl=self.impl), cache
         k_layer, v_layer = cache.k[layer], cache.v[layer]
-        if seg.from_start and T > PREFILL_CHUNK and T % PREFILL_CHUNK == 0:
-            # Causal prefill: query chunk c only needs the keys of chunks 0..c.
-            outs = []
-            for end in range(PREFILL_CHUNK, T + 1, PREFILL_CHUNK):
-                causal = jnp.arange(end)[None, :] <= jnp.arange(end - PREFILL_CHUNK, end)[:, None]
-                outs.append(
-                    attention_with_scores(
-                        q[:, end - PREFILL_CHUNK : end],
-                        k_layer[:, :, :end],
-                        v_layer[:, :, :end],
-                        causal[None, None],
-                    )[0]
-                )
-            return jnp.concatenate(outs, axis=1), cache
         slots = jnp.arange(self.capacity)
         mask = (slots[None, None, :] <= seg.positions[:, :, None])[:, None]  # [B, 1, T, S]
         return attention_with_scores(q, k_layer, v_layer, mask)[0], cache

@@ -21,11 +21,11 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from kvjax.cache.full import PREFILL_CHUNK, FullCache
+from kvjax.cache.full import FullCache
 from kvjax.cache.layout import EvictingCache
 from kvjax.eviction import Policy, RepeatPrompt, ScoringData
 from kvjax.eviction.allocations import whole_head_count
-from kvjax.kernels import attention_with_scores
+from kvjax.kernels import PREFILL_CHUNK, attention_with_scores
 from kvjax.model.decoder import decode_hidden, logits_from_hidden
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment
