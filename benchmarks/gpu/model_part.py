@@ -20,9 +20,9 @@ those rows run). JAX's profiler traces 4 more steps of a few rows (``ModelRun.pr
 kind of op. Beside each figure its floor: the bytes a step must read (every weight but the embedding table, plus
 the kept keys and values of every row) over the copy bandwidth measured in the same run. Every row's attention
 is the kernels' unless ``common.decode_attention`` finds the decode kernel failing on the device (then XLA's,
-said in the report's head). The largest batch that fits at 32K is found from a compiled program's memory figures
-(state and temporaries per row) against the allocator's free bytes, then run (10% smaller, up to twice, if it
-does not).
+said in the report's head). The largest batch that fits at 32K is found from two compiled programs' memory figures
+(batch 1 and 8: the state and temporaries one more row adds, and the temporaries that do not grow) against the
+allocator's free bytes, then run (10% smaller, up to twice, if it does not).
 
 Every program is compiled in the background first; timed runs wait for the compilations (XLA autotunes on the
 device while it compiles) for at most a third of the part's time.
@@ -504,14 +504,15 @@ class ModelRun:
                     {**label, "error": "not run: no prefilled state or the deadline passed"},
                 )
                 continue
-            probe = next(
-                futures[j] for j in first if j[0] == cache and j[3] == sz.probe and c32 in j[4]
-            )
+            probes = [
+                next(futures[j] for j in first if j[0] == cache and j[3] == b and c32 in j[4])
+                for b in (sz.batches[0], sz.probe)
+            ]
             guarded(
                 self.results,
                 "decode",
                 label,
-                functools.partial(self.largest_batch_row, cache, probe),
+                functools.partial(self.largest_batch_row, cache, *probes),
             )
         rest = [j for j in jobs if j not in first]
         for i, job in enumerate(rest):
@@ -566,28 +567,38 @@ class ModelRun:
             batch == sz.batches[-1] and cache in (FULL, ("snapkv", 0), ("adakv", 0))
         )
 
-    def largest_batch_row(self, cache: Cache, probe_future) -> dict:
-        """Size the batch from the compiled probe's (the plan's program at batch ≤ 8) state and temporaries per
-        row against the allocator's free bytes, then run it (a batch that fails to run is retried 10% smaller,
-        twice)."""
+    def largest_batch_row(self, cache: Cache, first_future, probe_future) -> dict:
+        """Size the batch from two compiled programs of the plan (batch 1 and the probe, ≤ 8): the state and the
+        temporaries one more row adds (their differences), and the temporaries that do not grow with the batch,
+        against the allocator's free bytes; then run it (a batch that fails to run is retried 10% smaller,
+        twice). (Call 2 divided the probe's temporaries by its batch, counting a fixed ≈ 420 MiB eight times over:
+        its budget cache's largest batch was sized at 207 MiB per row where one more row took ≈ 150.)"""
         c32 = self.sz.contexts[1]
         source = self.states[cache, c32]
         ev = eviction(cache, self.sz, c32, self.attention(None))
-        probe_batch = self.sz.probe
-        one = cache_bytes(jax.eval_shape(functools.partial(tile_state, batch=1), source))
-        shape = jax.eval_shape(functools.partial(tile_state, batch=probe_batch), source)
-        per_row_state = (cache_bytes(shape) - one) / (probe_batch - 1)
-        probe, _ = probe_future.result(timeout=max(1.0, self.deadline.left()))
-        per_row = per_row_state + probe.memory_analysis().temp_size_in_bytes / probe_batch
+        b1, probe_batch = self.sz.batches[0], self.sz.probe
+
+        def state_bytes(batch: int) -> int:
+            return cache_bytes(jax.eval_shape(functools.partial(tile_state, batch=batch), source))
+
+        def temp(future) -> int:
+            compiled, _ = future.result(timeout=max(1.0, self.deadline.left()))
+            return compiled.memory_analysis().temp_size_in_bytes
+
+        t1, t_probe = temp(first_future), temp(probe_future)
+        per_row_temp = max(0.0, (t_probe - t1) / (probe_batch - b1))
+        per_row = (state_bytes(probe_batch) - state_bytes(b1)) / (probe_batch - b1) + per_row_temp
+        fixed_temp = max(0.0, t1 - b1 * per_row_temp)
         stats = memory_stats()
         if stats:
-            free = stats["bytes_limit"] - stats["bytes_in_use"] - self.sz.margin
+            free = stats["bytes_limit"] - stats["bytes_in_use"] - self.sz.margin - fixed_temp
             batch = max(1, int(free // per_row))
         else:  # CPU (smoke): no allocator figures
             free, batch = float("nan"), 2 * max(self.sz.batches)
         log(
             f"largest batch, {cache_label(cache, self.sz)} at {c32}: {batch} "
-            f"(free {free / 2**30:.1f} GiB, {per_row / 2**20:.1f} MiB per row)"
+            f"(free {free / 2**30:.1f} GiB after {fixed_temp / 2**20:.0f} MiB of fixed temporaries, "
+            f"{per_row / 2**20:.1f} MiB per row)"
         )
         errors = []
         for attempt in range(3):
@@ -600,6 +611,7 @@ class ModelRun:
                     **row,
                     "batch": batch,
                     "per_row_bytes": per_row,
+                    "fixed_temp_bytes": fixed_temp,
                     "free_bytes": free,
                     "attempts": attempt + 1,
                 }
