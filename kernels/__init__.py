@@ -25,9 +25,9 @@ kinds ``SCORE_KINDS`` and ``NEG_INF``, the logit of a masked slot.
 from kvjax.kernels._shared import IMPLS, NEG_INF, SCORE_KINDS
 from kvjax.kernels.block_attention import block_attention_with_scores
 from kvjax.kernels.block_attention.reference import attention_with_scores
-from kvjax.kernels.causal_attention import PREFILL_CHUNK, causal_attention
 from kvjax.kernels.decode_attention import decode_attention_with_scores
 from kvjax.kernels.decode_attention.reference import corrected_attention
+from kvjax.kernels.prompt_attention import PREFILL_CHUNK, causal_attention
 
 __all__ = [
     "IMPLS",

@@ -1,8 +1,9 @@
-"""``kvjax.kernels.causal_attention``, the full cache's prefill attention.
+"""``kvjax.kernels.causal_attention`` (in ``prompt_attention.py``), the full cache's prefill attention.
 
-* The chunked XLA form equals a NumPy causal softmax attention (GQA, prompts shorter than a chunk, a
-  multiple of it and ragged), and the full cache's prefill equals XLA's attention over the whole
-  cache under the positions' mask (the computation it replaced).
+* The chunked XLA form equals a NumPy causal softmax attention (GQA; prompts shorter than a span, whole
+  spans and ragged ones, spans in tiles), on CPU in the CPU's shape (short and long prompts), and the
+  full cache's prefill equals XLA's attention over the whole cache under the positions' mask (the
+  computation it replaced).
 * Lowering from this CPU machine, with ``check_cudnn_version`` patched to say whether cuDNN is installed:
   without cuDNN the CUDA program holds the chunked form; with a cuDNN version reported, the CUDA program
   of bfloat16 inputs, and a model's full-cache prefill, hold cuDNN's flash attention and no other
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 from kvjax.kernels import PREFILL_CHUNK, attention_with_scores, causal_attention
-from kvjax.kernels.causal_attention import chunked_causal_attention
+from kvjax.kernels.prompt_attention import CPU_SHORT, chunked_causal_attention, cpu_causal_attention
 
 import kvjax
 from kvjax.cache.full import FullCache
@@ -48,13 +49,26 @@ def inputs(T, B=2, Hk=3, G=3, K=16, dtype=jnp.float32, seed=0):
     return q, k, v
 
 
-@pytest.mark.parametrize("T", [7, PREFILL_CHUNK, 2 * PREFILL_CHUNK, PREFILL_CHUNK + 45])
-def test_chunked_form_equals_a_numpy_causal_attention(T):
+@pytest.mark.parametrize("T,span,tile", [
+    (7, PREFILL_CHUNK, None),  # shorter than a span
+    (2 * PREFILL_CHUNK, PREFILL_CHUNK, None),  # whole spans
+    (PREFILL_CHUNK + 45, PREFILL_CHUNK, None),  # a ragged last span
+    (300, 128, 32),  # tiles of a span in a lax.map, a ragged last span and tile
+    (256, 256, 64),  # one span of whole tiles
+])
+def test_chunked_form_equals_a_numpy_causal_attention(T, span, tile):
     q, k, v = inputs(T)
-    got = chunked_causal_attention(q, k, v)
+    got = chunked_causal_attention(q, k, v, span=span, tile=tile)
     np.testing.assert_allclose(np.asarray(got), numpy_causal(q, k, v), atol=2e-5, rtol=2e-5)
-    # on this CPU the default is the same computation
-    np.testing.assert_array_equal(np.asarray(causal_attention(q, k, v)), np.asarray(got))
+
+
+@pytest.mark.parametrize("T", [300, CPU_SHORT + 52])  # CPU's two shapes
+def test_on_cpu_the_default_is_the_cpu_shape_of_the_chunked_form(T):
+    q, k, v = inputs(T, B=1, Hk=1, G=2, K=8)
+    got = causal_attention(q, k, v)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(cpu_causal_attention(q, k, v)))
+    np.testing.assert_array_equal(np.asarray(causal_attention(q, k, v, impl="xla")), np.asarray(got))
+    np.testing.assert_allclose(np.asarray(got), numpy_causal(q, k, v), atol=2e-5, rtol=2e-5)
 
 
 def test_full_cache_prefill_equals_xla_attention_over_the_whole_cache():
