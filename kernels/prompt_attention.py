@@ -3,9 +3,10 @@
 impl=None: cuDNN's flash attention (``jax.nn.dot_product_attention(implementation="cudnn")``) on
 CUDA GPUs, chosen per platform by ``jax.lax.platform_dependent``; XLA's computation in query chunks
 (``chunked_causal_attention``) on CPU, TPU and wherever cuDNN does not take the inputs. cuDNN's
-function checks for cuDNN, the dtype (bfloat16 or float16) and the head dim as it is traced, so it
-is only traced where it can run: without cuDNN, or for float32 inputs, the program holds the
-chunked form alone. Any other impl runs the chunked form (there is no Pallas kernel for this).
+function checks for cuDNN as it is traced, so it is only traced where it can run, and only for
+inputs its flash attention takes (bfloat16 or float16, a head dim of at most 128 and a multiple of
+8): otherwise the program holds the chunked form alone. Any other impl runs the chunked form (there
+is no Pallas kernel for this).
 
 The chunked form's shape is per platform too. On CPU (``cpu_causal_attention``) a query's logits
 should stay in the CPU's cache: up to 2048 tokens, one product per 128 queries; longer, spans of 512
@@ -94,8 +95,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str | No
             f"{q.shape}, {k.shape}, {v.shape}"
         )
     xla = dict(cpu=cpu_causal_attention, default=chunked_causal_attention)
-    if impl is None:
-        try:  # traces cuDNN's function, which raises where cuDNN or the inputs' dtype is missing
+    if impl is None and q.dtype in (jnp.bfloat16, jnp.float16) and K % 8 == 0 and K <= 128:
+        try:  # traces cuDNN's function, which raises where cuDNN is missing
             return jax.lax.platform_dependent(q, k, v, cuda=_cudnn, **xla)
         except (RuntimeError, ValueError, NotImplementedError):
             pass
