@@ -92,8 +92,8 @@ class FullCache:
             )
             return out, cache
         if seg.from_start:  # a prompt into an empty cache: token t at slot t, causal
-            kv = lambda x: x.swapaxes(1, 2).astype(self.k.dtype)  # noqa: E731  as the cache holds it
-            return causal_attention(q, kv(k), kv(v), impl=self.impl), cache
+            k_new, v_new = (x.swapaxes(1, 2).astype(self.k.dtype) for x in (k, v))  # as cached
+            return causal_attention(q, k_new, v_new, impl=self.impl), cache
         k_layer, v_layer = cache.k[layer], cache.v[layer]
         slots = jnp.arange(self.capacity)
         mask = (slots[None, None, :] <= seg.positions[:, :, None])[:, None]  # [B, 1, T, S]
