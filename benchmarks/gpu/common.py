@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # XLA's dynamic-slice fusion: cuBLAS reads a slice of a larger operand (a layer of the stacked weights) in place
 DYNAMIC_SLICE_FUSION = {"xla_gpu_enable_dynamic_slice_fusion": True}
@@ -36,6 +37,14 @@ def error_text(e: BaseException, limit: int = 600) -> str:
     """The exception's type and the end of its message (XLA errors put the cause last)."""
     text = f"{type(e).__name__}: {e}".strip()
     return text if len(text) <= limit else text[:200] + " … " + text[-(limit - 200):]
+
+
+def rel_error(x, ref) -> float:
+    """‖x − ref‖ / ‖ref‖ in float64 (NaN where x is not finite)."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(x)):
+        return float("nan")
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 class Deadline:

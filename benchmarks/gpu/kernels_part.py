@@ -26,8 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from common import Compiler, Deadline, Results, guarded, log, median_seconds
+from common import Compiler, Deadline, Results, guarded, log, median_seconds, rel_error
 from kvjax.kernels import (
     SCORE_KINDS,
     block_attention_with_scores,
@@ -155,13 +154,6 @@ def to_f32(args):
         return x.astype(jnp.float32)
 
     return jax.tree.map(cast, args)
-
-
-def rel_error(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    if not np.all(np.isfinite(x)):
-        return float("nan")
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def check_cases(smoke: bool, slots: int) -> list[Case]:

@@ -51,6 +51,7 @@ from common import (
     guarded,
     log,
     memory_stats,
+    rel_error,
 )
 
 import kvjax
@@ -336,8 +337,8 @@ class ModelRun:
                 )
             else:
                 extra["vs_default"] = {
-                    "last_layer_k": relative_error(state.cache.k[-1], default.cache.k[-1]),
-                    "logits": relative_error(state.logits, default.logits),
+                    "last_layer_k": rel_error(state.cache.k[-1], default.cache.k[-1]),
+                    "logits": rel_error(state.logits, default.logits),
                 }
         seconds = float(np.median(times[1:]))
         return {
@@ -639,12 +640,6 @@ def run(
     model.prefill(prefills)
     model.deadline = deadline
     model.decode(decodes)
-
-
-def relative_error(x: jax.Array, ref: jax.Array) -> float:
-    """‖x − ref‖ / ‖ref‖ in float32."""
-    x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
-    return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
 
 
 def tables(results: Results) -> list[str]:
