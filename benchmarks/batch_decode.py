@@ -4,6 +4,7 @@ the cache once per step costs at this machine's measured bandwidth (SmolLM2, flo
     .venv/bin/python benchmarks/batch_decode.py                          # about 10 minutes on 2 cores
     .venv/bin/python benchmarks/batch_decode.py --contexts 1024 --caches full   # a quick look
     .venv/bin/python benchmarks/batch_decode.py --contexts 1024 --caches full 256 --layers stacked unstacked
+    .venv/bin/python benchmarks/batch_decode.py --contexts 2048 --caches 256 1024 --scorer momentkv
 
 ``--layers unstacked`` runs the model with ``kvjax.unstack_layers`` (a loop over per-layer arrays, no slices).
 
@@ -43,10 +44,12 @@ from common import device_profile  # noqa: E402 - the GPU script's profiler read
 MODEL = "smollm2-135m-instruct"
 
 
-def run(params, context: int, batch: int, budget: int | None, steps: int, repeats: int) -> dict:
+def run(params, context: int, batch: int, budget: int | None, steps: int, repeats: int, scorer: str,
+        decode_order: str) -> dict:
     rng = np.random.default_rng(0)
     rows = [rng.integers(10, 40000, context).astype(np.int32) for _ in range(batch)]
-    ev = None if budget is None else eviction_from(context=context, budget=budget, scorer="snapkv")
+    ev = None if budget is None else eviction_from(context=context, budget=budget, scorer=scorer,
+                                                   decode_order=decode_order)
     total = steps * (repeats + 2)  # warm-up, timed runs, profiled run
     gen = Generation.from_prompts(params, rows, total, Sampling(), 0, (), ev)
     gen.run(steps)  # compiles; the cache is now in its decoding shape
@@ -86,6 +89,8 @@ def main() -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--caches", nargs="+", default=["full", "256", "1024"],
                         help="full, or a budget in tokens per layer and KV head")
+    parser.add_argument("--scorer", default="snapkv", help="the budget caches' scorer")
+    parser.add_argument("--decode-order", default="attend-first", choices=["attend-first", "evict-first"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -104,16 +109,16 @@ def main() -> int:
                 if budget is not None and budget >= context:
                     continue
                 for batch in args.batches:
-                    r = results[layers, cache, context, batch] = run(params, context, batch, budget, args.steps,
-                                                                     args.repeats)
+                    r = results[layers, cache, context, batch] = run(
+                        params, context, batch, budget, args.steps, args.repeats, args.scorer, args.decode_order)
                     print(f"[{layers} {cache} {context} x{batch}: {r['ms']:.1f} ms/step]", flush=True,
                           file=sys.stderr)
     base = results.get((args.layers[0], "full", min(args.contexts), 1))
     bandwidth = weights / (base["ms"] / 1e3) if base else float("nan")  # bytes/s streaming the weights alone
-    print(f"SmolLM2-135M-Instruct, float32, CPU ({jax.device_count()} device, {os.cpu_count()} "
-          f"cores); weights {weights / 1e6:.0f} MB; bandwidth taken as weights / batch-1 full-cache step at "
-          f"{min(args.contexts)} tokens = {bandwidth / 1e9:.1f} GB/s; best of {args.repeats} runs of {args.steps} "
-          "steps\n")
+    print(f"SmolLM2-135M-Instruct, float32, CPU ({jax.device_count()} device, {os.cpu_count()} cores); "
+          f"budget caches' scorer {args.scorer} ({args.decode_order}); weights {weights / 1e6:.0f} MB; "
+          f"bandwidth taken as weights / batch-1 full-cache step at {min(args.contexts)} tokens = "
+          f"{bandwidth / 1e9:.1f} GB/s; best of {args.repeats} runs of {args.steps} steps\n")
     print("| layers | cache | context | batch | ms/step | KV MB | floor ms | step / floor | tokens/s | "
           "batch-8 / batch-1 throughput | matmuls ms | slice copies ms | other ops ms | compile s |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -47,12 +47,15 @@ def max_slots(x: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
 
 def set_layer_slots(
     x: jax.Array, layer: jax.Array, index: jax.Array, values: jax.Array
-) -> jax.Array:
-    """x [L, B, Hk, S, ...] with ``x[layer, b, h, index[b, h, i]] = values[b, h, i]``: the layer's
-    slice updated (its row and KV-head axes leading, the batch dimensions of the scatter) and
-    written back in place. A scatter batched over the middle axes of the stacked array instead makes
-    XLA transpose and copy all of it for every layer."""
-    return jax.lax.dynamic_update_index_in_dim(x, set_slots(x[layer], index, values), layer, 0)
+) -> tuple[jax.Array, jax.Array]:
+    """(x [L, B, Hk, S, ...] with ``x[layer, b, h, index[b, h, i]] = values[b, h, i]``, its layer
+    ``layer`` [B, Hk, S, ...]): the layer's slice updated (its row and KV-head axes leading, the
+    batch dimensions of the scatter) and written back in place. A scatter batched over the middle
+    axes of the stacked array instead makes XLA transpose and copy all of it for every layer. Read
+    the layer from the slice returned: a slice of the stacked result, read after the in-place
+    write, can make XLA keep a copy of the whole stacked array for every layer."""
+    part = set_slots(x[layer], index, values)
+    return jax.lax.dynamic_update_index_in_dim(x, part, layer, 0), part
 
 
 def inverse_permutation(permutation: jax.Array) -> jax.Array:

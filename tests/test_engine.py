@@ -1,6 +1,11 @@
 """The eviction engine end to end: full-cache equivalence, cache invariants (property tests), compressed
 contexts, memory, compilation, and proof on SmolLM2 that eviction really happens."""
 
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import FILLER, NEEDLE, QUESTION
@@ -8,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax.runtime.decoding import Generation
+from kvjax.runtime.decoding import Generation, decode_steps
 from kvjax.runtime.options import eviction_from
 from kvjax.runtime.sampling import Sampling
 
@@ -117,6 +122,57 @@ def test_blockwise_cache_size_does_not_depend_on_the_prompt(tiny_llama):
     slots = 32 + 1  # budget + one decode spare
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * slots * cfg.head_dim * 4
     assert sizes[20] > kv  # positions, scores and moments come on top of keys and values
+
+
+def _float32_kv_of_every_layer(params, scorer: str, **options) -> list:
+    """The float32 arrays shaped like every layer's keys [L, B, Hk, S, K] that one decode step's program
+    computes (bfloat16 weights, so the cache itself is bfloat16)."""
+    ev = eviction_from(budget=16, scorer=scorer, n_sink=1, window=2, block_size=8, **options)
+    gen = Generation.from_prompts(params, prompts_of([40, 23]), 4, Sampling(), 0, (), ev)
+    n = jnp.int32(4)
+    program = jax.make_jaxpr(decode_steps, static_argnums=(4, 5, 6))(params, gen.state, n, n, Sampling(), (), gen.ev)
+    cfg, slots = params.config, gen.state.cache.pos.shape[-1]
+
+    def avals(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield from (v.aval for v in eqn.outvars)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from avals(inner)
+
+    every_layer = (cfg.n_layers, 2, cfg.n_kv_heads, slots, cfg.head_dim)
+    return [a for a in avals(program.jaxpr) if a.dtype == jnp.float32 and a.shape == every_layer]
+
+
+@pytest.mark.parametrize("scorer", ["snapkv+momentkv", "h2o+momentkv-zeroth"])
+def test_moment_informed_decoding_evicts_layer_by_layer(tiny_llama, scorer):
+    """A decoding step under MomentKV's moment-informed eviction, which reads every slot's keys and values in
+    float32, evicts in each layer's step of the layer scan on the dense cache (its output unchanged: the
+    reference tests compare the tokens), so its program never holds those of every layer at once (as it did
+    when every layer evicted together after the step: 132 MiB per row at Llama-3.1-8B's shapes on an H200). On
+    pages the eviction stays after the step, and the same search finds those arrays."""
+    cfg = dataclasses.replace(tiny_llama.config, n_layers=3)
+    params = kvjax.init_params(cfg, jax.random.key(0), jnp.bfloat16, scale=0.3)
+    assert _float32_kv_of_every_layer(params, scorer) == []
+    assert _float32_kv_of_every_layer(params, "adakv+" + scorer, page_size=4)
+
+
+@pytest.mark.parametrize("scorer, order", [("snapkv", "attend-first"), ("momentkv", "attend-first"),
+                                           ("snapkv+fastcaote", "evict-first"), ("momentkv", "evict-first")])
+def test_the_compiled_decode_loop_copies_no_stacked_keys_or_values(tiny_llama, scorer, order):
+    """XLA writes the new token into the stacked keys and values in place, and no layer of the scan copies the
+    whole stack: an eviction in the layer that read its layer from the stacked result made XLA copy every
+    layer's keys and values in every layer (FastCAOTE under evict-first; 5x slower at batch 8 on SmolLM2)."""
+    ev = eviction_from(budget=128, scorer=scorer, n_sink=1, window=2, block_size=8,  # 16: no copy either way
+                       decode_order=order)
+    gen = Generation.from_prompts(tiny_llama, prompts_of([200, 150]), 4, Sampling(), 0, (), ev)
+    n = jnp.int32(4)
+    text = decode_steps.lower(tiny_llama, gen.state, n, n, Sampling(), (), gen.ev).compile().as_text()
+    stacked = ",".join(map(str, gen.state.cache.k.shape))
+    assert re.search(rf"= f32\[{stacked}\]", text)  # the loop carries them
+    assert not re.findall(rf"= f32\[{stacked}\]\S* copy\(", text)
 
 
 def test_same_request_shape_does_not_recompile(tiny_llama, count_compiles):

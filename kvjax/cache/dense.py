@@ -108,18 +108,16 @@ class BudgetCache(SlotsView):
         """Layer ``layer``: put k, v [B, T, Hk, K] in the first free slots of ``order`` (written in
         place in the stacked arrays: keys and values never move), attend q [B, T, H, K] and update
         the scores, as ``seg.policy`` says. Eviction comes after the step, for every layer at once
-        (``evict``), or with ``seg.evict_in_layer`` here, before the layer's output: the attention
-        over the tokens it keeps."""
+        (``evict``), or with ``seg.evict_in_layer`` here (before the layer's output with
+        ``seg.attend_kept``: the attention over the tokens it keeps)."""
         B, T, Hk, _ = k.shape
         small = jax.tree.map(lambda x: x[layer], self.replace(k=None, v=None))
         count = (small.pos >= 0).sum(-1)  # [B, Hk]
         free = jnp.take_along_axis(small.order, count[..., None] + jnp.arange(T), -1)  # [B, Hk, T]
-        k_all = set_layer_slots(self.k, layer, free, k.swapaxes(1, 2).astype(self.k.dtype))
-        v_all = set_layer_slots(self.v, layer, free, v.swapaxes(1, 2).astype(self.v.dtype))
+        k_all, k_here = set_layer_slots(self.k, layer, free, k.swapaxes(1, 2).astype(self.k.dtype))
+        v_all, v_here = set_layer_slots(self.v, layer, free, v.swapaxes(1, 2).astype(self.v.dtype))
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
-        here = small.replace(
-            k=k_all[layer], v=v_all[layer], pos=set_slots(small.pos, free, new_pos)
-        )
+        here = small.replace(k=k_here, v=v_here, pos=set_slots(small.pos, free, new_pos))
         p = seg.policy
 
         def decode(h: BudgetCache):  # reads layer ``layer`` of the stacked k_all, v_all in place
@@ -145,13 +143,15 @@ class BudgetCache(SlotsView):
         out, col = scored_attention(p, seg, q, block, decode(here), here.moments)
         state, stats = fold_scores(p, seg, q, here.state, here.stats, col)
         here = here.replace(state=state, stats=stats)
-        if seg.evict_in_layer:
+        if seg.evict_in_layer and seg.attend_kept:
 
             def evict_first(args):
                 h = args[0]._evict_layer(p, seg.seen)
                 return h, kept_attention(p, decode(h), h.moments)
 
             here, out = when(seg.evict, evict_first, (here, out))
+        elif seg.evict_in_layer:
+            here = when(seg.evict, lambda h: h._evict_layer(p, seg.seen), here)
         small = jax.tree.map(
             lambda full, x: full.at[layer].set(x),
             self.replace(k=None, v=None),

@@ -24,8 +24,11 @@ class Segment:
         policy (static): the ``kvjax.eviction.Policy`` of a budget cache (None for the full
             cache), taken from the engine's ``Eviction``.
         evict_in_layer (static): at an eviction point each layer evicts right after its attention
-            has scored, and outputs the attention over the tokens it keeps (decoding under
-            ``decode_order="evict-first"``), instead of the step evicting after every layer.
+            has scored, instead of the step evicting after every layer
+            (``Eviction.evicts_by_layer``, or ``decode_order="evict-first"``).
+        attend_kept (static): with ``evict_in_layer``, the layer outputs the attention over the
+            tokens it keeps (``decode_order="evict-first"``); else over all it attended, which is
+            what an eviction after the step gives.
     """
 
     positions: jax.Array
@@ -36,6 +39,7 @@ class Segment:
     evict: jax.Array | None = None
     policy: object = struct.field(pytree_node=False, default=None)
     evict_in_layer: bool = struct.field(pytree_node=False, default=False)
+    attend_kept: bool = struct.field(pytree_node=False, default=False)
 
 
 def when(flag, fn, x):

@@ -86,6 +86,15 @@ class Eviction:
         return self.evict_every if self.decode_evict else max_new_tokens
 
     @property
+    def evicts_by_layer(self) -> bool:
+        """A decoding step evicts each layer in its own step of the layer scan (the same outputs),
+        not every layer at once after the step: MomentKV's moment-informed eviction on the dense
+        cache, whose S k_j of every slot, for all layers at once, held [L, B, Hk, S, K] float32
+        temporaries. Not on pages (there XLA then copied the page pool in every layer), nor for the
+        cheaper reads of CAOTE's values (slower layer by layer on a CPU)."""
+        return self.page_size is None and self.policy.moment_eviction
+
+    @property
     def layout(self) -> Dense | Paged:
         """The cache layout (``kvjax.cache.layout``): dense, or paged with ``page_size``."""
         return cache_layout(self.page_size)
@@ -221,5 +230,6 @@ def decode_segment(
         seen=lengths + 1,
         evict=evict,
         policy=ev.policy,
-        evict_in_layer=ev.decode_evict and ev.decode_order == "evict-first",
+        evict_in_layer=ev.decode_evict and (ev.decode_order == "evict-first" or ev.evicts_by_layer),
+        attend_kept=ev.decode_order == "evict-first",
     )
