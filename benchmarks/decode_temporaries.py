@@ -7,7 +7,9 @@ XLA's buffer assignment of ``kvjax.runtime.decoding.decode_steps`` compiled for 
 (bfloat16 weights and cache, a 4K prompt compressed block-wise to ``--budget``, evicting one token per step; no
 weights are allocated), at batch 1 and 8: "per row" is the difference over 7 rows. The temporaries a row adds are
 what an eviction reading every slot's keys and values holds in float32 (MomentKV, FastCAOTE) besides the step's
-own buffers; those at batch 1 are, on this CPU, mostly float32 copies of the bfloat16 weights. XLA:GPU assigns
+own buffers; those at batch 1 are, on this CPU, mostly float32 copies of the bfloat16 weights. "Copied in the layer
+scan" is what the ``copy`` instructions in the body of the loop over layers write per step (times the layers),
+per row: XLA's copies of stacked cache arrays that a layer reads and writes back in place. XLA:GPU assigns
 buffers otherwise; the GPU run's ``temp_bytes`` (benchmarks/gpu) are the card's figures.
 """
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
+import re
 import sys
 from pathlib import Path
 
@@ -31,6 +35,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 from model_part import LLAMA_8B, OUT_WIDTH, tile_state  # noqa: E402 - the GPU script's 8B shapes and tiling
 
 CONTEXT = 4096
+BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
+
+
+def layer_scan_copies(hlo: str) -> int:
+    """Bytes the ``copy`` instructions of the layer scan's body write (the while loop nested in the decode
+    loop's), per layer, in a compiled program's text."""
+    lines, caller, comp = {}, {}, None
+    for line in hlo.splitlines():
+        if line and not line.startswith((" ", "}")) and line.rstrip().endswith("{"):
+            comp = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+            lines[comp] = []
+        elif comp is not None:
+            lines[comp].append(line)
+    bodies = set()
+    for name, body in lines.items():
+        for line in body:
+            bodies.update(re.findall(r"body=%([\w.\-]+)", line))
+            for callee in re.findall(r"(?:body|condition|calls|to_apply)=%([\w.\-]+)", line):
+                caller.setdefault(callee, name)
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                for callee in group.split(","):
+                    caller.setdefault(callee.strip().lstrip("%"), name)
+
+    def loop_depth(name: str) -> int:
+        depth = 0
+        while name is not None:
+            depth += name in bodies
+            name = caller.get(name)
+        return depth
+
+    total = 0
+    for name, body in lines.items():
+        if name in bodies and loop_depth(name) == 2:
+            for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\]\S* copy\(", "\n".join(body)):
+                total += BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+    return total
 
 
 def per_row(params, scorer: str, budget: int) -> dict:
@@ -43,15 +83,16 @@ def per_row(params, scorer: str, budget: int) -> dict:
     prefill = functools.partial(feed_budget, ev=ev, out_width=OUT_WIDTH, decode_spare=ev.decode_spare(OUT_WIDTH))
     one = jax.eval_shape(prefill, params, None, tokens, lengths, lengths, key)
     steps = jax.ShapeDtypeStruct((), jnp.int32)
-    found = {}
+    found, copied = {}, {}
     for batch in (1, 8):
         state = jax.eval_shape(functools.partial(tile_state, batch=batch), one)
         compiled = jax.jit(decode_steps, static_argnums=(4, 5, 6)).lower(
             params, state, steps, steps, Sampling(), (), ev.decoding()).compile()
-        found[batch] = compiled.memory_analysis()
+        found[batch], copied[batch] = compiled.memory_analysis(), layer_scan_copies(compiled.as_text())
     mib = lambda name: (getattr(found[8], name) - getattr(found[1], name)) / 7 / 2**20  # noqa: E731
     return dict(state=mib("argument_size_in_bytes"), temporaries=mib("temp_size_in_bytes"),
-                fixed=found[1].temp_size_in_bytes / 2**20)
+                fixed=found[1].temp_size_in_bytes / 2**20,
+                copied=cfg.n_layers * (copied[8] - copied[1]) / 7 / 2**20)
 
 
 def main() -> int:
@@ -65,11 +106,13 @@ def main() -> int:
     params = jax.eval_shape(lambda: kvjax.init_params(cfg, jax.random.key(0), jnp.bfloat16))
     print(f"Llama-3.1-8B's shapes, {cfg.n_layers} layers, bfloat16; a {CONTEXT}-token prompt compressed to "
           f"{args.budget} per layer and KV head; XLA:CPU's buffers (jax {jax.__version__}); MiB = 2^20 bytes\n")
-    print("| scorer | state per row MiB | step temporaries per row MiB | temporaries at batch 1 MiB |")
-    print("| --- | ---: | ---: | ---: |")
+    print("| scorer | state per row MiB | step temporaries per row MiB | copied in the layer scan per row and "
+          "step MiB | temporaries at batch 1 MiB |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for scorer in args.scorers:
         r = per_row(params, scorer, args.budget)
-        print(f"| {scorer} | {r['state']:.1f} | {r['temporaries']:.1f} | {r['fixed']:.0f} |", flush=True)
+        print(f"| {scorer} | {r['state']:.1f} | {r['temporaries']:.1f} | {r['copied']:.1f} | {r['fixed']:.0f} |",
+              flush=True)
     return 0
 
 

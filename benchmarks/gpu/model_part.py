@@ -556,7 +556,8 @@ class ModelRun:
 
     def profiled(self, cache: Cache, impl: str | None, batch: int, context: int) -> bool:
         """The decode rows traced by the profiler, at the shorter context: the full cache at batch 1 (default and
-        unstacked), and the full cache, SnapKV and AdaKV (the larger budget) at the largest batch of the plan."""
+        unstacked), and the full cache, SnapKV, MomentKV and AdaKV (the larger budget) at the largest batch of the
+        plan."""
         sz = self.sz
         if context != sz.contexts[0]:
             return False
@@ -565,7 +566,7 @@ class ModelRun:
         if impl is not None:
             return False
         return (cache == FULL and batch == sz.batches[0]) or (
-            batch == sz.batches[-1] and cache in (FULL, ("snapkv", 0), ("adakv", 0))
+            batch == sz.batches[-1] and cache in (FULL, ("snapkv", 0), ("momentkv", 0), ("adakv", 0))
         )
 
     def largest_batch_row(self, cache: Cache, first_future, probe_future) -> dict:
