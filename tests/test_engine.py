@@ -164,7 +164,7 @@ def test_moment_informed_decoding_evicts_layer_by_layer(tiny_llama, scorer):
 def test_the_compiled_decode_loop_copies_no_stacked_keys_or_values(tiny_llama, scorer, order):
     """XLA writes the new token into the stacked keys and values in place, and no layer of the scan copies the
     whole stack: an eviction in the layer that read its layer from the stacked result made XLA copy every
-    layer's keys and values in every layer (FastCAOTE under evict-first; 5x slower at batch 8 on SmolLM2)."""
+    layer's keys and values in every layer (FastCAOTE under evict-first: 4.5x slower at batch 8 on SmolLM2)."""
     ev = eviction_from(budget=128, scorer=scorer, n_sink=1, window=2, block_size=8,  # 16: no copy either way
                        decode_order=order)
     gen = Generation.from_prompts(tiny_llama, prompts_of([200, 150]), 4, Sampling(), 0, (), ev)
