@@ -74,7 +74,8 @@ def layer_scan_copies(hlo: str) -> int:
 
 
 def per_row(params, scorer: str, budget: int) -> dict:
-    """MiB of state and of temporaries that one more row adds to a decoding step's program."""
+    """MiB of state, of temporaries and of the layer scan's copies per step that one more row adds to a decoding
+    step's program (and the temporaries at batch 1)."""
     cfg = params.config
     ev = eviction_from(context=CONTEXT, budget=budget, scorer=scorer)
     tokens = jax.ShapeDtypeStruct((1, CONTEXT), jnp.int32)
