@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
-import re
 import sys
 from pathlib import Path
 
@@ -32,45 +30,10 @@ from kvjax.runtime.options import eviction_from
 from kvjax.runtime.sampling import Sampling
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from common import copied_bytes, loop_copies  # noqa: E402 - the GPU script's reading of compiled programs
 from model_part import LLAMA_8B, OUT_WIDTH, tile_state  # noqa: E402 - the GPU script's 8B shapes and tiling
 
 CONTEXT = 4096
-BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
-
-
-def layer_scan_copies(hlo: str) -> int:
-    """Bytes the ``copy`` instructions of the layer scan's body write (the while loop nested in the decode
-    loop's), per layer, in a compiled program's text."""
-    lines, caller, comp = {}, {}, None
-    for line in hlo.splitlines():
-        if line and not line.startswith((" ", "}")) and line.rstrip().endswith("{"):
-            comp = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
-            lines[comp] = []
-        elif comp is not None:
-            lines[comp].append(line)
-    bodies = set()
-    for name, body in lines.items():
-        for line in body:
-            bodies.update(re.findall(r"body=%([\w.\-]+)", line))
-            for callee in re.findall(r"(?:body|condition|calls|to_apply)=%([\w.\-]+)", line):
-                caller.setdefault(callee, name)
-            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                for callee in group.split(","):
-                    caller.setdefault(callee.strip().lstrip("%"), name)
-
-    def loop_depth(name: str) -> int:
-        depth = 0
-        while name is not None:
-            depth += name in bodies
-            name = caller.get(name)
-        return depth
-
-    total = 0
-    for name, body in lines.items():
-        if name in bodies and loop_depth(name) == 2:
-            for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\]\S* copy\(", "\n".join(body)):
-                total += BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-    return total
 
 
 def per_row(params, scorer: str, budget: int) -> dict:
@@ -89,7 +52,7 @@ def per_row(params, scorer: str, budget: int) -> dict:
         state = jax.eval_shape(functools.partial(tile_state, batch=batch), one)
         compiled = jax.jit(decode_steps, static_argnums=(4, 5, 6)).lower(
             params, state, steps, steps, Sampling(), (), ev.decoding()).compile()
-        found[batch], copied[batch] = compiled.memory_analysis(), layer_scan_copies(compiled.as_text())
+        found[batch], copied[batch] = compiled.memory_analysis(), copied_bytes(loop_copies(compiled.as_text()))
     mib = lambda name: (getattr(found[8], name) - getattr(found[1], name)) / 7 / 2**20  # noqa: E731
     return dict(state=mib("argument_size_in_bytes"), temporaries=mib("temp_size_in_bytes"),
                 fixed=found[1].temp_size_in_bytes / 2**20,

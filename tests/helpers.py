@@ -1,6 +1,9 @@
 """Plain helpers and constants shared by several test modules (fixtures live in conftest.py)."""
 
+import importlib
 import os
+import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +12,18 @@ import transformers
 from reference_eviction import parse_scorer
 
 from kvjax.eviction.moments import Moments
+
+GPU_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu"
+
+
+def gpu_script(module: str):
+    """A module of the GPU script (benchmarks/gpu, whose modules import each other by name)."""
+    sys.path.insert(0, str(GPU_SCRIPT))
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(str(GPU_SCRIPT))
+
 
 QUICK_COMPILE = "--xla_backend_optimization_level=0"  # every test process's (conftest.py)
 

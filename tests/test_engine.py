@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FILLER, NEEDLE, QUESTION
+from helpers import FILLER, NEEDLE, QUESTION, gpu_script
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
+from kvjax.model.layer_fields import split_layers
 from kvjax.runtime.decoding import Generation, decode_steps
 from kvjax.runtime.options import eviction_from
 from kvjax.runtime.sampling import Sampling
@@ -173,6 +174,25 @@ def test_the_compiled_decode_loop_copies_no_stacked_keys_or_values(tiny_llama, s
     stacked = ",".join(map(str, gen.state.cache.k.shape))
     assert re.search(rf"= f32\[{stacked}\]", text)  # the loop carries them
     assert not re.findall(rf"= f32\[{stacked}\]\S* copy\(", text)
+
+
+@pytest.mark.parametrize("scorer, order", [("snapkv", "attend-first"), ("momentkv", "attend-first"),
+                                           ("momentkv", "evict-first")])
+def test_the_layer_scan_copies_no_stacked_positions_order_state_or_moments(tiny_llama, scorer, order):
+    """The layer scan hands each layer its slice of the cache's ``LAYER_FIELDS`` (positions, state, order,
+    moments) and stacks what the layers return: updated in place, XLA copied the stacked positions or order in
+    every layer under every scorer, and MomentKV's sums (64 and 1,040 MiB per row and step on Llama-3.1-8B's
+    shapes), because a layer read them without its write-back depending on the read."""
+    ev = eviction_from(budget=128, scorer=scorer, n_sink=1, window=2, block_size=8, decode_order=order)
+    gen = Generation.from_prompts(tiny_llama, prompts_of([200, 150]), 4, Sampling(), 0, (), ev)
+    n = jnp.int32(4)
+    text = decode_steps.lower(tiny_llama, gen.state, n, n, Sampling(), (), gen.ev).compile().as_text()
+    loop_copies = gpu_script("common").loop_copies  # (dtype, shape) of the copies in loops nested so deep
+    _, fields = split_layers(gen.state.cache)
+    stacked = {x.shape for x in jax.tree.leaves(fields) if x.size}
+    assert stacked >= {gen.state.cache.pos.shape, gen.state.cache.state.shape}
+    assert loop_copies(text, depth=1)  # the parser finds copies: the decode loop's own
+    assert not [shape for _, shape in loop_copies(text) if shape in stacked]
 
 
 def test_same_request_shape_does_not_recompile(tiny_llama, count_compiles):

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import gpu_script
+
 ROOT = Path(__file__).resolve().parent.parent
 GPU = ROOT / "benchmarks" / "gpu"
 
@@ -21,12 +23,7 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
         assert rows, table
         failed = [r for r in rows if "error" in r]
         assert not failed, (table, failed[:3])
-    sys.path.insert(0, str(GPU))
-    try:
-        from kernels_part import OPS
-        from layers_part import VARIANTS
-    finally:
-        sys.path.remove(str(GPU))
+    OPS, VARIANTS = gpu_script("kernels_part").OPS, gpu_script("layers_part").VARIANTS
     checks = parts["kernel_checks"]
     assert {r["op"] for r in checks} == set(OPS)  # every kernel: dense, paged, MomentKV-corrected
     assert all(r["ok"] and r["max_err"] < 1e-2 for r in checks)
@@ -59,11 +56,7 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
 
 
 def test_report_combines_runs_and_keeps_only_what_no_run_reached():
-    sys.path.insert(0, str(GPU))
-    try:
-        from report import combine
-    finally:
-        sys.path.remove(str(GPU))
+    combine = gpu_script("report").combine
     label = {"cache": "full", "impl": "default", "context": 4096, "batch": 1}
     first = {"meta": {"model": {}}, "parts": {
         "decode": [{**label, "error": "not run: the part's deadline passed"},
@@ -82,11 +75,7 @@ def test_moved_bytes_counts_what_a_layer_scan_slices_out_once_per_trip():
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, str(GPU))
-    try:
-        from layers_part import moved_bytes
-    finally:
-        sys.path.remove(str(GPU))
+    moved_bytes = gpu_script("layers_part").moved_bytes
     L, n = 6, 512
     stacked = jnp.ones((L, n, n), jnp.float32)
     scan = jax.jit(lambda w, x: jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, w)[0])
@@ -101,11 +90,7 @@ def test_a_failing_decode_kernel_sends_every_row_to_xla(monkeypatch):
     attention, and says why."""
     import kvjax.kernels
 
-    sys.path.insert(0, str(GPU))
-    try:
-        from common import decode_attention
-    finally:
-        sys.path.remove(str(GPU))
+    decode_attention = gpu_script("common").decode_attention
     real = kvjax.kernels.decode_attention_with_scores
 
     def broken(*args, impl=None, **kwargs):

@@ -11,6 +11,7 @@ import functools
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import statistics
@@ -182,6 +183,46 @@ def device_profile(run: Callable[[], Any], steps: int, top: int = 8) -> dict:
             # the trace lines counted (none on a device: every device line's name, to see why)
             "lines": (sorted({threads[t] for t in lines}) or [f"none of {sorted(set(threads.values()))}"])
             if devices else ["XLA:CPU thunks"]}
+
+
+HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
+
+
+def loop_copies(hlo: str, depth: int = 2) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of each ``copy`` instruction in the bodies of while loops nested ``depth`` deep in a compiled
+    program's text: with 2, the layer scan inside the decode loop (what XLA copies in every layer)."""
+    lines, caller, comp = {}, {}, None
+    for line in hlo.splitlines():
+        if line and not line.startswith((" ", "}")) and line.rstrip().endswith("{"):
+            comp = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+            lines[comp] = []
+        elif comp is not None:
+            lines[comp].append(line)
+    bodies = set()
+    for name, body in lines.items():
+        for line in body:
+            bodies.update(re.findall(r"body=%([\w.\-]+)", line))
+            for callee in re.findall(r"(?:body|condition|calls|to_apply)=%([\w.\-]+)", line):
+                caller.setdefault(callee, name)
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                for callee in group.split(","):
+                    caller.setdefault(callee.strip().lstrip("%"), name)
+
+    def loop_depth(name: str) -> int:
+        found = 0
+        while name is not None:
+            found += name in bodies
+            name = caller.get(name)
+        return found
+
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d))
+            for name, body in lines.items() if name in bodies and loop_depth(name) == depth
+            for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\]\S* copy\(", "\n".join(body))]
+
+
+def copied_bytes(copies: list[tuple[str, tuple[int, ...]]]) -> int:
+    """Bytes the copies of ``loop_copies`` write."""
+    return sum(HLO_BYTES.get(dtype, 4) * math.prod(shape) for dtype, shape in copies)
 
 
 def memory_stats() -> dict[str, int]:

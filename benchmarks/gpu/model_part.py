@@ -40,16 +40,18 @@ import jax.numpy as jnp
 import numpy as np
 from common import (
     DYNAMIC_SLICE_FUSION,
+    KINDS,
     Ceilings,
     Compiler,
     Deadline,
-    KINDS,
     Results,
+    copied_bytes,
     decode_attention,
     device_profile,
     error_text,
     guarded,
     log,
+    loop_copies,
     memory_stats,
     rel_error,
 )
@@ -417,6 +419,8 @@ class ModelRun:
             "kv_bytes_kept": kept,
             "compile_s": compile_s,
             "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
+            # what XLA copies in every layer of the layer scan, summed over the layers
+            "layer_scan_copy_bytes": self.sz.cfg.n_layers * copied_bytes(loop_copies(compiled.as_text())),
         }
 
     def decode_plan(self) -> list[tuple]:
@@ -672,21 +676,23 @@ def tables(results: Results) -> list[str]:
             "### Decode (floor: weights + kept keys and values over the measured copy bandwidth)",
             "",
             "| cache | impl | context | batch | ms/step | tokens/s | floor ms | step / floor | K/V kept GB | "
-            "compile s |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "temporaries GB | copied in the layer scan GB | compile s |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
+        gb = lambda r, key: "" if r.get(key) is None else f"{r[key] / 1e9:.2f}"  # noqa: E731 - absent before call 3
         for r in rows:
             batch = f"{r.get('batch', '')}{' (largest)' if r.get('largest_batch') else ''}"
             if "error" in r:
                 lines.append(
                     f"| {r['cache']} | {r['impl']} | {r['context']} | {batch} | {r['error'][:200]} "
-                    "| | | | | |"
+                    "| | | | | | | |"
                 )
             else:
                 lines.append(
                     f"| {r['cache']} | {r['impl']} | {r['context']} | {batch} | {r['ms_per_step']:.2f} | "
                     f"{r['tokens_per_s']:.0f} | {r['floor_ms']:.2f} | {r['step_over_floor']:.2f} | "
-                    f"{r['kv_bytes_kept'] / 1e9:.2f} | {r['compile_s']:.1f} |"
+                    f"{r['kv_bytes_kept'] / 1e9:.2f} | {gb(r, 'temp_bytes')} | {gb(r, 'layer_scan_copy_bytes')} | "
+                    f"{r['compile_s']:.1f} |"
                 )
         lines.append("")
     profiled = [r for r in rows if "profile" in r]

@@ -1,8 +1,9 @@
 """The fixed-budget KV cache: static slot count, original positions, scorer state, moments of the
 evicted.
 
-All leaves carry the leading layer axis L; the model's layer scan calls ``attend(layer, ...)``,
-which works on that layer's slice and writes it back. Keys and values never move once written: a
+All leaves carry a leading layer axis L. The model's layer loop carries the keys and values, which
+``attend(layer, ...)`` updates in place, and hands it the layer's slice of the rest
+(``LAYER_FIELDS``; ``kvjax.model.layer_fields``). Keys and values never move once written: a
 new token takes a free slot, an evicted token frees its slot. ``order`` lists the slots of each
 (layer, row, KV head) by position (valid slots first, in increasing position, then the empty ones),
 which is what pooling and the earliest-position tie-break need; evicting edits ``order``, not the
@@ -64,6 +65,7 @@ class BudgetCache(SlotsView):
         state=("layers", "batch", "kv_heads", "group", "slots"),
         order=("layers", "batch", "kv_heads", "slots"),
     )
+    LAYER_FIELDS = ("pos", "state", "order", "moments", "stats")
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, slots: int, dtype, moment_dim: int) -> BudgetCache:
@@ -105,19 +107,20 @@ class BudgetCache(SlotsView):
     def attend(
         self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, seg: Segment
     ) -> tuple[jax.Array, BudgetCache]:
-        """Layer ``layer``: put k, v [B, T, Hk, K] in the first free slots of ``order`` (written in
-        place in the stacked arrays: keys and values never move), attend q [B, T, H, K] and update
-        the scores, as ``seg.policy`` says. Eviction comes after the step, for every layer at once
-        (``evict``), or with ``seg.evict_in_layer`` here (before the layer's output with
-        ``seg.attend_kept``: the attention over the tokens it keeps)."""
+        """Layer ``layer`` of a cache whose ``LAYER_FIELDS`` are that layer's ([B, Hk, ...]): put
+        k, v [B, T, Hk, K] in the first free slots of ``order`` (written in place in the stacked
+        keys and values, which never move), attend q [B, T, H, K] and update the scores, as
+        ``seg.policy`` says. Eviction comes after the step, for every layer at once (``evict``), or
+        with ``seg.evict_in_layer`` here (before the layer's output with ``seg.attend_kept``: the
+        attention over the tokens it keeps). Returns the output and the cache with the layer's
+        fields."""
         B, T, Hk, _ = k.shape
-        small = jax.tree.map(lambda x: x[layer], self.replace(k=None, v=None))
-        count = (small.pos >= 0).sum(-1)  # [B, Hk]
-        free = jnp.take_along_axis(small.order, count[..., None] + jnp.arange(T), -1)  # [B, Hk, T]
+        count = (self.pos >= 0).sum(-1)  # [B, Hk]
+        free = jnp.take_along_axis(self.order, count[..., None] + jnp.arange(T), -1)  # [B, Hk, T]
         k_all, k_here = set_layer_slots(self.k, layer, free, k.swapaxes(1, 2).astype(self.k.dtype))
         v_all, v_here = set_layer_slots(self.v, layer, free, v.swapaxes(1, 2).astype(self.v.dtype))
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
-        here = small.replace(k=k_here, v=v_here, pos=set_slots(small.pos, free, new_pos))
+        here = self.replace(k=k_here, v=v_here, pos=set_slots(self.pos, free, new_pos))
         p = seg.policy
 
         def decode(h: BudgetCache):  # reads layer ``layer`` of the stacked k_all, v_all in place
@@ -152,12 +155,7 @@ class BudgetCache(SlotsView):
             here, out = when(seg.evict, evict_first, (here, out))
         elif seg.evict_in_layer:
             here = when(seg.evict, lambda h: h._evict_layer(p, seg.seen), here)
-        small = jax.tree.map(
-            lambda full, x: full.at[layer].set(x),
-            self.replace(k=None, v=None),
-            here.replace(k=None, v=None),
-        )
-        return out, small.replace(k=k_all, v=v_all)
+        return out, here.replace(k=k_all, v=v_all)
 
     def evict(self, p: Policy, seen: jax.Array) -> BudgetCache:
         """Keep ``p.budget`` slots per (layer, row, KV head), every layer at once (a few at a time

@@ -18,6 +18,7 @@ from kvjax.cache.full import FullCache
 from kvjax.eval.haystack import pydoc_prose
 from kvjax.eval.sweep import scorer_options
 from kvjax.model.decoder import decode_hidden, logits_from_hidden
+from kvjax.model.layer_fields import attend_stacked
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment
 from kvjax.runtime.protocol import Eviction
@@ -32,7 +33,7 @@ class OutputRecorder:
     outs: jax.Array
 
     def attend(self, layer, q, k, v, seg):
-        out, inner = self.inner.attend(layer, q, k, v, seg)
+        out, inner = attend_stacked(self.inner, layer, q, k, v, seg)
         T = self.outs.shape[2]
         return out, OutputRecorder(
             inner=inner, outs=self.outs.at[layer].set(out[:, -T:].astype(self.outs.dtype))

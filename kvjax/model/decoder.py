@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax.model.layer_fields import join_layers, split_layers
 from kvjax.model.params import LayerParams, Params
 from kvjax.model.rope import apply_rope, inverse_frequencies
 from kvjax.model.segment import Segment
@@ -26,8 +27,8 @@ def decoder_layer(
     Args:
         x: [B, T, D].
         p: the layer's parameter slice.
-        cache: holds every layer; ``cache.attend(layer, ...)`` reads and updates layer ``layer`` of
-            it.
+        cache: its keys and values hold every layer, its ``LAYER_FIELDS`` this layer's slice;
+            ``cache.attend(layer, ...)`` reads and updates layer ``layer``.
     """
     h = rms_norm(x, p.attn_norm, cfg.norm_eps)
     q = jnp.einsum("btd,dhk->bthk", h, p.wq)
@@ -51,24 +52,35 @@ def decode_hidden(params: Params, tokens: jax.Array, cache, seg: Segment):
     """Run new tokens [B, T] at ``seg.positions`` [B, T] through every layer against ``cache``.
 
     Stacked ``params.layers`` run under ``lax.scan``; a tuple of layers (``unstack_layers``) as an
-    unrolled loop. Returns the final-normed hidden states [B, T, D] and the updated cache.
+    unrolled loop. Either carries the cache's keys and values and hands each layer its slice of the
+    cache's ``LAYER_FIELDS`` (``kvjax.model.layer_fields``). Returns the final-normed hidden states
+    [B, T, D] and the updated cache.
     """
     cfg = params.config
     inv_freq = inverse_frequencies(cfg)
     x = jnp.take(params.embed, tokens, axis=0)
+    rest, fields = split_layers(cache)
+
+    def layer_step(x, rest, p, index, here):
+        x, cache = decoder_layer(cfg, x, p, index, join_layers(rest, here), seg, inv_freq)
+        return x, *split_layers(cache)
+
     if isinstance(params.layers, tuple):
+        done = []
         for index, p in enumerate(params.layers):
-            x, cache = decoder_layer(cfg, x, p, jnp.int32(index), cache, seg, inv_freq)
-        return rms_norm(x, params.final_norm, cfg.norm_eps), cache
+            here = jax.tree.map(lambda a: a[index], fields)
+            x, rest, here = layer_step(x, rest, p, jnp.int32(index), here)
+            done.append(here)
+        fields = jax.tree.map(lambda *a: jnp.stack(a), *done)
+    else:
 
-    def body(carry, layer):
-        x, cache = carry
-        p, index = layer
-        return decoder_layer(cfg, x, p, index, cache, seg, inv_freq), None
+        def body(carry, layer):
+            x, rest, here = layer_step(*carry, *layer)
+            return (x, rest), here
 
-    layers = (params.layers, jnp.arange(cfg.n_layers, dtype=jnp.int32))
-    (x, cache), _ = jax.lax.scan(body, (x, cache), layers)
-    return rms_norm(x, params.final_norm, cfg.norm_eps), cache
+        layers = (params.layers, jnp.arange(cfg.n_layers, dtype=jnp.int32), fields)
+        (x, rest), fields = jax.lax.scan(body, (x, rest), layers)
+    return rms_norm(x, params.final_norm, cfg.norm_eps), join_layers(rest, fields)
 
 
 def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:

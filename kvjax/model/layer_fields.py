@@ -1,0 +1,37 @@
+"""How each layer sees a cache: keys and values updated in place, the rest one layer at a time.
+
+A cache's leaves carry a leading layer axis L. Its keys and values are read by the attention at a
+layer index and written in place, so the layer loop carries them. The small per-layer fields that a
+cache names in ``LAYER_FIELDS`` (slot positions, scorer state, slot order, moments) are scanned over
+instead: ``cache.attend(layer, ...)`` gets and returns that layer's slice of them ([B, ...]), and
+the loop stacks the results. Updated in place, a field that a layer reads without its write-back
+depending on the read made XLA copy the whole stacked array in every layer (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def split_layers(cache) -> tuple[object, dict]:
+    """(``cache`` with its ``LAYER_FIELDS`` set to None, those fields by name)."""
+    names = getattr(cache, "LAYER_FIELDS", ())
+    if not names:
+        return cache, {}
+    return cache.replace(**dict.fromkeys(names)), {name: getattr(cache, name) for name in names}
+
+
+def join_layers(rest, fields: dict):
+    """``split_layers`` undone: ``rest`` with ``fields`` put back (stacked or one layer's)."""
+    return rest.replace(**fields) if fields else rest
+
+
+def attend_stacked(cache, layer: jax.Array, q, k, v, seg):
+    """``cache.attend`` for a cache that holds every layer's ``LAYER_FIELDS`` (a wrapper's inner
+    cache, a test's): their layer ``layer`` is sliced out, attended and written back."""
+    rest, fields = split_layers(cache)
+    out, cache = join_layers(rest, jax.tree.map(lambda x: x[layer], fields)).attend(
+        layer, q, k, v, seg
+    )
+    rest, here = split_layers(cache)
+    return out, join_layers(rest, jax.tree.map(lambda full, x: full.at[layer].set(x), fields, here))
