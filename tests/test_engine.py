@@ -176,14 +176,17 @@ def test_the_compiled_decode_loop_copies_no_stacked_keys_or_values(tiny_llama, s
     assert not re.findall(rf"= f32\[{stacked}\]\S* copy\(", text)
 
 
-@pytest.mark.parametrize("scorer, order", [("snapkv", "attend-first"), ("momentkv", "attend-first"),
-                                           ("momentkv", "evict-first")])
-def test_the_layer_scan_copies_no_stacked_positions_order_state_or_moments(tiny_llama, scorer, order):
+@pytest.mark.parametrize("scorer, order, page_size", [
+    ("snapkv", "attend-first", None), ("momentkv", "attend-first", None), ("momentkv", "evict-first", None),
+    ("adakv+snapkv", "attend-first", 4), ("adakv+momentkv", "evict-first", 4), ("pyramidkv", "attend-first", 4)])
+def test_the_layer_scan_copies_no_stacked_positions_order_state_or_moments(tiny_llama, scorer, order, page_size):
     """The layer scan hands each layer its slice of the cache's ``LAYER_FIELDS`` (positions, state, order,
-    moments) and stacks what the layers return: updated in place, XLA copied the stacked positions or order in
-    every layer under every scorer, and MomentKV's sums (64 and 1,040 MiB per row and step on Llama-3.1-8B's
-    shapes), because a layer read them without its write-back depending on the read."""
-    ev = eviction_from(budget=128, scorer=scorer, n_sink=1, window=2, block_size=8, decode_order=order)
+    moments; the page tables) and stacks what the layers return: updated in place, XLA copied the stacked
+    positions or order in every layer under every scorer, and MomentKV's sums (64 and 1,040 MiB per row and step
+    on Llama-3.1-8B's shapes; AdaKV on pages 513), because a layer read them without its write-back depending
+    on the read."""
+    ev = eviction_from(budget=128, scorer=scorer, n_sink=1, window=2, block_size=8, decode_order=order,
+                       page_size=page_size)
     gen = Generation.from_prompts(tiny_llama, prompts_of([200, 150]), 4, Sampling(), 0, (), ev)
     n = jnp.int32(4)
     text = decode_steps.lower(tiny_llama, gen.state, n, n, Sampling(), (), gen.ev).compile().as_text()

@@ -39,6 +39,7 @@ from kvjax.kernels.paged_attention import (
 )
 from kvjax.kernels.paged_attention.reference import gather_pages
 from kvjax.model.config import ModelConfig
+from kvjax.model.layer_fields import join_layers, split_layers
 from kvjax.model.segment import Segment, when
 from kvjax.sharding import per_shard
 from kvjax.slots import per_row, set_slots, true_first
@@ -70,6 +71,8 @@ class PagedCache(SlotsView):
             ascending.
         moments: ``Moments`` of the evicted tokens.
         stats: the base scorer's own statistics (``Base.init_stats``), or None.
+        n_layers (static): L, which a layer's view (its ``LAYER_FIELDS`` without the layer axis)
+            cannot read off its shapes.
     """
 
     k_pages: jax.Array
@@ -82,6 +85,7 @@ class PagedCache(SlotsView):
     order: jax.Array
     moments: Moments
     stats: object = None
+    n_layers: int = struct.field(pytree_node=False, default=0)
 
     # The pool is split by batch row only: its pages hold every KV head (see docs/sharding.md).
     AXES = dict(
@@ -94,6 +98,7 @@ class PagedCache(SlotsView):
         state=("layers", "batch", "kv_heads", "group", "slots"),
         order=("layers", "batch", "kv_heads", "slots"),
     )
+    LAYER_FIELDS = ("table", "n_pages", "pos", "state", "order", "moments", "stats")
 
     @classmethod
     def init(
@@ -119,6 +124,7 @@ class PagedCache(SlotsView):
             state=jnp.zeros((L, batch, Hk, cfg.group_size, C), jnp.float32),
             order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (L, batch, Hk, C)),
             moments=Moments.zeros((L, batch, Hk), moment_dim),
+            n_layers=L,
         )
 
     @classmethod
@@ -167,6 +173,7 @@ class PagedCache(SlotsView):
             state=jnp.pad(state, [(0, 0)] * 4 + [(0, C - S)]),
             order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), pos.shape),
             moments=Moments.zeros((L, B, Hk), moment_dim),
+            n_layers=L,
         )
 
     @property
@@ -191,13 +198,12 @@ class PagedCache(SlotsView):
         ).swapaxes(0, 1)
         return read(self.k_pages), read(self.v_pages)
 
-    def _take_pages(self, layer, tokens: int) -> PagedCache:
-        """Give every head of layer ``layer`` the pages for ``tokens`` more slots, from its row's
-        free pages."""
+    def _take_pages(self, tokens: int) -> PagedCache:
+        """A layer's view: give every head the pages for ``tokens`` more slots, from its row's free
+        pages."""
         P = self.page_size
-        count = (self.pos[layer] >= 0).sum(-1)  # [B, Hk]
-        n_pages = self.n_pages[layer]
-        extra = jnp.maximum(-(-(count + tokens) // P) - n_pages, 0)
+        count = (self.pos >= 0).sum(-1)  # [B, Hk]
+        extra = jnp.maximum(-(-(count + tokens) // P) - self.n_pages, 0)
 
         def take(cache: PagedCache) -> PagedCache:
             B, N = cache.free.shape
@@ -210,8 +216,8 @@ class PagedCache(SlotsView):
                 first_free[:, None, :], jnp.minimum(start[..., None] + j, N - 1), -1
             )
             table = set_slots(
-                cache.table[layer],
-                jnp.where(ok, n_pages[..., None] + j, cache.table.shape[-1]),
+                cache.table,
+                jnp.where(ok, cache.n_pages[..., None] + j, cache.table.shape[-1]),
                 page,
                 mode="drop",
             )
@@ -219,26 +225,23 @@ class PagedCache(SlotsView):
             free = per_row(
                 lambda f, t: f.at[t].set(False, mode="drop"), cache.free, taken, axes=(0, 0)
             )
-            return cache.replace(
-                table=cache.table.at[layer].set(table),
-                free=free,
-                n_pages=cache.n_pages.at[layer].set(n_pages + extra),
-            )
+            return cache.replace(table=table, free=free, n_pages=cache.n_pages + extra)
 
         return jax.lax.cond(jnp.any(extra > 0), take, lambda c: c, self)
 
     def attend(
         self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, seg: Segment
     ) -> tuple[jax.Array, PagedCache]:
-        """Layer ``layer``: put k, v [B, T, Hk, K] in each head's next logical slots (taking pages
-        as needed), attend q [B, T, H, K] and update the scores, as ``seg.policy`` says
-        (``BudgetCache.attend`` on pages). Eviction comes after the step, for every layer at once
-        (``evict``), or with ``seg.evict_in_layer`` here, before the layer's output: the attention
-        over the tokens it keeps."""
+        """Layer ``layer`` of a cache whose ``LAYER_FIELDS`` are that layer's ([B, Hk, ...]): put
+        k, v [B, T, Hk, K] in each head's next logical slots (taking pages as needed), attend q
+        [B, T, H, K] and update the scores, as ``seg.policy`` says (``BudgetCache.attend`` on
+        pages). Eviction comes after the step, for every layer at once (``evict``), or with
+        ``seg.evict_in_layer`` here, before the layer's output: the attention over the tokens it
+        keeps."""
         B, T, Hk, _ = k.shape
         P = self.page_size
-        cache = self._take_pages(layer, T)
-        pos, table, n_pages = cache.pos[layer], cache.table[layer], cache.n_pages[layer]
+        cache = self._take_pages(T)
+        pos, table, n_pages = cache.pos, cache.table, cache.n_pages
         slot = (pos >= 0).sum(-1)[..., None] + jnp.arange(T)  # [B, Hk, T]: valid slots are 0 … n−1
         page = jnp.take_along_axis(table, slot // P, -1)
         write = lambda pool, new: per_row(  # noqa: E731
@@ -261,8 +264,8 @@ class PagedCache(SlotsView):
                 q,
                 c.k_pages,
                 c.v_pages,
-                c.table[layer],
-                c.n_pages[layer],
+                c.table,
+                c.n_pages,
                 pos,
                 seg.positions,
             )
@@ -285,20 +288,15 @@ class PagedCache(SlotsView):
             B,
             Hk,
         )
-        layer_of = lambda tree: jax.tree.map(lambda x: x[layer], tree)  # noqa: E731
         cache = cache.replace(k_pages=k_pages, v_pages=v_pages)
-        out, col = scored_attention(p, seg, q, block, decode(cache, pos), layer_of(cache.moments))
-        state, stats = fold_scores(p, seg, q, cache.state[layer], layer_of(cache.stats), col)
-        cache = cache.replace(
-            pos=cache.pos.at[layer].set(pos),
-            state=cache.state.at[layer].set(state),
-            stats=jax.tree.map(lambda full, x: full.at[layer].set(x), cache.stats, stats),
-        )
+        out, col = scored_attention(p, seg, q, block, decode(cache, pos), cache.moments)
+        state, stats = fold_scores(p, seg, q, cache.state, cache.stats, col)
+        cache = cache.replace(pos=pos, state=state, stats=stats)
         if seg.evict_in_layer:
 
             def evict_first(args):
-                c = args[0].evict(p, seg.seen, layer=layer)
-                return c, kept_attention(p, decode(c, c.pos[layer]), layer_of(c.moments))
+                c = args[0]._evict_layer(p, seg.seen, layer)
+                return c, kept_attention(p, decode(c, c.pos), c.moments)
 
             cache, out = when(seg.evict, evict_first, (cache, out))
         return out, cache
@@ -308,7 +306,6 @@ class PagedCache(SlotsView):
         p: Policy,
         seen: jax.Array,
         max_evict: int | None = None,
-        layer: jax.Array | None = None,
         head_budgets: jax.Array | None = None,
     ) -> PagedCache:
         """Every layer at once: the allocation's kept count per (layer, row, KV head), the scorer's
@@ -320,7 +317,6 @@ class PagedCache(SlotsView):
                 when every layer held at most its total budget before the newest tokens (decoding,
                 prompt blocks): the spare slots of a head (C − cap) times the heads that share a
                 budget; a cache filled otherwise (a full prefill being compressed) must give it.
-            layer: only that layer (a traced index; not under a "global" allocation).
             head_budgets: [L, Hk] int32 each head's budget under the "heads" allocation
                 (kvzip-head).
         """
@@ -328,24 +324,21 @@ class PagedCache(SlotsView):
         cap = p.head_capacity(L, Hk)
         if max_evict is None:
             max_evict = min(C, (C - cap) * p.allocation_spec.sharing(L, Hk))
-        if layer is None:
-            return self._evict(p, seen, max_evict, cap, p.layer_budgets(L), head_budgets)
-        one = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1)  # noqa: E731
-        small = ("table", "n_pages", "pos", "state", "order")
-        part = self.replace(
-            **{name: one(getattr(self, name)) for name in small},
-            moments=jax.tree.map(one, self.moments),
-            stats=jax.tree.map(one, self.stats),
-        )
+        return self._evict(p, seen, max_evict, cap, p.layer_budgets(L), head_budgets)
+
+    def _evict_layer(self, p: Policy, seen: jax.Array, layer: jax.Array) -> PagedCache:
+        """``evict`` on a layer's view, for layer ``layer`` (a traced index; not under a "global"
+        allocation)."""
+        L, Hk, C = self.n_layers, self.pos.shape[1], self.slots
+        cap = p.head_capacity(L, Hk)
+        max_evict = min(C, (C - cap) * p.allocation_spec.sharing(L, Hk))
+        part, fields = split_layers(self)
+        part = join_layers(part, jax.tree.map(lambda x: x[None], fields))
         part = part._evict(
             p, seen, max_evict, cap, jnp.asarray(p.layer_budgets(L), jnp.int32)[layer][None]
         )
-        put = lambda full, x: jax.lax.dynamic_update_slice_in_dim(full, x, layer, 0)  # noqa: E731
-        return part.replace(
-            **{name: put(getattr(self, name), getattr(part, name)) for name in small},
-            moments=jax.tree.map(put, self.moments, part.moments),
-            stats=self.stats,
-        )
+        part, fields = split_layers(part)
+        return join_layers(part, jax.tree.map(lambda x: x[0], fields))
 
     def _evict(
         self,
