@@ -240,9 +240,9 @@ class BudgetCache(SlotsView):
 
 
 def _reset(state: jax.Array) -> jax.Array:
-    """Zeros in place of a layer's (finite) state, computed from it: with a data dependency on the
-    old slice, XLA reads it before overwriting it in place; plain zeros made XLA copy the whole
-    stacked state twice per layer (floating-point x * 0 is not folded, because of NaN and inf)."""
+    """Zeros in place of a (finite) state, computed from it: with a data dependency on the old
+    state, XLA overwrites it in place; plain zeros made XLA copy the stacked state in the decode
+    loop (floating-point x * 0 is not folded, because of NaN and inf; docs/performance.md)."""
     return state * 0.0
 
 
