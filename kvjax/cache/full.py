@@ -2,8 +2,9 @@
 
 A cache is a pytree whose leaves all carry a leading layer axis; the model's layer scan carries it
 and calls ``cache.attend(layer, q, k, v, segment)``, the one place where caching and eviction plug
-into the model. Updating the stacked cache in place (instead of scanning over per-layer slices,
-which copies the whole cache every step) keeps decoding memory traffic at one read of the cache."""
+into the model. Updating the stacked keys and values in place (instead of scanning over per-layer
+slices, which copies them whole every step) keeps decoding memory traffic at one read of them; a
+budget cache's small per-layer fields are scanned over instead (``kvjax.model.layer_fields``)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ from kvjax.eviction.moments import Moments
 
 
 class EvictingCache(Protocol):
-    """What the engine, the model's layers and the serving slots use of a budget cache.
+    """What the engine, the model's layers and the serving slots use of a budget cache. ``attend``
+    gets the fields named in ``LAYER_FIELDS`` as its layer's slice (``kvjax.model.layer_fields``).
 
     Fields:
         pos: [L, B, Hk, S] original positions (-1 = empty).
