@@ -160,18 +160,23 @@ def test_moment_informed_decoding_evicts_layer_by_layer(tiny_llama, scorer):
     assert _float32_kv_of_every_layer(params, "adakv+" + scorer, page_size=4)
 
 
+def _compiled_decode_loop(params, scorer: str, order: str, page_size: int | None = None):
+    """(the decoding state, the text of its decode loop compiled for this CPU), budget 128 over two prompts."""
+    ev = eviction_from(budget=128, scorer=scorer, n_sink=1, window=2, block_size=8,  # 16: no copy either way
+                       decode_order=order, page_size=page_size)
+    gen = Generation.from_prompts(params, prompts_of([200, 150]), 4, Sampling(), 0, (), ev)
+    n = jnp.int32(4)
+    return gen.state, decode_steps.lower(params, gen.state, n, n, Sampling(), (), gen.ev).compile().as_text()
+
+
 @pytest.mark.parametrize("scorer, order", [("snapkv", "attend-first"), ("momentkv", "attend-first"),
                                            ("snapkv+fastcaote", "evict-first"), ("momentkv", "evict-first")])
 def test_the_compiled_decode_loop_copies_no_stacked_keys_or_values(tiny_llama, scorer, order):
     """XLA writes the new token into the stacked keys and values in place, and no layer of the scan copies the
     whole stack: an eviction in the layer that read its layer from the stacked result made XLA copy every
     layer's keys and values in every layer (FastCAOTE under evict-first: 4.5x slower at batch 8 on SmolLM2)."""
-    ev = eviction_from(budget=128, scorer=scorer, n_sink=1, window=2, block_size=8,  # 16: no copy either way
-                       decode_order=order)
-    gen = Generation.from_prompts(tiny_llama, prompts_of([200, 150]), 4, Sampling(), 0, (), ev)
-    n = jnp.int32(4)
-    text = decode_steps.lower(tiny_llama, gen.state, n, n, Sampling(), (), gen.ev).compile().as_text()
-    stacked = ",".join(map(str, gen.state.cache.k.shape))
+    state, text = _compiled_decode_loop(tiny_llama, scorer, order)
+    stacked = ",".join(map(str, state.cache.k.shape))
     assert re.search(rf"= f32\[{stacked}\]", text)  # the loop carries them
     assert not re.findall(rf"= f32\[{stacked}\]\S* copy\(", text)
 
@@ -185,15 +190,11 @@ def test_the_layer_scan_copies_no_stacked_positions_order_state_or_moments(tiny_
     positions or order in every layer under every scorer, and MomentKV's sums (64 and 1,040 MiB per row and step
     on Llama-3.1-8B's shapes; AdaKV on pages 513), because a layer read them without its write-back depending
     on the read."""
-    ev = eviction_from(budget=128, scorer=scorer, n_sink=1, window=2, block_size=8, decode_order=order,
-                       page_size=page_size)
-    gen = Generation.from_prompts(tiny_llama, prompts_of([200, 150]), 4, Sampling(), 0, (), ev)
-    n = jnp.int32(4)
-    text = decode_steps.lower(tiny_llama, gen.state, n, n, Sampling(), (), gen.ev).compile().as_text()
+    state, text = _compiled_decode_loop(tiny_llama, scorer, order, page_size)
     loop_copies = gpu_script("common").loop_copies  # (dtype, shape) of the copies in loops nested so deep
-    _, fields = split_layers(gen.state.cache)
+    _, fields = split_layers(state.cache)
     stacked = {x.shape for x in jax.tree.leaves(fields) if x.size}
-    assert stacked >= {gen.state.cache.pos.shape, gen.state.cache.state.shape}
+    assert stacked >= {state.cache.pos.shape, state.cache.state.shape}
     assert loop_copies(text, depth=1)  # the parser finds copies: the decode loop's own
     assert not [shape for _, shape in loop_copies(text) if shape in stacked]
 

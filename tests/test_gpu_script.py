@@ -6,14 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import gpu_script
+from helpers import GPU_SCRIPT, gpu_script
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU = ROOT / "benchmarks" / "gpu"
 
 
 def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
-    done = subprocess.run([sys.executable, str(GPU / "run.py"), "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+    done = subprocess.run([sys.executable, str(GPU_SCRIPT / "run.py"), "--smoke", "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     merged = json.loads((tmp_path / "results.json").read_text())
