@@ -8,8 +8,8 @@ XLA's buffer assignment of ``kvjax.runtime.decoding.decode_steps`` compiled for 
 weights are allocated), at batch 1 and 8: "per row" is the difference over 7 rows. The temporaries a row adds are
 what an eviction reading every slot's keys and values holds in float32 (MomentKV, FastCAOTE) besides the step's
 own buffers; those at batch 1 are, on this CPU, mostly float32 copies of the bfloat16 weights. "Copied in the layer
-scan" is what the ``copy`` instructions in the body of the loop over layers write per step (times the layers),
-per row: XLA's copies of stacked cache arrays that a layer reads and writes back in place. XLA:GPU assigns
+scan" is what the ``copy`` instructions in the bodies of the loops inside the decode loop write per step (each
+loop's copies times its trip count: the layers for the layer scan), per row: XLA's copies of stacked cache arrays that a layer reads and writes back in place. XLA:GPU assigns
 buffers otherwise; the GPU run's ``temp_bytes`` (benchmarks/gpu) are the card's figures.
 """
 
@@ -39,7 +39,6 @@ CONTEXT = 4096
 def per_row(params, scorer: str, budget: int) -> dict:
     """MiB of state, of temporaries and of the layer scan's copies per step that one more row adds to a decoding
     step's program (and the temporaries at batch 1)."""
-    cfg = params.config
     ev = eviction_from(context=CONTEXT, budget=budget, scorer=scorer)
     tokens = jax.ShapeDtypeStruct((1, CONTEXT), jnp.int32)
     lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
@@ -56,7 +55,7 @@ def per_row(params, scorer: str, budget: int) -> dict:
     mib = lambda name: (getattr(found[8], name) - getattr(found[1], name)) / 7 / 2**20  # noqa: E731
     return dict(state=mib("argument_size_in_bytes"), temporaries=mib("temp_size_in_bytes"),
                 fixed=found[1].temp_size_in_bytes / 2**20,
-                copied=cfg.n_layers * (copied[8] - copied[1]) / 7 / 2**20)
+                copied=(copied[8] - copied[1]) / 7 / 2**20)
 
 
 def main() -> int:

@@ -2,9 +2,10 @@
 fake CPU devices; ``pytest tests/multidevice_checks.py`` needs ``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
 
 On meshes (data=2, model=4) and (model=8) (and (data=8) for the full and the paged cache) of a small model
-whose heads divide, and SmolLM2 on (data=2) and (model=2, its 3 KV and 9 query heads then replicated): the
-same generated tokens, logits within 1e-5, the same kept positions per (layer, row, KV head); the params
-(stacked or unstacked) and caches placed as their logical axes say; the compiled decode step gathers no keys, values or scorer state.
+whose heads divide, and SmolLM2 with SnapKV on (data=2) and (model=2, its 3 KV and 9 query heads then
+replicated): the same generated tokens, logits within 1e-5, the same kept positions per (layer, row, KV head);
+the params (stacked or unstacked) and caches placed as their logical axes say; the compiled decode step gathers
+no keys, values or scorer state.
 "Logits within 1e-5" is relative to the largest logit: a reduction split over devices adds in another order.
 """
 
@@ -224,5 +225,5 @@ def test_smollm2_sharded_equals_one_device(smollm2, spec):
         on_mesh = shard(smollm2, mesh)
         assert placed(on_mesh.layers.wk) == (None, None, None, None)
         assert placed(on_mesh.layers.w_up) == (None, None, "model")
-    check_equal(smollm2, rows, {}, mesh)
-    check_equal(smollm2, rows, dict(budget=24, scorer="snapkv", obs_window=8, window=8), mesh)
+    check_equal(smollm2, rows, dict(budget=24, scorer="snapkv", obs_window=8, window=8), mesh)  # the full cache:
+    # the small model's meshes above

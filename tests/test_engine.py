@@ -191,12 +191,12 @@ def test_the_layer_scan_copies_no_stacked_positions_order_state_or_moments(tiny_
     on Llama-3.1-8B's shapes; AdaKV on pages 513), because a layer read them without its write-back depending
     on the read."""
     state, text = _compiled_decode_loop(tiny_llama, scorer, order, page_size)
-    loop_copies = gpu_script("common").loop_copies  # (dtype, shape) of the copies in loops nested so deep
+    loop_copies = gpu_script("common").loop_copies  # (dtype, shape, trips) of the copies in loops nested so deep
     _, fields = split_layers(state.cache)
     stacked = {x.shape for x in jax.tree.leaves(fields) if x.size}
     assert stacked >= {state.cache.pos.shape, state.cache.state.shape}
     assert loop_copies(text, depth=1)  # the parser finds copies: the decode loop's own
-    assert not [shape for _, shape in loop_copies(text) if shape in stacked]
+    assert not [shape for _, shape, _ in loop_copies(text) if shape in stacked]
 
 
 def test_same_request_shape_does_not_recompile(tiny_llama, count_compiles):

@@ -22,6 +22,7 @@ LENGTHS = (37, 20)  # a right-padded batch: row 1 ends two blocks earlier
 NEW_TOKENS = 7
 BLOCK = 8
 BUDGET = 14
+PROTOCOLS = ("blockwise", "prefill")
 
 
 RELEASE_EVERY = 16  # tests between releases of the compiled programs
@@ -88,15 +89,35 @@ def distinct_prompts():
     return prompts_of(LENGTHS, vocab=89)
 
 
-@pytest.mark.parametrize("evict_every", [1, 3])
-@pytest.mark.parametrize("protocol", ["blockwise", "prefill"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def pytest_generate_tests(metafunc):
+    """The products of cases, protocols, eviction periods and allocations with --runslow; by default a covering
+    of them (every pair of a case's settings once, each case under both protocols), which compiles half the
+    programs: each (protocol, evict_every) pair across the dense cases, each modifier under one protocol,
+    alternating (MomentKV under both), each (base, allocation) pair under one protocol, alternating."""
+    full = metafunc.config.getoption("--runslow")
+    name = metafunc.function.__name__
+    if name == "test_engine_matches_reference":
+        runs = [("blockwise", 1), ("blockwise", 3), ("prefill", 1), ("prefill", 3)]
+        params = [(case, *run) for i, case in enumerate(CASES)
+                  for j, run in enumerate(runs) if full or j in (i % 2, 2 + (i + 1) % 2)]
+        metafunc.parametrize("case, protocol, evict_every", params,
+                             ids=["-".join(str(v) for v in (*c.values(), p, e)) for c, p, e in params])
+    elif name == "test_output_aware_engine_matches_reference":
+        params = [(case, protocol) for i, case in enumerate(MODIFIER_CASES) for j, protocol in enumerate(PROTOCOLS)
+                  if full or case["scorer"] == "momentkv" or (i + j) % 2 == 0]
+        metafunc.parametrize("case, protocol", params, ids=[f"{c['scorer']}-{p}" for c, p in params])
+    elif name == "test_allocations_match_reference":
+        params = [(case, allocation, protocol) for i, case in enumerate(ALLOCATION_CASES)
+                  for j, allocation in enumerate(ALLOCATIONS) for k, protocol in enumerate(PROTOCOLS)
+                  if full or (i + j + k) % 2 == 0]
+        metafunc.parametrize("case, allocation, protocol", params,
+                             ids=[f"{c['scorer']}-{a}-{p}" for c, a, p in params])
+
+
 def test_engine_matches_reference(model, case, protocol, evict_every):
     check_against_reference(model, case, protocol, evict_every, distinct_prompts())
 
 
-@pytest.mark.parametrize("protocol", ["blockwise", "prefill"])
-@pytest.mark.parametrize("case", MODIFIER_CASES, ids=lambda c: c["scorer"])
 def test_output_aware_engine_matches_reference(model, case, protocol):
     check_against_reference(model, case, protocol, 2, distinct_prompts())
 
@@ -125,6 +146,7 @@ ALLOCATION_CASES = [
     dict(scorer="snapkv", n_sink=2, window=4, obs_window=4, pool="max", kernel=3),
     dict(scorer="expected-attention", n_sink=2, window=0),
 ]
+ALLOCATIONS = ("uniform", "pyramidkv", "adakv", "global")
 PYRAMID = dict(n_sink=0, window=0, budget=20)
 
 
@@ -135,9 +157,6 @@ def model3():
     return kvjax.init_params(cfg, jax.random.key(5), scale=0.4)
 
 
-@pytest.mark.parametrize("protocol", ["blockwise", "prefill"])
-@pytest.mark.parametrize("allocation", ["uniform", "pyramidkv", "adakv", "global"])
-@pytest.mark.parametrize("case", ALLOCATION_CASES, ids=lambda c: c["scorer"])
 def test_allocations_match_reference(model3, case, allocation, protocol):
     case = case | (PYRAMID if allocation == "pyramidkv" else {})
     check_against_reference(model3, case | dict(allocation=allocation, page_size=4), protocol, 2, distinct_prompts())

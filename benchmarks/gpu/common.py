@@ -185,44 +185,66 @@ def device_profile(run: Callable[[], Any], steps: int, top: int = 8) -> dict:
             if devices else ["XLA:CPU thunks"]}
 
 
-HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
+HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8,
+             "s64": 8, "u64": 8}
 
 
-def loop_copies(hlo: str, depth: int = 2) -> list[tuple[str, tuple[int, ...]]]:
-    """(dtype, shape) of each ``copy`` instruction in the bodies of while loops nested ``depth`` deep in a compiled
-    program's text: with 2, the layer scan inside the decode loop (what XLA copies in every layer)."""
-    lines, caller, comp = {}, {}, None
-    for line in hlo.splitlines():
-        if line and not line.startswith((" ", "}")) and line.rstrip().endswith("{"):
-            comp = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
-            lines[comp] = []
-        elif comp is not None:
-            lines[comp].append(line)
-    bodies = set()
-    for name, body in lines.items():
-        for line in body:
-            bodies.update(re.findall(r"body=%([\w.\-]+)", line))
-            for callee in re.findall(r"(?:body|condition|calls|to_apply)=%([\w.\-]+)", line):
-                caller.setdefault(callee, name)
-            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                for callee in group.split(","):
-                    caller.setdefault(callee.strip().lstrip("%"), name)
+@dataclasses.dataclass
+class Hlo:
+    """A compiled program's text by computation: each one's lines, the computation that calls it, and the trip
+    count of each while loop's body (1 where XLA knows none)."""
 
-    def loop_depth(name: str) -> int:
-        found = 0
+    lines: dict[str, list[str]]
+    caller: dict[str, str]
+    trips: dict[str, int]
+
+    @classmethod
+    def parse(cls, text: str) -> Hlo:
+        lines, caller, trips, comp = {}, {}, {}, None
+        for line in text.splitlines():
+            if line and not line.startswith((" ", "}")) and line.rstrip().endswith("{"):
+                comp = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+                lines[comp] = []
+            elif comp is not None:
+                lines[comp].append(line)
+        for name, body in lines.items():
+            for line in body:
+                for loop in re.findall(r"body=%([\w.\-]+)", line):
+                    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                    trips[loop] = int(trip.group(1)) if trip else 1
+                for callee in re.findall(r"(?:body|condition|calls|to_apply)=%([\w.\-]+)", line):
+                    caller.setdefault(callee, name)
+                for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                    for callee in group.split(","):
+                        caller.setdefault(callee.strip().lstrip("%"), name)
+        return cls(lines, caller, trips)
+
+    def enclosing(self, name: str) -> list[str]:
+        """The loop bodies ``name`` runs in, itself first if it is one, outermost last."""
+        found = []
         while name is not None:
-            found += name in bodies
-            name = caller.get(name)
+            found += [name] if name in self.trips else []
+            name = self.caller.get(name)
         return found
 
-    return [(dtype, tuple(int(d) for d in dims.split(",") if d))
-            for name, body in lines.items() if name in bodies and loop_depth(name) == depth
+    def times(self, name: str) -> int:
+        """How often a computation runs per call of the program: the trip counts of its loops multiplied."""
+        return math.prod(self.trips[loop] for loop in self.enclosing(name))
+
+
+def loop_copies(hlo: str, depth: int = 2) -> list[tuple[str, tuple[int, ...], int]]:
+    """(dtype, shape, times) of each ``copy`` instruction in the bodies of while loops nested ``depth`` deep in a
+    compiled program's text, ``times`` the trip count of the loop that holds it: with 2, the loops inside the
+    decode loop (the layer scan: what XLA copies in every layer of a step)."""
+    prog = Hlo.parse(hlo)
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d), prog.trips[name])
+            for name, body in prog.lines.items() if name in prog.trips and len(prog.enclosing(name)) == depth
             for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\]\S* copy\(", "\n".join(body))]
 
 
-def copied_bytes(copies: list[tuple[str, tuple[int, ...]]]) -> int:
-    """Bytes the copies of ``loop_copies`` write."""
-    return sum(HLO_BYTES.get(dtype, 4) * math.prod(shape) for dtype, shape in copies)
+def copied_bytes(copies: list[tuple[str, tuple[int, ...], int]]) -> int:
+    """Bytes the copies of ``loop_copies`` write, each as many times as its loop runs."""
+    return sum(HLO_BYTES.get(dtype, 4) * math.prod(shape) * times for dtype, shape, times in copies)
 
 
 def memory_stats() -> dict[str, int]:

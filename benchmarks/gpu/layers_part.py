@@ -22,14 +22,17 @@ written to ``OUT/hlo/``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
 import jax.numpy as jnp
 from common import (
     DYNAMIC_SLICE_FUSION,
+    HLO_BYTES,
     Compiler,
     Deadline,
+    Hlo,
     Results,
     decode_attention,
     guarded,
@@ -50,9 +53,6 @@ OPTIONS = {  # the scan variants compiled with XLA options
     "scan, dynamic-slice fusion": DYNAMIC_SLICE_FUSION,
     "scan, Triton GEMMs": {"xla_gpu_triton_gemm_any": True},  # Triton GEMM fusions may take the slice as operand
 }
-BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8,
-         "s64": 8, "u64": 8}
-_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]\S* ([\w\-]+)\(")
 _SLICING = {"slice", "dynamic-slice"}
 _FREE = {"parameter", "constant", "bitcast"}
@@ -60,37 +60,22 @@ _FREE = {"parameter", "constant", "bitcast"}
 
 def moved_bytes(hlo: str) -> int:
     """Bytes written per call of an optimized HLO module by instructions that only slice or copy: ``copy``,
-    ``slice`` and ``dynamic-slice`` ops and fusions of nothing else, outside fused computations; those in a
-    ``while`` body times its known trip count."""
-    comps: dict[str, list[tuple[str, str, int, str]]] = {}
-    lines: dict[str, list[str]] = {}
-    name = None
-    for line in hlo.splitlines():
-        if (header := _HEADER.match(line)) is not None:
-            name = header.group(1)
-            comps[name], lines[name] = [], []
-        elif name is not None:
-            lines[name].append(line)
-        if name is not None and (m := _INSTR.match(line)) is not None:
-            size = BYTES.get(m.group(2), 4)
-            for d in filter(None, m.group(3).split(",")):
-                size *= int(d)
-            comps[name].append((m.group(1), m.group(4), size, line))
-    called = lambda line, key: re.findall(rf"{key}=%([\w.\-]+)", line)  # noqa: E731
-    fused = {c for body in comps.values() for *_, line in body for c in called(line, "calls")}
-    only_slices = {c for c in fused if c in comps
-                   and {op for _, op, _, _ in comps[c]} - _FREE <= _SLICING | {"copy"}}
-    trips = {c: 1 for c in comps if c not in fused}
-    for c in list(trips):  # loop bodies: times their trip count (one level of nesting is enough here)
-        for line in lines[c]:
-            if " while(" in line and (n := re.search(r'"known_trip_count":\{"n":"(\d+)"', line)):
-                for body in called(line, "body"):
-                    trips[body] = trips[c] * int(n.group(1))
+    ``slice`` and ``dynamic-slice`` ops and fusions of nothing else, outside fused computations; those in
+    ``while`` bodies times their loops' known trip counts."""
+    prog = Hlo.parse(hlo)
+    instrs = {name: [(m.group(4), HLO_BYTES.get(m.group(2), 4) * math.prod(int(d) for d in m.group(3).split(",") if d),
+                      line) for line in body if (m := _INSTR.match(line)) is not None]
+              for name, body in prog.lines.items()}
+    called = lambda line: re.findall(r"calls=%([\w.\-]+)", line)  # noqa: E731
+    fused = {c for body in prog.lines.values() for line in body for c in called(line)}
+    only_slices = {c for c in fused if c in instrs and {op for op, _, _ in instrs[c]} - _FREE <= _SLICING | {"copy"}}
     total = 0
-    for c, times in trips.items():
-        for _, op, size, line in comps.get(c, []):
-            moves = op in _SLICING | {"copy"} or (op == "fusion" and set(called(line, "calls")) & only_slices)
-            total += times * size if moves else 0
+    for name, body in instrs.items():
+        if name in fused:
+            continue
+        for op, size, line in body:
+            if op in _SLICING | {"copy"} or (op == "fusion" and set(called(line)) & only_slices):
+                total += prog.times(name) * size
     return total
 
 

@@ -291,9 +291,11 @@ class ModelRun:
             (ada_lo, c4, None),
             (ada_lo, c32, None),
         ]
-        if self.smoke:  # one budget, one impl="xla" (on CPU the default is XLA), one unstacked prefill: the same paths
+        if self.smoke:  # one budget, one impl="xla" (on CPU the default is XLA), one unstacked prefill,
+            # AdaKV at the shorter context: the same paths
+            dropped = ((snap, c4, "unstacked"), (ada, c32, None))
             keep = lambda p: p[2] != "xla" or p == (FULL, c4, "xla")  # noqa: E731
-            plan = [p for p in plan if p[0][1] != 1 and keep(p) and p != (snap, c4, "unstacked")]
+            plan = [p for p in plan if p[0][1] != 1 and keep(p) and p not in dropped]
         return plan
 
     def prefill(self, futures: dict) -> None:
@@ -419,8 +421,8 @@ class ModelRun:
             "kv_bytes_kept": kept,
             "compile_s": compile_s,
             "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
-            # what XLA copies in every layer of the layer scan, summed over the layers
-            "layer_scan_copy_bytes": self.sz.cfg.n_layers * copied_bytes(loop_copies(compiled.as_text())),
+            # what XLA copies in the loops of a step (the layer scan), each loop's copies times its trips
+            "layer_scan_copy_bytes": copied_bytes(loop_copies(compiled.as_text())),
         }
 
     def decode_plan(self) -> list[tuple]:
@@ -455,9 +457,16 @@ class ModelRun:
                         jobs.append((cache, impl, source, b, (c32,)))
                 else:  # a budget cache's shape does not depend on the context: one program serves both
                     jobs.append((cache, impl, source, b, (c4, c32)))
+        if not self.smoke:
+            return jobs
+        # smoke: as prefill_plan; "dsf" (compiler flags alone) with the full cache; MomentKV and AdaKV at the
+        # profiled batch alone
+        jobs = [j for j in jobs if j[0][1] != 1 and j[1] != "xla" and (j[1] != "dsf" or j[0] == FULL)]
         return [
-            j for j in jobs if not (self.smoke and (j[0][1] == 1 or j[1] == "xla"))
-        ]  # smoke: as prefill_plan
+            (cache, impl, source, b, (c4,) if cache == ("adakv", 0) else contexts)
+            for cache, impl, source, b, contexts in jobs
+            if cache[0] not in ("momentkv", "adakv") or b == sz.batches[-1]
+        ]
 
     def submit_all(self) -> tuple[dict, dict]:
         """Every prefill and decode program, compiled in the background (decode states' shapes from the prefills'
