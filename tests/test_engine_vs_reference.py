@@ -91,9 +91,9 @@ def distinct_prompts():
 
 def pytest_generate_tests(metafunc):
     """The products of cases, protocols, eviction periods and allocations with --runslow; by default a covering
-    of them (every pair of a case's settings once, each case under both protocols), which compiles half the
-    programs: each (protocol, evict_every) pair across the dense cases, each modifier under one protocol,
-    alternating (MomentKV under both), each (base, allocation) pair under one protocol, alternating."""
+    that compiles about half the programs: each dense case under both protocols and both eviction periods (two
+    of the four pairs, every pair across the cases), each modifier under one protocol, alternating (MomentKV
+    under both), each (base, allocation) pair under one protocol, alternating."""
     full = metafunc.config.getoption("--runslow")
     name = metafunc.function.__name__
     if name == "test_engine_matches_reference":
