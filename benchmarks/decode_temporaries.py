@@ -9,8 +9,9 @@ weights are allocated), at batch 1 and 8: "per row" is the difference over 7 row
 what an eviction reading every slot's keys and values holds in float32 (MomentKV, FastCAOTE) besides the step's
 own buffers; those at batch 1 are, on this CPU, mostly float32 copies of the bfloat16 weights. "Copied in the layer
 scan" is what the ``copy`` instructions in the bodies of the loops inside the decode loop write per step (each
-loop's copies times its trip count: the layers for the layer scan), per row: XLA's copies of stacked cache arrays that a layer reads and writes back in place. XLA:GPU assigns
-buffers otherwise; the GPU run's ``temp_bytes`` (benchmarks/gpu) are the card's figures.
+loop's copies times its trip count: the layers for the layer scan), per row: XLA's copies of stacked cache arrays
+that a layer reads and writes back in place. XLA:GPU assigns buffers otherwise; the GPU run's ``temp_bytes``
+(benchmarks/gpu) are the card's figures.
 """
 
 from __future__ import annotations
