@@ -23,10 +23,12 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="also run tests marked slow")
 
 
-# The files that take longest (measured in the full run), run first: ``pytest -n 2 --dist loadfile`` hands files to
-# its workers in this order, and a long file started last would leave one worker idle at the end.
-LONGEST_FIRST = ("test_sharding.py", "test_prefilled.py", "test_serving.py", "test_engine_vs_reference.py",
-                 "test_notebooks.py")
+# The files that take longest (measured in the full run, longest first), run first: ``pytest -n 2 --dist loadfile``
+# hands files to its workers in this order, and a long file started last would leave one worker idle at the end.
+LONGEST_FIRST = ("test_sharding.py", "test_engine_vs_reference.py", "test_notebooks.py", "test_engine.py",
+                 "test_serving.py", "test_output_aware_smollm2.py", "test_ask_chat.py", "test_prefilled.py",
+                 "test_gpu_script.py", "test_paged_kernels.py", "test_serving_contexts_api.py", "test_eval.py",
+                 "test_packaging.py", "test_kernels.py", "test_output_aware.py")
 
 
 def pytest_collection_modifyitems(config, items):
