@@ -73,9 +73,10 @@ def moved_bytes(hlo: str) -> int:
     for name, body in instrs.items():
         if name in fused:
             continue
+        times = prog.times(name)
         for op, size, line in body:
             if op in _SLICING | {"copy"} or (op == "fusion" and set(called(line)) & only_slices):
-                total += prog.times(name) * size
+                total += times * size
     return total
 
 
