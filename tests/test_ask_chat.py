@@ -103,6 +103,11 @@ def test_saved_context_is_checked_on_load(smollm2, smollm2_tokenizer, tiny_llama
         load_context(str(tmp_path / "c"), tiny_llama)
     with pytest.raises(CheckpointError, match="compressed with dtype=float32"):
         load_context(str(tmp_path / "c"), kvjax.load("smollm2-135m-instruct", dtype="bfloat16"))
+    data = sorted(f for f in (tmp_path / "c" / "cache").rglob("*") if f.is_file() and f.parent.name == "d")
+    data[0].write_bytes(data[0].read_bytes()[:-1])
+    with pytest.raises(CheckpointError, match=rf"cache is corrupt: cache/.*{data[0].name} holds \d+ bytes, \d+ when "
+                                              "written; compress the context again"):
+        load_context(str(tmp_path / "c"), smollm2)
     meta = tmp_path / "c" / META_FILE
     meta.write_text(meta.read_text()[:40])
     with pytest.raises(CheckpointError, match="not a saved kvjax context"):

@@ -2,7 +2,9 @@
 atomically.
 
 Layout of ``<dir>/``: ``kvjax_config.json`` (``ModelConfig``), ``params/`` (Orbax, float32),
-``tokenizer/`` (``save_pretrained`` output, optional), ``source.json`` (what it was converted from).
+``files.json`` (the size and CRC-32 of every file under ``params/``, checked before Orbax reads
+them), ``tokenizer/`` (``save_pretrained`` output, optional), ``source.json`` (what it was
+converted from).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
 
 import jax
 import numpy as np
@@ -22,6 +25,7 @@ from kvjax.model.params import Params, abstract_flat, params_from_flat, shape_mi
 
 CONFIG_FILE = "kvjax_config.json"
 SOURCE_FILE = "source.json"
+FILES_FILE = "files.json"
 
 
 def is_checkpoint(path: str) -> bool:
@@ -56,6 +60,57 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(root: str, sub: str) -> list[str]:
+    top = os.path.join(root, sub)
+    return sorted(
+        os.path.relpath(os.path.join(d, name), root)
+        for d, _, names in os.walk(top)
+        for name in names
+    )
+
+
+def record_files(root: str, sub: str) -> None:
+    """Write ``root/files.json``: the size and CRC-32 of every file under ``root/sub`` (an Orbax
+    directory), for ``damage``."""
+    listing = {
+        rel: [os.path.getsize(os.path.join(root, rel)), _crc32(os.path.join(root, rel))]
+        for rel in _files(root, sub)
+    }
+    with open(os.path.join(root, FILES_FILE), "w") as f:
+        json.dump(listing, f, indent=0)
+
+
+def damage(root: str) -> str | None:
+    """What differs from ``root/files.json`` (a file missing, of another size or CRC-32), or None.
+    Checked before Orbax reads a directory: Orbax reading a damaged file fails deep inside
+    tensorstore, whose threads then print tracebacks after the error. A directory written before
+    kvjax recorded its files has nothing to check (None)."""
+    try:
+        with open(os.path.join(root, FILES_FILE)) as f:
+            listing = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as e:
+        return f"{FILES_FILE} is unreadable ({e})"
+    for rel, (size, crc) in listing.items():
+        path = os.path.join(root, rel)
+        if not os.path.isfile(path):
+            return f"{rel} is missing"
+        if (found := os.path.getsize(path)) != size:
+            return f"{rel} holds {found} bytes, {size} when written"
+        if _crc32(path) != crc:
+            return f"{rel} changed since it was written (its CRC-32 differs)"
+    return None
 
 
 @contextlib.contextmanager
@@ -95,6 +150,7 @@ def write_checkpoint(
                 _nest({k: np.asarray(v, np.float32) for k, v in flat.items()}),
             )
             ckpt.wait_until_finished()
+        record_files(tmp, "params")
         if tokenizer is not None:
             tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
         with open(os.path.join(tmp, SOURCE_FILE), "w") as f:
@@ -120,6 +176,8 @@ def read_checkpoint(path: str, dtype) -> Params:
     params_dir = os.path.join(path, "params")
     if not os.path.isdir(params_dir):
         raise CheckpointError(f"{path} has no params/ directory")
+    if problem := damage(path):
+        raise CheckpointError(f"{params_dir} is corrupt: {problem}; delete {path} to convert again")
     with ocp.StandardCheckpointer() as ckpt:
         try:
             stored = _flatten(ckpt.metadata(params_dir).item_metadata.tree)

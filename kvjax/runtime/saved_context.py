@@ -1,8 +1,9 @@
 """A compressed context on disk: ``save_context`` / ``load_context``, so a later process asks more
 questions without compressing again.
 
-Layout of ``<dir>/``: ``cache/`` (Orbax: the cache's arrays and the next-token logits) and
-``kvjax_context.json`` (the model's config, the eviction settings it was compressed with, the rows'
+Layout of ``<dir>/``: ``cache/`` (Orbax: the cache's arrays and the next-token logits),
+``files.json`` (the size and CRC-32 of every file under ``cache/``, checked before Orbax reads
+them) and ``kvjax_context.json`` (the model's config, the eviction settings it was compressed with, the rows'
 lengths, the dtype and the cache kind; written last). The directory is written under a temporary
 sibling name and renamed into place, so a crash never leaves a half-written context under
 ``<dir>``.
@@ -21,7 +22,7 @@ from flax.serialization import from_state_dict, to_state_dict
 from kvjax.cache.dense import BudgetCache
 from kvjax.cache.paged import PagedCache
 from kvjax.checkpoint.errors import CheckpointError
-from kvjax.checkpoint.store import atomic_directory
+from kvjax.checkpoint.store import atomic_directory, damage, record_files
 from kvjax.eviction import Policy
 from kvjax.model.config import ModelConfig
 from kvjax.model.params import Params
@@ -85,6 +86,7 @@ def save_context(path: str, context: Context, params: Params) -> None:
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(os.path.join(tmp, "cache"), arrays)
             ckpt.wait_until_finished()
+        record_files(tmp, "cache")
         # written last: marks a complete context
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(meta, f, indent=1)
@@ -157,6 +159,8 @@ def load_context(path: str, params: Params) -> Context:
         raise CheckpointError(
             f"{path}: a {meta['cache']} cache does not match its eviction settings"
         )
+    if problem := damage(path):
+        raise CheckpointError(f"{path}/cache is corrupt: {problem}; compress the context again")
     with ocp.StandardCheckpointer() as ckpt:
         try:
             stored = ckpt.restore(os.path.join(path, "cache"))
