@@ -3,10 +3,10 @@ questions without compressing again.
 
 Layout of ``<dir>/``: ``cache/`` (Orbax: the cache's arrays and the next-token logits),
 ``files.json`` (the size and CRC-32 of every file under ``cache/``, checked before Orbax reads
-them) and ``kvjax_context.json`` (the model's config, the eviction settings it was compressed with, the rows'
-lengths, the dtype and the cache kind; written last). The directory is written under a temporary
-sibling name and renamed into place, so a crash never leaves a half-written context under
-``<dir>``.
+them) and ``kvjax_context.json`` (the model's config, the eviction settings it was compressed
+with, the rows' lengths, the dtype and the cache kind; written last). The directory is written
+under a temporary sibling name and renamed into place, so a crash never leaves a half-written
+context under ``<dir>``.
 """
 
 from __future__ import annotations
