@@ -123,9 +123,12 @@ def test_floor_count_readings():
 @pytest.mark.parametrize("floor_mode", FLOOR_MODES)
 def test_adakv_targets_match_brute_force(floor_mode):
     """AdaKV's kept counts on random keys (heads of unequal lengths and score scales, sinks and window
-    protected) against the NumPy reference's one-slot-at-a-time sharing, under both floor readings."""
+    protected) against the NumPy reference's one-slot-at-a-time sharing, under both floor readings; the same
+    under the head capacity the cache is sized to (the layer's total less the other heads' floors), which some
+    head reaches."""
     rng = np.random.default_rng(0)
     L, B, Hk, S, b, n_sink, window = 2, 3, 4, 40, 12, 1, 3
+    reached = 0
     for alpha in (0.2, 0.5, 0.9):
         count = rng.integers(b, S + 1, (L, B, Hk))
         pos = np.where(np.arange(S) < count[..., None], np.arange(S), -1)
@@ -135,6 +138,12 @@ def test_adakv_targets_match_brute_force(floor_mode):
         floor = floor_count(alpha, b, n_sink + window, floor_mode)
         got = np.asarray(AdaKV().targets(jnp.asarray(key, jnp.float32), jnp.asarray(pos, jnp.int32),
                                         (b,) * L, floor, Hk * b))
+        capacity = AdaKV().head_capacity(b, window, L, Hk, floor)
+        assert capacity == Hk * b - (Hk - 1) * floor
+        np.testing.assert_array_equal(np.asarray(AdaKV().targets(jnp.asarray(key, jnp.float32), jnp.asarray(
+            pos, jnp.int32), (b,) * L, floor, capacity)), got)
+        assert got.max() <= capacity
+        reached += (got == capacity).sum()
         for layer in range(L):
             for row in range(B):
                 heads = [dict(positions=pos[layer, row, h, :count[layer, row, h]],
@@ -144,6 +153,7 @@ def test_adakv_targets_match_brute_force(floor_mode):
                 expected, _, _ = shared_counts(heads, Hk * b, floor, Hk * b)
                 assert list(got[layer, row]) == expected, (alpha, layer, row)
         assert (got >= min(floor, b)).all()
+    assert reached > 0
 
 
 @pytest.mark.parametrize("floor", [0, 3, 6])

@@ -168,8 +168,11 @@ class Allocation:
         """The budget of each layer's every KV head (its average under a shared allocation)."""
         return (budget,) * n_layers
 
-    def head_capacity(self, budget: int, window: int, n_layers: int, n_kv_heads: int) -> int:
-        """The most tokens one (layer, row, KV head) may keep after an eviction point."""
+    def head_capacity(
+        self, budget: int, window: int, n_layers: int, n_kv_heads: int, floor: int = 0
+    ) -> int:
+        """The most tokens one (layer, row, KV head) may keep after an eviction point (``floor``:
+        ``floor_count``)."""
         return max(self.layer_budgets(budget, window, n_layers))
 
     def sharing(self, n_layers: int, n_kv_heads: int) -> int:
@@ -247,8 +250,11 @@ class AdaKV(Allocation):
     shared = "layer"
     default_floor = 0.2
 
-    def head_capacity(self, budget, window, n_layers, n_kv_heads):
-        return n_kv_heads * budget
+    def head_capacity(self, budget, window, n_layers, n_kv_heads, floor=0):
+        # the layer's n_kv_heads × budget less what the other heads keep at least: every head
+        # holds at least ``floor`` tokens once it has seen them, and until then all heads hold all
+        # they have seen (fewer than ``floor``), so ``shared_targets`` never keeps more than this
+        return n_kv_heads * budget - (n_kv_heads - 1) * min(floor, budget)
 
     def sharing(self, n_layers, n_kv_heads):
         return n_kv_heads
@@ -272,6 +278,9 @@ class Global(AdaKV):
     )
     shared = "all"
     default_floor = 0.0
+
+    def head_capacity(self, budget, window, n_layers, n_kv_heads, floor=0):
+        return n_kv_heads * budget  # this allocation's own limit
 
     def sharing(self, n_layers, n_kv_heads):
         return n_layers * n_kv_heads

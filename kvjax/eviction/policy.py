@@ -125,7 +125,9 @@ class Policy:
         """The most tokens one (layer, row, KV head) keeps after an eviction point."""
         if self.cap is not None:
             return self.cap
-        return self.allocation_spec.head_capacity(self.budget, self.window, n_layers, n_kv_heads)
+        return self.allocation_spec.head_capacity(
+            self.budget, self.window, n_layers, n_kv_heads, self.floor_count()
+        )
 
     def floor_count(self) -> int:
         return floor_count(self.floor, self.budget, self.n_sink + self.window, self.floor_mode)
