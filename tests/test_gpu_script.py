@@ -45,7 +45,7 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert {r["slots"] for r in parts["serve"]} == {1, 4}
     assert {r["variant"] for r in parts["layers"]} == set(VARIANTS) and {r["batch"] for r in parts["layers"]} == {1}
     assert sorted(p.name for p in (tmp_path / "hlo").iterdir()) == [
-        "scan+Triton-GEMMs.txt", "scan+dynamic-slice-fusion.txt", "scan.txt", "unstacked+cache-per-layer.txt",
+        "scan+Triton-GEMMs.txt", "scan+cuBLAS.txt", "scan.txt", "unstacked+cache-per-layer.txt",
         "unstacked.txt"]
     assert all("matches XLA's" in merged["meta"][part]["decode_attention"] for part in ("layers", "model"))
     peer = parts["peer"]
@@ -82,6 +82,24 @@ def test_moved_bytes_counts_what_a_layer_scan_slices_out_once_per_trip():
     x = jnp.ones((1, n), jnp.float32)
     assert moved_bytes(scan.lower(stacked, x).compile().as_text()) >= L * n * n * 4
     assert moved_bytes(loop.lower(list(stacked), x).compile().as_text()) < n * n * 4
+
+
+def test_moved_bytes_reads_xla_gpus_asynchronous_slice_copies():
+    """On XLA:GPU's compile of the 8B decoding step (``benchmarks/gpu/aot.py --caches full --batches 1 --hlo``, full
+    cache, batch 1; jax 0.11.2), the Triton GEMM fusions' copies of each layer's weights are asynchronous ``fusion-start``s: wq,
+    wo and the three MLP matrices of every layer (wk and wv are read in place); with kvjax's options (cuBLAS)
+    nothing is copied."""
+    import gzip
+
+    moved_bytes = gpu_script("layers_part").moved_bytes
+    cfg = gpu_script("model_part").LLAMA_8B
+    d, hd, f = cfg.d_model, cfg.head_dim, cfg.d_ff
+    per_layer = 2 * (2 * d * cfg.n_heads * hd + 3 * d * f)
+    read = lambda name: gzip.decompress((Path(__file__).parent / "data" / name).read_bytes()).decode()  # noqa: E731
+    triton = read("xla_gpu_8b_decode_triton_gemms.hlo.gz")
+    assert "fusion-start" in triton
+    assert 0 <= moved_bytes(triton) - cfg.n_layers * per_layer < 1000  # and a few indices
+    assert moved_bytes(read("xla_gpu_8b_decode_kvjax_options.hlo.gz")) < 1000
 
 
 def test_a_failing_decode_kernel_sends_every_row_to_xla(monkeypatch):

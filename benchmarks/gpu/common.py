@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# XLA's dynamic-slice fusion: cuBLAS reads a slice of a larger operand (a layer of the stacked weights) in place
-DYNAMIC_SLICE_FUSION = {"xla_gpu_enable_dynamic_slice_fusion": True}
+# XLA's default, which kvjax's programs turn off on a GPU (kvjax.runtime.jit): Triton GEMM fusions, each handed a
+# copy of its layer's slice of the stacked weights where cuBLAS reads the slice in place (aot.py)
+TRITON_GEMMS = {"xla_gpu_enable_triton_gemm": True}
 
 
 def log(message: str) -> None:

@@ -3,10 +3,10 @@ its byte floor). One step of the 8B-shaped model's layers (``decode_hidden``: no
 full cache of 4K tokens, at batch 1 and 64, five ways (on a CPU: its first 4 layers in float32, batch 1 and 8;
 ``python benchmarks/gpu/run.py --parts layers --out DIR`` runs it there too):
 
-- ``scan``: kvjax as it is, a ``lax.scan`` over the stacked layers (XLA slices each layer's weights and keys and
-  values out of the stacked arrays);
-- ``scan, dynamic-slice fusion``: the same program compiled with ``xla_gpu_enable_dynamic_slice_fusion`` (XLA
-  then hands the slices to cuBLAS as addresses where it can);
+- ``scan``: a ``lax.scan`` over the stacked layers, as kvjax runs them, compiled with XLA's defaults (XLA slices
+  each layer's weights and keys and values out of the stacked arrays);
+- ``scan, cuBLAS``: the same program compiled with kvjax's options on a GPU (``kvjax.runtime.jit``: no Triton GEMM
+  fusions, so that cuBLAS, through XLA's dynamic-slice fusion, reads the slices in place);
 - ``scan, Triton GEMMs``: compiled with ``xla_gpu_triton_gemm_any`` (every product a Triton GEMM fusion, which
   may read its operand through the slice);
 - ``unstacked``: ``decode_hidden`` of ``kvjax.unstack_layers(params)``, every layer's weights a separate array
@@ -28,7 +28,6 @@ import re
 import jax
 import jax.numpy as jnp
 from common import (
-    DYNAMIC_SLICE_FUSION,
     HLO_BYTES,
     Compiler,
     Deadline,
@@ -47,10 +46,11 @@ from kvjax.cache.full import FullCache
 from kvjax.model.decoder import decode_hidden, decoder_layer, rms_norm
 from kvjax.model.rope import inverse_frequencies
 from kvjax.model.segment import Segment
+from kvjax.runtime.jit import OPTIONS as KVJAX_OPTIONS
 
-VARIANTS = ("scan", "scan, dynamic-slice fusion", "scan, Triton GEMMs", "unstacked", "unstacked, cache per layer")
+VARIANTS = ("scan", "scan, cuBLAS", "scan, Triton GEMMs", "unstacked", "unstacked, cache per layer")
 OPTIONS = {  # the scan variants compiled with XLA options
-    "scan, dynamic-slice fusion": DYNAMIC_SLICE_FUSION,
+    "scan, cuBLAS": KVJAX_OPTIONS["gpu"],
     "scan, Triton GEMMs": {"xla_gpu_triton_gemm_any": True},  # Triton GEMM fusions may take the slice as operand
 }
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]\S* ([\w\-]+)\(")
@@ -60,8 +60,9 @@ _FREE = {"parameter", "constant", "bitcast"}
 
 def moved_bytes(hlo: str) -> int:
     """Bytes written per call of an optimized HLO module by instructions that only slice or copy: ``copy``,
-    ``slice`` and ``dynamic-slice`` ops and fusions of nothing else, outside fused computations; those in
-    ``while`` bodies times their loops' known trip counts."""
+    ``slice`` and ``dynamic-slice`` ops and fusions of nothing else (``fusion`` or XLA:GPU's asynchronous
+    ``fusion-start``), outside fused computations; those in ``while`` bodies times their loops' known trip
+    counts."""
     prog = Hlo.parse(hlo)
     instrs = {name: [(m.group(4), HLO_BYTES.get(m.group(2), 4) * math.prod(int(d) for d in m.group(3).split(",") if d),
                       line) for line in body if (m := _INSTR.match(line)) is not None]
@@ -69,14 +70,18 @@ def moved_bytes(hlo: str) -> int:
     called = lambda line: re.findall(r"calls=%([\w.\-]+)", line)  # noqa: E731
     fused = {c for body in prog.lines.values() for line in body for c in called(line)}
     only_slices = {c for c in fused if c in instrs and {op for op, _, _ in instrs[c]} - _FREE <= _SLICING | {"copy"}}
+    root = {c: next((size for _, size, line in instrs[c] if line.lstrip().startswith("ROOT")), 0) for c in only_slices}
     total = 0
-    for name, body in instrs.items():
+    for name, body in prog.lines.items():
         if name in fused:
             continue
         times = prog.times(name)
-        for op, size, line in body:
-            if op in _SLICING | {"copy"} or (op == "fusion" and set(called(line)) & only_slices):
-                total += times * size
+        for line in body:
+            m = _INSTR.match(line)
+            if m is not None and m.group(4) in _SLICING | {"copy"}:
+                total += times * HLO_BYTES.get(m.group(2), 4) * math.prod(int(d) for d in m.group(3).split(",") if d)
+            elif re.search(r" fusion(?:-start)?\(", line):
+                total += times * sum(root[c] for c in called(line) if c in root)
     return total
 
 

@@ -13,7 +13,8 @@ Decode: ms per step of ``kvjax.runtime.decoding.decode_steps`` (the loop ``kvjax
 step evicting one token per row and KV head) at batch 1, 8, 32 and 64, from the prefilled state of one prompt
 repeated over the batch (every row holds the same cache; the prefill above made it). MomentKV decodes from
 SnapKV's prefilled cache (the same layout; its moment sums start empty): its step is what is timed. Impl
-"dsf" is the default compiled with XLA's dynamic-slice fusion (batch 1 and 64 at 4K; see layers_part); impl
+"triton" is the default compiled with XLA's Triton GEMM fusions allowed (kvjax's programs disallow them on a GPU:
+``kvjax.runtime.jit``; batch 1 and 64 at 4K; see layers_part and aot.py); impl
 "unstacked" is the default run with ``kvjax.unstack_layers`` (a loop over per-layer weights: nothing sliced;
 its prefills at 4K, its decodes at batch 1 and 64 at 4K; the per-layer copy of the weights exists only while
 those rows run). JAX's profiler traces 4 more steps of a few rows (``ModelRun.profiled``): their device time by
@@ -39,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import (
-    DYNAMIC_SLICE_FUSION,
     KINDS,
+    TRITON_GEMMS,
     Ceilings,
     Compiler,
     Deadline,
@@ -432,8 +433,8 @@ class ModelRun:
         plan = [
             (FULL, None, FULL),
             (("snapkv", 0), None, ("snapkv", 0)),
-            (FULL, "dsf", FULL),
-            (("snapkv", 0), "dsf", ("snapkv", 0)),
+            (FULL, "triton", FULL),
+            (("snapkv", 0), "triton", ("snapkv", 0)),
             (FULL, "unstacked", FULL),
             (("snapkv", 0), "unstacked", ("snapkv", 0)),
             (("snapkv", 0), "xla", ("snapkv", 0)),
@@ -446,7 +447,7 @@ class ModelRun:
         jobs = []
         for cache, impl, source in plan:
             for b in sz.batches:
-                if impl in ("dsf", "unstacked"):  # the default, compiled or run otherwise: batch ends, 4K
+                if impl in ("triton", "unstacked"):  # the default, compiled or run otherwise: batch ends, 4K
                     if b in (sz.batches[0], sz.batches[-1]) and not (self.smoke and b != 1):  # smoke: batch 1
                         jobs.append((cache, impl, source, b, (c4,)))
                 elif cache == FULL:
@@ -459,9 +460,9 @@ class ModelRun:
                     jobs.append((cache, impl, source, b, (c4, c32)))
         if not self.smoke:
             return jobs
-        # smoke: as prefill_plan; "dsf" (compiler flags alone) with the full cache; MomentKV and AdaKV at the
+        # smoke: as prefill_plan; "triton" (compiler flags alone) with the full cache; MomentKV and AdaKV at the
         # profiled batch alone
-        jobs = [j for j in jobs if j[0][1] != 1 and j[1] != "xla" and (j[1] != "dsf" or j[0] == FULL)]
+        jobs = [j for j in jobs if j[0][1] != 1 and j[1] != "xla" and (j[1] != "triton" or j[0] == FULL)]
         return [
             (cache, impl, source, b, (c4,) if cache == ("adakv", 0) else contexts)
             for cache, impl, source, b, contexts in jobs
@@ -483,7 +484,7 @@ class ModelRun:
                 functools.partial(tile_state, batch=b, moment_dim=self.moment_dim(cache)),
                 self.prefill_shape(source, contexts[0]),
             )
-            options = DYNAMIC_SLICE_FUSION if impl == "dsf" else None
+            options = TRITON_GEMMS if impl == "triton" else None
             decodes[job] = self.submit_decode(shape, ev, options, self.params_for(impl, abstract=True))
         return prefills, decodes
 

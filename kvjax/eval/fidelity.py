@@ -7,8 +7,6 @@ token). Errors of early layers propagate into later ones, as they do in use.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +19,7 @@ from kvjax.model.decoder import decode_hidden, logits_from_hidden
 from kvjax.model.layer_fields import attend_stacked
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment
+from kvjax.runtime.jit import jit
 from kvjax.runtime.protocol import Eviction
 
 
@@ -47,7 +46,7 @@ def _recorder(params: Params, inner, B: int, T: int) -> OutputRecorder:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("continuation",))
+@jit(static_argnames=("continuation",))
 def full_outputs(params: Params, tokens: jax.Array, continuation: int):
     """Full cache over tokens [1, N]: attention outputs [L, 1, C, H, K] and float32 logits [1, C, V]
     of the last C = ``continuation`` tokens."""
@@ -58,7 +57,7 @@ def full_outputs(params: Params, tokens: jax.Array, continuation: int):
     return rec.outs, logits_from_hidden(params, hidden[:, -continuation:])
 
 
-@functools.partial(jax.jit, static_argnames=("ev",))
+@jit(static_argnames=("ev",))
 def compressed_outputs(params: Params, cache, tokens: jax.Array, start: jax.Array, ev: Eviction):
     """The continuation tokens [1, C] at positions ``start`` + t, appended to a compressed cache
     without eviction (``ev`` from ``Eviction.without_eviction``): attention outputs and logits as

@@ -6,7 +6,6 @@ protected).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -18,6 +17,7 @@ from kvjax.eval.haystack import pydoc_prose
 from kvjax.model.decoder import decode_hidden, logits_from_hidden
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment
+from kvjax.runtime.jit import jit
 from kvjax.runtime.options import eviction_from
 from kvjax.runtime.protocol import Eviction, decode_segment, step
 
@@ -31,7 +31,7 @@ def _nll(params: Params, hidden: jax.Array, targets: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
-@jax.jit
+@jit
 def full_cache_nll(params: Params, tokens: jax.Array) -> jax.Array:
     """[N - 1] negative log-likelihoods of tokens [N] with the full cache (one causal pass)."""
     N = tokens.shape[0]
@@ -48,7 +48,7 @@ def full_cache_nll(params: Params, tokens: jax.Array) -> jax.Array:
     return jnp.concatenate(out)
 
 
-@functools.partial(jax.jit, static_argnames=("ev",))
+@jit(static_argnames=("ev",))
 def evicting_nll(params: Params, tokens: jax.Array, ev: Eviction) -> jax.Array:
     """[N - 1] negative log-likelihoods of tokens [N] fed one at a time as decode steps of
     ``ev``."""

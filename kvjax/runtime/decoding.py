@@ -7,7 +7,6 @@ slots; and the jitted loop of ``kvjax.generate``, streaming and ``kvjax.decode``
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import jax
@@ -23,6 +22,7 @@ from kvjax.model.decoder import decode_hidden, logits_from_hidden
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment
 from kvjax.runtime.inputs import pad_rows, prompt_bucket, round_capacity
+from kvjax.runtime.jit import jit
 from kvjax.runtime.protocol import Eviction, decode_segment, extend, step
 from kvjax.runtime.sampling import Sampling, sample
 from kvjax.sharding import constrain, on_mesh, to_host
@@ -86,7 +86,7 @@ def start_state(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "out_width", "impl"))
+@jit(static_argnames=("capacity", "out_width", "impl"))
 def feed_full(
     params: Params,
     tokens: jax.Array,
@@ -109,7 +109,7 @@ def feed_full(
     return start_state(params.config, cache, lengths, logits, key, out_width)
 
 
-@functools.partial(jax.jit, static_argnames=("ev", "out_width", "decode_spare"))
+@jit(static_argnames=("ev", "out_width", "decode_spare"))
 def feed_budget(
     params: Params,
     cache: BudgetCache | PagedCache | None,
@@ -139,7 +139,7 @@ def feed_budget(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ev", "out_width", "spare"))
+@jit(static_argnames=("cfg", "ev", "out_width", "spare"))
 def resume_state(
     cfg,
     cache: BudgetCache | PagedCache,
@@ -188,9 +188,7 @@ def decode_step(params: Params, s, sampling, stop, max_new, ev: Eviction | None)
     return s, jnp.where(active, tok, -1)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sampling", "stop_ids", "ev"), donate_argnames=("state",)
-)
+@jit(static_argnames=("sampling", "stop_ids", "ev"), donate_argnames=("state",))
 def decode_steps(
     params: Params,
     state: DecodeState,

@@ -16,13 +16,14 @@ from kvjax.model.segment import Segment
 from kvjax.runtime.context import resume
 from kvjax.runtime.decoding import Generation
 from kvjax.runtime.inputs import check_context, check_max_new, check_tokens
+from kvjax.runtime.jit import jit
 from kvjax.runtime.options import EvictionOptions
 from kvjax.runtime.prefilled import compress_rows
 from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import auto_mesh, data_size, shard
 
 
-@jax.jit
+@jit
 def _forward(params: Params, tokens: jax.Array) -> jax.Array:
     B, T = tokens.shape
     cache = FullCache.init(params.config, B, T, params.dtype)

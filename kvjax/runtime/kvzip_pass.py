@@ -32,6 +32,7 @@ from kvjax.model.config import ModelConfig
 from kvjax.model.decoder import decode_hidden
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment
+from kvjax.runtime.jit import jit
 
 CHUNK = 2048  # m: context tokens per repeat input (the paper's 2K)
 QUERY_BLOCK = 256  # repeat queries attended and scored at once
@@ -105,7 +106,7 @@ class RepeatScoring:
         return out, self.replace(full=full, scores=self.scores.at[layer].max(best[..., :C]))
 
 
-@jax.jit
+@jit
 def _score_chunk(
     params: Params, scoring: RepeatScoring, tokens: jax.Array, lengths: jax.Array
 ) -> RepeatScoring:

@@ -12,7 +12,6 @@ budgets of one scorer share them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -39,6 +38,7 @@ from kvjax.runtime.inputs import (
     prompt_bucket,
     round_capacity,
 )
+from kvjax.runtime.jit import jit
 from kvjax.runtime.kvzip_pass import head_scores, kvzip_scores
 from kvjax.runtime.options import EvictionOptions
 from kvjax.runtime.protocol import Eviction
@@ -60,7 +60,7 @@ class RecordingCache:
         return out, RecordingCache(full=full, q=self.q.at[layer].set(q.astype(self.q.dtype)))
 
 
-@functools.partial(jax.jit, static_argnames=("room",))
+@jit(static_argnames=("room",))
 def _full_pass(params: Params, tokens: jax.Array, room: int) -> tuple[RecordingCache, jax.Array]:
     cfg = params.config
     B, P = tokens.shape
@@ -95,7 +95,7 @@ def _scoring_queries(policy: Policy, q: jax.Array, lengths: jax.Array):
     return jnp.take_along_axis(q, index[:, :, None, None], axis=1), index, weights
 
 
-@functools.partial(jax.jit, static_argnames=("policy",))
+@jit(static_argnames=("policy",))
 def _scoring_state(
     policy: Policy, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array
 ) -> jax.Array:
@@ -137,7 +137,7 @@ def _scoring_state(
     return jax.lax.map(layer, (q, k, v))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy"))
+@jit(static_argnames=("cfg", "policy"))
 def _scoring_stats(cfg, policy: Policy, q: jax.Array, lengths: jax.Array):
     """The base scorer's own statistics (``Base.observe``) after the prompts' first ``lengths``
     queries q [L, B, P, H, K], or None."""
@@ -152,7 +152,7 @@ def _scoring_stats(cfg, policy: Policy, q: jax.Array, lengths: jax.Array):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ev"))
+@jit(static_argnames=("cfg", "ev"))
 def _compress(
     cfg,
     ev: Eviction,

@@ -40,6 +40,7 @@ from kvjax.runtime.inputs import (
     prompt_bucket,
     round_capacity,
 )
+from kvjax.runtime.jit import jit
 from kvjax.runtime.options import EvictionOptions
 from kvjax.runtime.protocol import APPEND, Eviction
 from kvjax.runtime.sampling import Sampling
@@ -172,7 +173,7 @@ def _settings(inputs: Inputs) -> Settings:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("ev", "capacity", "decode_spare", "impl"))
+@jit(static_argnames=("ev", "capacity", "decode_spare", "impl"))
 def prefill(
     params: Params,
     inputs: Inputs,
@@ -217,7 +218,7 @@ def prefill(
     )
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@jit(donate_argnames=("state",))
 def insert(prefix: Prefix, state: Slots, slot: jax.Array) -> Slots:
     """The state with row ``slot`` (an int32 scalar) replaced by the prefix: its cache row along
     each leaf's "batch" axis, its logits, length, key and settings, nothing generated yet."""
@@ -239,7 +240,7 @@ def insert(prefix: Prefix, state: Slots, slot: jax.Array) -> Slots:
     return constrain(jax.tree.map(put, rest(state), row).replace(cache=cache, step=state.step))
 
 
-@functools.partial(jax.jit, static_argnames=("ev", "steps"), donate_argnames=("state",))
+@jit(static_argnames=("ev", "steps"), donate_argnames=("state",))
 def generate(
     params: Params, state: Slots, ev: Eviction | None, steps: int
 ) -> tuple[Slots, jax.Array]:
@@ -527,9 +528,7 @@ def _bucket_probes(max_prompt: int) -> list[int]:
     return [1 << i for i in range(max_prompt.bit_length()) if 1 << i < max_prompt] + [max_prompt]
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "dtype", "slots", "ev", "capacity", "spare", "impl")
-)
+@jit(static_argnames=("cfg", "dtype", "slots", "ev", "capacity", "spare", "impl"))
 def _init_state(
     cfg, dtype, slots: int, ev: Eviction | None, capacity: int, spare: int, impl: str | None
 ) -> Slots:

@@ -1,0 +1,49 @@
+"""``jit``: ``jax.jit`` whose compiled programs take kvjax's XLA options for their backend.
+
+On CUDA GPUs, no Triton GEMM fusions (``xla_gpu_enable_triton_gemm=False``): XLA:GPU then
+multiplies with cuBLAS, and its dynamic-slice fusion lets cuBLAS read a layer's weights in place
+inside the stacked arrays that the layer scan slices, where a Triton GEMM fusion is handed a copy
+of the slice (every weight read, written and read again per decoding step: the 8B model's batch-1
+step at 3.3x its byte floor). Read from XLA:GPU's compile of the 8B decoding step for an H200, made
+on a CPU without a device (``benchmarks/gpu/aot.py``): the copy's buffer is one layer's weights
+(436 MB) with Triton GEMM fusions, and absent without them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+OPTIONS: dict[str, dict] = {"gpu": {"xla_gpu_enable_triton_gemm": False}}
+
+
+class Jitted:
+    """One function jitted once per backend (``jax.default_backend()`` when called), with that
+    backend's ``OPTIONS``; calls and ``lower`` go to the current backend's."""
+
+    def __init__(self, fun, kwargs: dict):
+        self._fun, self._kwargs, self._by_backend = fun, kwargs, {}
+        functools.update_wrapper(self, fun)
+
+    def _jitted(self):
+        backend = jax.default_backend()
+        if backend not in self._by_backend:
+            self._by_backend[backend] = jax.jit(
+                self._fun, compiler_options=OPTIONS.get(backend), **self._kwargs
+            )
+        return self._by_backend[backend]
+
+    def __call__(self, *args, **kwargs):
+        return self._jitted()(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._jitted().lower(*args, **kwargs)
+
+
+def jit(fun=None, **kwargs):
+    """``jax.jit(fun, **kwargs)`` with the current backend's ``OPTIONS``; as a decorator with or
+    without keywords."""
+    if fun is None:
+        return functools.partial(jit, **kwargs)
+    return Jitted(fun, kwargs)
