@@ -20,7 +20,8 @@ OPTIONS: dict[str, dict] = {"gpu": {"xla_gpu_enable_triton_gemm": False}}
 
 class Jitted:
     """One function jitted once per backend (``jax.default_backend()`` when called), with that
-    backend's ``OPTIONS``; calls and ``lower`` go to the current backend's."""
+    backend's ``OPTIONS``; calls, ``lower`` and the other attributes of a jitted function go to the
+    current backend's."""
 
     def __init__(self, fun, kwargs: dict):
         self._fun, self._kwargs, self._by_backend = fun, kwargs, {}
@@ -39,6 +40,11 @@ class Jitted:
 
     def lower(self, *args, **kwargs):
         return self._jitted().lower(*args, **kwargs)
+
+    def __getattr__(self, name: str):  # trace, eval_shape, ...: the current backend's
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._jitted(), name)
 
 
 def jit(fun=None, **kwargs):

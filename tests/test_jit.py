@@ -1,0 +1,35 @@
+"""kvjax.runtime.jit: every jitted program of kvjax compiles with its backend's XLA options (on a GPU: no Triton
+GEMM fusions, which copy each layer's weights out of the stacked arrays; benchmarks/gpu/aot.py)."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kvjax.runtime import jit as jit_module
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_each_backend_compiles_with_its_own_options(monkeypatch):
+    """An option only the "gpu" entry names is passed to XLA when the default backend is a GPU, not on CPU (the
+    option is one XLA rejects, so that reaching the compiler shows)."""
+    monkeypatch.setitem(jit_module.OPTIONS, "gpu", {"xla_no_such_option": True})
+    double = jit_module.jit(lambda x: 2 * x)
+    assert double(jnp.ones(2)).tolist() == [2.0, 2.0]
+    assert double.__name__ == "<lambda>" and double.lower(jnp.ones(2)).compile() is not None
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        double(jnp.ones(3))
+
+
+def test_on_a_gpu_triton_gemm_fusions_are_off():
+    assert jit_module.OPTIONS == {"gpu": {"xla_gpu_enable_triton_gemm": False}}
+
+
+def test_no_module_jits_around_kvjax_jit():
+    """A plain ``jax.jit`` in the library would compile its program without the options."""
+    plain = [str(p.relative_to(ROOT)) for top in ("kvjax", "kernels") for p in (ROOT / top).rglob("*.py")
+             if "jax.jit" in p.read_text() and p != ROOT / "kvjax" / "runtime" / "jit.py"]
+    assert plain == []
