@@ -109,6 +109,10 @@ def test_converted_checkpoint_damage(hf_dir, checkpoint_root):
     with pytest.raises(kvjax.CheckpointError, match=rf"{data[0].name} is missing"):
         kvjax.load(str(ckpt))
     data[0].write_bytes(intact)
+    listing = (ckpt / store.FILES_FILE).read_text()
+    (ckpt / store.FILES_FILE).write_text(listing[:20])
+    with pytest.raises(kvjax.CheckpointError, match="params is corrupt: files.json is unreadable"):
+        kvjax.load(str(ckpt))
     (ckpt / store.FILES_FILE).unlink()  # converted before kvjax recorded its files: nothing to check
     kvjax.load(str(ckpt))
 

@@ -97,10 +97,10 @@ def damage(root: str) -> str | None:
     kvjax recorded its files has nothing to check (None)."""
     try:
         with open(os.path.join(root, FILES_FILE)) as f:
-            listing = json.load(f)
+            listing = {str(rel): (int(size), int(crc)) for rel, (size, crc) in json.load(f).items()}
     except FileNotFoundError:
         return None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
         return f"{FILES_FILE} is unreadable ({e})"
     for rel, (size, crc) in listing.items():
         path = os.path.join(root, rel)
