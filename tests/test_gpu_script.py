@@ -86,9 +86,9 @@ def test_moved_bytes_counts_what_a_layer_scan_slices_out_once_per_trip():
 
 def test_moved_bytes_reads_xla_gpus_asynchronous_slice_copies():
     """On XLA:GPU's compile of the 8B decoding step (``benchmarks/gpu/aot.py --caches full --batches 1 --hlo``, full
-    cache, batch 1; jax 0.11.2), the Triton GEMM fusions' copies of each layer's weights are asynchronous ``fusion-start``s: wq,
-    wo and the three MLP matrices of every layer (wk and wv are read in place); with kvjax's options (cuBLAS)
-    nothing is copied."""
+    cache, batch 1; jax 0.11.2), the Triton GEMM fusions' copies of each layer's weights are asynchronous
+    ``fusion-start``s: wq, wo and the three MLP matrices of every layer (wk and wv are read in place); with kvjax's
+    options (cuBLAS) nothing is copied."""
     import gzip
 
     moved_bytes = gpu_script("layers_part").moved_bytes
