@@ -64,22 +64,27 @@ def moved_bytes(hlo: str) -> int:
     ``fusion-start``), outside fused computations; those in ``while`` bodies times their loops' known trip
     counts."""
     prog = Hlo.parse(hlo)
-    instrs = {name: [(m.group(4), HLO_BYTES.get(m.group(2), 4) * math.prod(int(d) for d in m.group(3).split(",") if d),
-                      line) for line in body if (m := _INSTR.match(line)) is not None]
-              for name, body in prog.lines.items()}
+
+    def parse(line: str) -> tuple[str | None, int, str]:  # (op, bytes written, line); op None: a tuple's
+        m = _INSTR.match(line)
+        if m is None:
+            return None, 0, line
+        return m.group(4), HLO_BYTES.get(m.group(2), 4) * math.prod(int(d) for d in m.group(3).split(",") if d), line
+
+    instrs = {name: [parse(line) for line in body] for name, body in prog.lines.items()}
     called = lambda line: re.findall(r"calls=%([\w.\-]+)", line)  # noqa: E731
     fused = {c for body in prog.lines.values() for line in body for c in called(line)}
-    only_slices = {c for c in fused if c in instrs and {op for op, _, _ in instrs[c]} - _FREE <= _SLICING | {"copy"}}
+    only_slices = {c for c in fused if c in instrs
+                   and {op for op, _, _ in instrs[c] if op is not None} - _FREE <= _SLICING | {"copy"}}
     root = {c: next((size for _, size, line in instrs[c] if line.lstrip().startswith("ROOT")), 0) for c in only_slices}
     total = 0
-    for name, body in prog.lines.items():
+    for name, body in instrs.items():
         if name in fused:
             continue
         times = prog.times(name)
-        for line in body:
-            m = _INSTR.match(line)
-            if m is not None and m.group(4) in _SLICING | {"copy"}:
-                total += times * HLO_BYTES.get(m.group(2), 4) * math.prod(int(d) for d in m.group(3).split(",") if d)
+        for op, size, line in body:
+            if op in _SLICING | {"copy"}:
+                total += times * size
             elif re.search(r" fusion(?:-start)?\(", line):
                 total += times * sum(root[c] for c in called(line) if c in root)
     return total
