@@ -24,6 +24,21 @@ def test_each_backend_compiles_with_its_own_options(monkeypatch):
         double(jnp.ones(3))
 
 
+def test_called_inside_another_trace_it_is_the_plain_jit(monkeypatch):
+    """JAX refuses compiler options on a jit staged into another trace (``eval_shape``, an outer ``jit``, a
+    scan's body): there the function is the plain ``jax.jit`` and the outer program's options apply (the GPU
+    run of 2026-11-28 failed on this; reproduced here with a CPU entry). The option is one XLA rejects, so
+    that the top-level call shows it still reaches the compiler."""
+    monkeypatch.setitem(jit_module.OPTIONS, "cpu", {"xla_no_such_option": True})
+    double = jit_module.jit(lambda x: 2 * x)
+    x = jnp.arange(3.0)
+    assert jax.eval_shape(double, x).shape == (3,)
+    assert jax.jit(lambda x: double(x) + 1)(x).tolist() == [1.0, 3.0, 5.0]
+    assert jax.lax.scan(lambda c, _: (double(c), None), x, length=2)[0].tolist() == [0.0, 4.0, 8.0]
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        double(x)
+
+
 def test_on_a_gpu_triton_gemm_fusions_are_off():
     assert jit_module.OPTIONS == {"gpu": {"xla_gpu_enable_triton_gemm": False}}
 

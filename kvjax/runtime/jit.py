@@ -21,14 +21,15 @@ OPTIONS: dict[str, dict] = {"gpu": {"xla_gpu_enable_triton_gemm": False}}
 class Jitted:
     """One function jitted once per backend (``jax.default_backend()`` when called), with that
     backend's ``OPTIONS``; calls, ``lower`` and the other attributes of a jitted function go to the
-    current backend's."""
+    current backend's. Called on tracers (inside another ``jit``, ``eval_shape``, a scan), where JAX
+    refuses compiler options, it is the plain ``jax.jit``: the outer program's options apply."""
 
     def __init__(self, fun, kwargs: dict):
         self._fun, self._kwargs, self._by_backend = fun, kwargs, {}
         functools.update_wrapper(self, fun)
 
-    def _jitted(self):
-        backend = jax.default_backend()
+    def _jitted(self, nested: bool = False):
+        backend = None if nested else jax.default_backend()
         if backend not in self._by_backend:
             self._by_backend[backend] = jax.jit(
                 self._fun, compiler_options=OPTIONS.get(backend), **self._kwargs
@@ -36,7 +37,8 @@ class Jitted:
         return self._by_backend[backend]
 
     def __call__(self, *args, **kwargs):
-        return self._jitted()(*args, **kwargs)
+        nested = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+        return self._jitted(nested)(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
         return self._jitted().lower(*args, **kwargs)
