@@ -49,13 +49,38 @@ def set_layer_slots(
     x: jax.Array, layer: jax.Array, index: jax.Array, values: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """(x [L, B, Hk, S, ...] with ``x[layer, b, h, index[b, h, i]] = values[b, h, i]``, its layer
-    ``layer`` [B, Hk, S, ...]): the layer's slice updated (its row and KV-head axes leading, the
-    batch dimensions of the scatter) and written back in place. A scatter batched over the middle
-    axes of the stacked array instead makes XLA transpose and copy all of it for every layer. Read
-    the layer from the slice returned: a slice of the stacked result, read after the in-place
-    write, can make XLA keep a copy of the whole stacked array for every layer."""
-    part = set_slots(x[layer], index, values)
-    return jax.lax.dynamic_update_index_in_dim(x, part, layer, 0), part
+    ``layer`` [B, Hk, S, ...] so updated).
+
+    The layer returned is its slice of ``x`` updated by a scatter whose batch dimensions are the
+    row and KV-head axes (leading there); where it is not read (a decoding step evicting after the
+    step), XLA drops it. The stacked array is written in place, on each platform as its compiler
+    does it without copies:
+    - CUDA: one scatter whose coordinates are the layer, the row, the KV head and the slot (as
+      ``FullCache.write``). Writing the updated slice back (below) made XLA:GPU copy each layer's
+      keys and values out of the stack and back in every step (for the 8B at batch 64, budget
+      1024: 134 MB four times per layer, 10 of the step's 22.7 ms on an H200, 2026-11-28).
+    - elsewhere: the updated slice written back (``dynamic_update_slice``). On CPU the scatter
+      above holds more temporaries (22.1 against 9.5 MiB per row for 4 of the 8B's layers,
+      ``benchmarks/decode_temporaries.py``); a scatter batched over the stacked array's middle
+      axes made XLA:CPU transpose and copy all of it for every layer.
+    Reading the layer from the stacked result, after the in-place write, can make XLA keep a copy
+    of the whole stacked array for every layer."""
+    stacked = jax.lax.platform_dependent(
+        x, layer, index, values, cuda=scatter_layer_slots, default=write_back_layer_slots
+    )
+    return stacked, set_slots(x[layer], index, values)
+
+
+def scatter_layer_slots(x, layer, index, values):
+    """``set_layer_slots``' stacked result on CUDA: one scatter at (layer, row, KV head, slot)."""
+    B, Hk = index.shape[:2]
+    at = (layer, jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None], index)
+    return x.at[at].set(values)
+
+
+def write_back_layer_slots(x, layer, index, values):
+    """``set_layer_slots``' stacked result elsewhere: the layer's slice updated, written back."""
+    return jax.lax.dynamic_update_index_in_dim(x, set_slots(x[layer], index, values), layer, 0)
 
 
 def inverse_permutation(permutation: jax.Array) -> jax.Array:

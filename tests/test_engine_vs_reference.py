@@ -189,9 +189,10 @@ def test_chunk_selection_matches_reference(model3, case):
     check_against_reference(model3, case | dict(chunk=3), "prefill", 2, distinct_prompts())
 
 
-# float32 logits against float64: 1e-4 absolute, plus 1e-4 relative (another CPU's summation order measured
-# 1.04e-4 on a logit of 2.84)
-LOGITS = dict(atol=1e-4, rtol=1e-4)
+# float32 logits against float64 (the kept tokens are compared exactly above): 2e-4 absolute, plus 1e-4 relative.
+# XLA:CPU's summation order follows the host's vector units: an Intel Xeon measured 1.04e-4 on a logit of 2.84,
+# an AMD EPYC (2026-11-28) 1.35e-4 on one of 0.046 (adakv-snapkv, evicting at every step)
+LOGITS = dict(atol=2e-4, rtol=1e-4)
 
 
 def check_against_reference(model, case, protocol, evict_every, prompts):

@@ -15,7 +15,9 @@ Variants: "kvjax" compiles with the options kvjax's programs take on a GPU (``kv
 Triton GEMM fusions, so cuBLAS reads each layer's weights in place); "triton" with Triton GEMM fusions allowed
 (XLA's default, and kvjax's until 2026-11-28); "unstacked" is kvjax's options over ``kvjax.unstack_layers``.
 Checked against the card: call 2's measured temporaries at batch 1 (full cache 437.3 MB, SnapKV 1024 440.5 MB)
-against this compile's with Triton GEMM fusions (436.2 and 446.8 MB: one layer's weights, 436.2 MB, is the copy).
+against this compile's with Triton GEMM fusions (436.2 and 446.8 MB: one layer's weights, 436.2 MB, is the copy);
+call 3's with kvjax's options (full cache at batch 1 0.05 GB, SnapKV 1024 at 64 0.94 GB) against 50.4 and
+943.9 MB here, whose copies of SnapKV's keys and values the card's profile timed (benchmarks/gpu/NOTES.md).
 Without autotuning, the card's own compile may choose other kernels for some products.
 """
 

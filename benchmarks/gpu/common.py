@@ -142,7 +142,7 @@ KINDS = (  # (kind, name fragments), first match wins
     ("cache write", ("dynamic-update-slice", "dynamic_update_slice", "scatter")),
     ("slice or copy", ("dynamic_slice", "dynamic-slice", "slice", "copy", "memcpy")),
     ("attention kernel", ("attention",)),
-    ("matmul", ("gemm", "dot", "xmma", "cublas", "cutlass", "ynn", "matmul")),
+    ("matmul", ("gemm", "dot", "xmma", "cublas", "cutlass", "nvjet", "ynn", "matmul")),  # nvjet: cuBLAS, Hopper
     ("sort", ("sort",)),
 )
 
@@ -249,10 +249,11 @@ def copied_bytes(copies: list[tuple[str, tuple[int, ...], int]]) -> int:
 
 
 def memory_stats() -> dict[str, int]:
-    """The default device's allocator figures (bytes_limit, bytes_in_use, peak_bytes_in_use), {} where the
-    platform gives none (CPU)."""
+    """The default device's allocator figures (bytes_limit, bytes_in_use, peak_bytes_in_use,
+    largest_free_block_bytes), {} where the platform gives none (CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
-    return {k: int(stats[k]) for k in ("bytes_limit", "bytes_in_use", "peak_bytes_in_use") if k in stats}
+    keys = ("bytes_limit", "bytes_in_use", "peak_bytes_in_use", "largest_free_block_bytes")
+    return {k: int(stats[k]) for k in keys if k in stats}
 
 
 def decode_attention() -> tuple[str | None, str]:

@@ -60,16 +60,17 @@ _FREE = {"parameter", "constant", "bitcast"}
 
 def moved_bytes(hlo: str) -> int:
     """Bytes written per call of an optimized HLO module by instructions that only slice or copy: ``copy``,
-    ``slice`` and ``dynamic-slice`` ops and fusions of nothing else (``fusion`` or XLA:GPU's asynchronous
-    ``fusion-start``), outside fused computations; those in ``while`` bodies times their loops' known trip
-    counts."""
+    ``slice`` and ``dynamic-slice`` ops and fusions of nothing else but scalar index arithmetic (``fusion`` or
+    XLA:GPU's asynchronous ``fusion-start``), outside fused computations; those in ``while`` bodies times their
+    loops' known trip counts. (Until 2026-11-28 the index arithmetic, JAX's wrapping of a negative layer index,
+    hid the budget caches' per-layer copies of their keys and values.)"""
     prog = Hlo.parse(hlo)
 
-    def parse(line: str) -> tuple[str | None, int, str]:  # (op, bytes written, line); op None: a tuple's
-        m = _INSTR.match(line)
-        if m is None:
+    def parse(line: str) -> tuple[str | None, int, str]:  # (op, bytes written, line); op None: a tuple's or a
+        m = _INSTR.match(line)                              # scalar's
+        if m is None or not m.group(3):
             return None, 0, line
-        return m.group(4), HLO_BYTES.get(m.group(2), 4) * math.prod(int(d) for d in m.group(3).split(",") if d), line
+        return m.group(4), HLO_BYTES.get(m.group(2), 4) * math.prod(int(d) for d in m.group(3).split(",")), line
 
     instrs = {name: [parse(line) for line in body] for name, body in prog.lines.items()}
     called = lambda line: re.findall(r"calls=%([\w.\-]+)", line)  # noqa: E731

@@ -34,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import gc
 import time
 
 import jax
@@ -283,14 +284,14 @@ class ModelRun:
             (FULL, c32, "xla"),
             (snap, c32, None),
             (snap, c32, "xla"),
-            (FULL, c4, "unstacked"),
-            (snap, c4, "unstacked"),
             (ada, c4, None),
             (snap_lo, c4, None),
             (ada, c32, None),
             (snap_lo, c32, None),
             (ada_lo, c4, None),
             (ada_lo, c32, None),
+            (FULL, c4, "unstacked"),
+            (snap, c4, "unstacked"),
         ]
         if self.smoke:  # one budget, one impl="xla" (on CPU the default is XLA), one unstacked prefill,
             # AdaKV at the shorter context: the same paths
@@ -433,16 +434,17 @@ class ModelRun:
         plan = [
             (FULL, None, FULL),
             (("snapkv", 0), None, ("snapkv", 0)),
-            (FULL, "triton", FULL),
-            (("snapkv", 0), "triton", ("snapkv", 0)),
-            (FULL, "unstacked", FULL),
-            (("snapkv", 0), "unstacked", ("snapkv", 0)),
             (("snapkv", 0), "xla", ("snapkv", 0)),
             (("momentkv", 0), None, ("snapkv", 0)),
             (("adakv", 0), None, ("adakv", 0)),
             (("snapkv", 1), None, ("snapkv", 1)),
             (("momentkv", 1), None, ("snapkv", 1)),
             (("adakv", 1), None, ("adakv", 1)),
+            # answered by call 3 (cuBLAS 10.5 ms against Triton GEMM fusions' 16.7 at batch 1), run last
+            (FULL, "triton", FULL),
+            (("snapkv", 0), "triton", ("snapkv", 0)),
+            (FULL, "unstacked", FULL),
+            (("snapkv", 0), "unstacked", ("snapkv", 0)),
         ]
         jobs = []
         for cache, impl, source in plan:
@@ -586,8 +588,8 @@ class ModelRun:
     def largest_batch_row(self, cache: Cache, first_future, probe_future) -> dict:
         """Size the batch from two compiled programs of the plan (batch 1 and the probe, ≤ 8): the state and the
         temporaries one more row adds (their differences), and the temporaries that do not grow with the batch,
-        against the allocator's free bytes; then run it (a batch that fails to run is retried 10% smaller,
-        twice). (Call 2 divided the probe's temporaries by its batch, counting a fixed ≈ 420 MiB eight times over:
+        against the allocator's free bytes; then run it (a batch that fails to run is retried sized by the
+        largest free block, then 10% below that). (Call 2 divided the probe's temporaries by its batch, counting a fixed ≈ 420 MiB eight times over:
         its budget cache's largest batch was sized at 207 MiB per row where one more row took ≈ 150.)"""
         c32 = self.sz.contexts[1]
         source = self.states[cache, c32]
@@ -605,19 +607,27 @@ class ModelRun:
         per_row_temp = max(0.0, (t_probe - t1) / (probe_batch - b1))
         per_row = (state_bytes(probe_batch) - state_bytes(b1)) / (probe_batch - b1) + per_row_temp
         fixed_temp = max(0.0, t1 - b1 * per_row_temp)
-        stats = memory_stats()
-        if stats:
-            free = stats["bytes_limit"] - stats["bytes_in_use"] - self.sz.margin - fixed_temp
-            batch = max(1, int(free // per_row))
-        else:  # CPU (smoke): no allocator figures
-            free, batch = float("nan"), 2 * max(self.sz.batches)
-        log(
-            f"largest batch, {cache_label(cache, self.sz)} at {c32}: {batch} "
-            f"(free {free / 2**30:.1f} GiB after {fixed_temp / 2**20:.0f} MiB of fixed temporaries, "
-            f"{per_row / 2**20:.1f} MiB per row)"
-        )
+        def sized(one_block: bool) -> tuple[float, int, dict]:  # (free bytes, batch, allocator figures)
+            stats = memory_stats()
+            if not stats:  # CPU (smoke): no allocator figures
+                return float("nan"), 2 * max(self.sz.batches), stats
+            free = stats["bytes_limit"] - stats["bytes_in_use"]
+            if one_block:  # the state's keys and values are two arrays, each a block of the allocator's pool
+                free = min(free, stats.get("largest_free_block_bytes", free))
+            free -= self.sz.margin + fixed_temp
+            return free, max(1, int(free // per_row)), stats
+
         errors = []
         for attempt in range(3):
+            # first from every free byte; after a failure from the largest free block (call 3's pool was
+            # fragmented: 108 GiB free and no block of 52), then 10% below that
+            free, batch, stats = sized(one_block=attempt > 0)
+            batch = batch if attempt < 2 else max(1, int(batch * 0.9))
+            log(
+                f"largest batch, {cache_label(cache, self.sz)} at {c32}, try {attempt + 1}: {batch} (free "
+                f"{free / 2**30:.1f} GiB{' in one block' if attempt else ''} after {fixed_temp / 2**20:.0f} MiB "
+                f"of fixed temporaries, {per_row / 2**20:.1f} MiB per row; allocator {stats})"
+            )
             if self.deadline.passed():
                 break
             try:
@@ -629,12 +639,13 @@ class ModelRun:
                     "per_row_bytes": per_row,
                     "fixed_temp_bytes": fixed_temp,
                     "free_bytes": free,
+                    "allocator": stats,
                     "attempts": attempt + 1,
                 }
             except Exception as e:  # noqa: BLE001 - out of memory: a smaller batch
                 errors.append(f"batch {batch}: {error_text(e, 200)}")
                 log(errors[-1])
-                batch = max(1, int(batch * 0.9))
+                gc.collect()  # a failed try's buffers, if a reference cycle holds them
         raise RuntimeError("no batch ran: " + "; ".join(errors))
 
 

@@ -39,6 +39,10 @@ def decoder_layer(
     if cfg.qk_norm:
         q, k = rms_norm(q, p.q_norm, cfg.norm_eps), rms_norm(k, p.k_norm, cfg.norm_eps)
     q, k = apply_rope(q, seg.positions, inv_freq), apply_rope(k, seg.positions, inv_freq)
+    # k and v whole before the cache write: XLA:GPU computes a small product (wk, wv at batch 1) as
+    # a reduction, and fused into the cache's scatter that reduction ran serially per element
+    # (4.3 of the 8B's 10.5 ms batch-1 step on an H200, 2026-11-28; benchmarks/gpu/NOTES.md)
+    k, v = jax.lax.optimization_barrier((k, v))
     attn, cache = cache.attend(layer, q, k, v, seg)
     x = x + jnp.einsum("bthk,hkd->btd", attn, p.wo)
     h = rms_norm(x, p.mlp_norm, cfg.norm_eps)
