@@ -102,7 +102,6 @@ def test_moved_bytes_reads_xla_gpus_asynchronous_slice_copies():
     assert moved_bytes(read("xla_gpu_8b_decode_kvjax_options.hlo.gz")) < 1000
 
 
-
 def test_moved_bytes_reads_slices_whose_fusion_wraps_the_layer_index():
     """XLA:GPU's compile of SnapKV 1024's decoding step at batch 64 before 2026-11-28 (``set_layer_slots`` wrote
     each layer's updated slice back; ``aot.py --caches "snapkv 1024" --batches 64 --hlo``): each layer's keys
@@ -115,6 +114,7 @@ def test_moved_bytes_reads_slices_whose_fusion_wraps_the_layer_index():
                            .read_bytes()).decode()
     per_layer = 2 * 64 * 8 * 1025 * 128 * 2
     assert 32 * per_layer <= moved_bytes(text) < 32 * per_layer + 10**9
+
 
 def test_a_failing_decode_kernel_sends_every_row_to_xla(monkeypatch):
     """common.decode_attention: a decode kernel that raises, or that is off XLA's output, makes the parts run XLA's

@@ -589,8 +589,9 @@ class ModelRun:
         """Size the batch from two compiled programs of the plan (batch 1 and the probe, ≤ 8): the state and the
         temporaries one more row adds (their differences), and the temporaries that do not grow with the batch,
         against the allocator's free bytes; then run it (a batch that fails to run is retried sized by the
-        largest free block, then 10% below that). (Call 2 divided the probe's temporaries by its batch, counting a fixed ≈ 420 MiB eight times over:
-        its budget cache's largest batch was sized at 207 MiB per row where one more row took ≈ 150.)"""
+        largest free block, then 10% below that). (Call 2 divided the probe's temporaries by its batch,
+        counting a fixed ≈ 420 MiB eight times over: its budget cache's largest batch was sized at 207 MiB per
+        row where one more row took ≈ 150.)"""
         c32 = self.sz.contexts[1]
         source = self.states[cache, c32]
         ev = eviction(cache, self.sz, c32, self.attention(None))
@@ -607,6 +608,7 @@ class ModelRun:
         per_row_temp = max(0.0, (t_probe - t1) / (probe_batch - b1))
         per_row = (state_bytes(probe_batch) - state_bytes(b1)) / (probe_batch - b1) + per_row_temp
         fixed_temp = max(0.0, t1 - b1 * per_row_temp)
+
         def sized(one_block: bool) -> tuple[float, int, dict]:  # (free bytes, batch, allocator figures)
             stats = memory_stats()
             if not stats:  # CPU (smoke): no allocator figures
