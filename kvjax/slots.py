@@ -65,22 +65,23 @@ def set_layer_slots(
       axes made XLA:CPU transpose and copy all of it for every layer.
     Reading the layer from the stacked result, after the in-place write, can make XLA keep a copy
     of the whole stacked array for every layer."""
-    stacked = jax.lax.platform_dependent(
+    return jax.lax.platform_dependent(
         x, layer, index, values, cuda=scatter_layer_slots, default=write_back_layer_slots
     )
-    return stacked, set_slots(x[layer], index, values)
 
 
-def scatter_layer_slots(x, layer, index, values):
-    """``set_layer_slots``' stacked result on CUDA: one scatter at (layer, row, KV head, slot)."""
+def scatter_layer_slots(x, layer, index, values) -> tuple[jax.Array, jax.Array]:
+    """``set_layer_slots`` on CUDA: the stacked array by one scatter at (layer, row, KV head,
+    slot); the layer by a scatter into its slice of ``x`` as it was."""
     B, Hk = index.shape[:2]
     at = (layer, jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None], index)
-    return x.at[at].set(values)
+    return x.at[at].set(values), set_slots(x[layer], index, values)
 
 
-def write_back_layer_slots(x, layer, index, values):
-    """``set_layer_slots``' stacked result elsewhere: the layer's slice updated, written back."""
-    return jax.lax.dynamic_update_index_in_dim(x, set_slots(x[layer], index, values), layer, 0)
+def write_back_layer_slots(x, layer, index, values) -> tuple[jax.Array, jax.Array]:
+    """``set_layer_slots`` elsewhere: the layer's slice updated, and written back."""
+    part = set_slots(x[layer], index, values)
+    return jax.lax.dynamic_update_index_in_dim(x, part, layer, 0), part
 
 
 def inverse_permutation(permutation: jax.Array) -> jax.Array:

@@ -27,11 +27,10 @@ def test_both_ways_of_writing_a_layers_slots_equal_numpy():
     expected = np.array(x)
     for b, h, i in np.ndindex(*index.shape):
         expected[int(layer), b, h, int(index[b, h, i])] = values[b, h, i]
-    for write in (slots.scatter_layer_slots, slots.write_back_layer_slots):
-        np.testing.assert_array_equal(np.asarray(write(x, layer, index, values)), expected)
-    stacked, part = slots.set_layer_slots(x, layer, index, values)
-    np.testing.assert_array_equal(np.asarray(stacked), expected)
-    np.testing.assert_array_equal(np.asarray(part), expected[int(layer)])
+    for write in (slots.scatter_layer_slots, slots.write_back_layer_slots, slots.set_layer_slots):
+        stacked, part = write(x, layer, index, values)
+        np.testing.assert_array_equal(np.asarray(stacked), expected)
+        np.testing.assert_array_equal(np.asarray(part), expected[int(layer)])
 
 
 def test_on_cuda_the_stacked_array_is_scattered_into_not_written_back():
