@@ -2,13 +2,13 @@
 
     .venv/bin/python benchmarks/matmul_batch.py            # about 1 minute on 2 cores
 
-The matrix products of one SmolLM2-135M decode step (30 layers of q, k, v, o, gate, up and down projections,
-then the 49,152-token head; float32, random weights of the real shapes), for a batch of 1 and of 8 rows, done
-four ways: NumPy (OpenBLAS) over per-layer arrays; XLA (``jax.jit``) unrolled over per-layer arrays; XLA over
-stacked [30, ...] arrays in a ``lax.scan`` (kvjax's layout: each layer's weights are a dynamic slice of the stack);
-and the same scan with the head. Each time is the best of ``--repeats`` rounds of ``--iters`` calls. "batch-8 /
-batch-1 throughput" is 8 × t₁ / t₈: what batch 8 could give over batch 1 if a step did nothing else.
-Markdown to stdout.
+The matrix products of one SmolLM2-135M decode step (30 layers of the q/k/v projection (one product, as kvjax's
+``wqkv``), o, gate, up and down projections, then the 49,152-token head; float32, random weights of the real
+shapes), for a batch of 1 and of 8 rows, done four ways: NumPy (OpenBLAS) over per-layer arrays; XLA
+(``jax.jit``) unrolled over per-layer arrays; XLA over stacked [30, ...] arrays in a ``lax.scan`` (kvjax's layout:
+each layer's weights are a dynamic slice of the stack); and the same scan with the head. Each time is the best of
+``--repeats`` rounds of ``--iters`` calls. "batch-8 / batch-1 throughput" is 8 × t₁ / t₈: what batch 8 could give
+over batch 1 if a step did nothing else. Markdown to stdout.
 """
 
 from __future__ import annotations
@@ -21,19 +21,21 @@ import jax.numpy as jnp
 import numpy as np
 
 LAYERS, D, HQ, HKV, FF, VOCAB = 30, 576, 576, 192, 1536, 49152  # SmolLM2-135M: 9 × 64 query, 3 × 64 KV dims
-SHAPES = dict(wq=(D, HQ), wk=(D, HKV), wv=(D, HKV), wo=(HQ, D), gate=(D, FF), up=(D, FF), down=(FF, D))
+SHAPES = dict(wqkv=(D, HQ + 2 * HKV), wo=(HQ, D), gate=(D, FF), up=(D, FF), down=(FF, D))
 
 
 def layer(x, w):
     """The products of one layer (a cheap nonlinearity between them: the products are what is measured)."""
-    q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
+    qkv = x @ w["wqkv"]
+    q, k, v = qkv[:, :HQ], qkv[:, HQ:HQ + HKV], qkv[:, HQ + HKV:]
     x = x + (q + jnp.tile(k + v, (1, HQ // HKV))) @ w["wo"]
     return x + (jnp.tanh(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
 
 
 def numpy_step(x, layers, head):
     for w in layers:
-        q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
+        qkv = x @ w["wqkv"]
+        q, k, v = qkv[:, :HQ], qkv[:, HQ:HQ + HKV], qkv[:, HQ + HKV:]
         x = x + (q + np.tile(k + v, (1, HQ // HKV))) @ w["wo"]
         x = x + (np.tanh(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
     return x @ head

@@ -25,7 +25,7 @@ from kvjax.checkpoint.registry import REGISTRY
 from kvjax.model.params import Params
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-CONVERTER_VERSION = 1  # bump when conversion changes, so stale conversions are redone
+CONVERTER_VERSION = 2  # bump when conversion changes, so stale conversions are redone (2: wqkv)
 
 
 def checkpoint_root() -> str:

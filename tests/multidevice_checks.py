@@ -113,8 +113,7 @@ def test_sharded_run_equals_one_device(model, spec, name):
 def test_params_are_placed_by_their_logical_axes(model, spec):
     params = shard(model, make_mesh(spec))
     heads = "model" if "model" in spec else None
-    assert placed(params.layers.wq) == (None, None, heads, None)
-    assert placed(params.layers.wk) == (None, None, heads, None)
+    assert placed(params.layers.wqkv) == (None, None, heads, None, None)
     assert placed(params.layers.w_gate) == (None, None, heads)
     assert placed(params.layers.w_down) == (None, heads, None)
     assert placed(params.embed) == (heads, None)
@@ -123,7 +122,7 @@ def test_params_are_placed_by_their_logical_axes(model, spec):
 
 def test_unstacked_layers_are_placed_and_run_as_the_stacked_scan(model):
     params = shard(kvjax.unstack_layers(model), make_mesh("data=2,model=4"))
-    assert all(placed(layer.wq) == (None, "model", None) for layer in params.layers)
+    assert all(placed(layer.wqkv) == (None, "model", None, None) for layer in params.layers)
     assert all(placed(layer.w_down) == ("model", None) for layer in params.layers)
     tokens = np.stack([row[:5] for row in prompts(8, 128, seed=3)])
     expected = np.asarray(kvjax.forward(model, tokens))
@@ -225,7 +224,7 @@ def test_smollm2_sharded_equals_one_device(smollm2, spec):
     mesh = make_mesh(spec)
     if spec == "model=2":  # 3 KV heads and 9 query heads do not split in two: they are replicated
         on_mesh = shard(smollm2, mesh)
-        assert placed(on_mesh.layers.wk) == (None, None, None, None)
+        assert placed(on_mesh.layers.wqkv) == (None, None, None, None, None)
         assert placed(on_mesh.layers.w_up) == (None, None, "model")
     # SnapKV alone: the full cache is checked on every mesh with the small model above
     check_equal(smollm2, rows, dict(budget=24, scorer="snapkv", obs_window=8, window=8), mesh)

@@ -119,13 +119,17 @@ def softmax(z: np.ndarray) -> np.ndarray:
 def qkv(cfg, w: dict, layer: int, x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray):
     """Queries [T, H, K], keys [T, Hk, K] (both after RoPE) and values [T, Hk, K] of layer ``layer``."""
     h = rms_norm(x, w["layers.attn_norm"][layer], cfg.norm_eps)
-    q = np.einsum("td,dhk->thk", h, w["layers.wq"][layer])
-    k = np.einsum("td,dhk->thk", h, w["layers.wk"][layer])
-    v = np.einsum("td,dhk->thk", h, w["layers.wv"][layer])
+    # wqkv [D, Hk, G + 2, K]: per KV head, its G query heads (query head h is in group h // G), its key, its value
+    G = cfg.n_heads // cfg.n_kv_heads
+    wqkv = w["layers.wqkv"][layer]
+    q = np.einsum("td,dhk->thk", h, wqkv[:, :, :G].reshape(wqkv.shape[0], cfg.n_heads, -1))
+    k = np.einsum("td,dhk->thk", h, wqkv[:, :, G])
+    v = np.einsum("td,dhk->thk", h, wqkv[:, :, G + 1])
     if cfg.qkv_bias:
-        q = q + w["layers.bq"][layer]
-        k = k + w["layers.bk"][layer]
-        v = v + w["layers.bv"][layer]
+        b = w["layers.bqkv"][layer]
+        q = q + b[:, :G].reshape(cfg.n_heads, -1)
+        k = k + b[:, G]
+        v = v + b[:, G + 1]
     if cfg.qk_norm:
         q = rms_norm(q, w["layers.q_norm"][layer], cfg.norm_eps)
         k = rms_norm(k, w["layers.k_norm"][layer], cfg.norm_eps)

@@ -7,6 +7,7 @@ import pytest
 
 import kvjax
 from kvjax.cache.full import FullCache
+from kvjax.model.params import fuse_qkv, split_qkv
 from kvjax.model.segment import Segment
 from kvjax.runtime.decoding import Generation
 from kvjax.runtime.generate import _forward, _generation
@@ -120,6 +121,22 @@ def test_bfloat16_batch_generates(tiny_llama):
     assert [len(o) for o in out] == [4, 4]
 
 
+@pytest.mark.parametrize("xp", [np, jnp], ids=["numpy", "jax"])
+def test_fused_qkv_groups_query_heads_with_their_kv_head(xp):
+    H, Hk, K = 6, 2, 3
+    q = xp.asarray(np.arange(5 * H * K, dtype=np.float32).reshape(5, H, K))
+    k = xp.asarray(-np.arange(5 * Hk * K, dtype=np.float32).reshape(5, Hk, K))
+    v = k - 1000
+    fused = fuse_qkv(q, k, v)
+    assert fused.shape == (5, Hk, H // Hk + 2, K) and isinstance(fused, type(q))
+    for h in range(H):  # query head h shares KV head h // G, as grouped-query attention pairs them
+        np.testing.assert_array_equal(fused[:, h // 3, h % 3], q[:, h])
+    np.testing.assert_array_equal(fused[:, :, 3], k)
+    np.testing.assert_array_equal(fused[:, :, 4], v)
+    for a, b in zip(split_qkv(fused), (q, k, v), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize(
     "eviction",
     [
@@ -132,7 +149,7 @@ def test_bfloat16_batch_generates(tiny_llama):
 def test_unstacked_layers_generate_as_the_stacked_scan(tiny_llama, eviction):
     unstacked = kvjax.unstack_layers(tiny_llama)
     assert len(unstacked.layers) == tiny_llama.config.n_layers
-    assert unstacked.layers[1].wq.shape == tiny_llama.layers.wq.shape[1:]
+    assert unstacked.layers[1].wqkv.shape == tiny_llama.layers.wqkv.shape[1:]
     prompts = [random_prompt(n, seed) for seed, n in enumerate([5, 40, 23])]
     stacked = kvjax.generate(tiny_llama, prompts, 10, stop_ids=(), **eviction)
     looped = kvjax.generate(unstacked, prompts, 10, stop_ids=(), **eviction)

@@ -1,4 +1,6 @@
-"""Name tables from Hugging Face / GGUF tensor names to kvjax paths, and per-layer stacking."""
+"""Name tables from Hugging Face / GGUF tensor names to kvjax paths, per-layer stacking, and the
+fusing of the stored query, key and value projections into ``wqkv`` (and their biases into
+``bqkv``)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from tqdm.auto import tqdm
 
 from kvjax.checkpoint.errors import CheckpointError
 from kvjax.model.config import ModelConfig
-from kvjax.model.params import param_specs
+from kvjax.model.params import fuse_parts, stored_specs
 
 
 def _heads_in(n_heads: Callable[[ModelConfig], int]):
@@ -38,7 +40,8 @@ def _transpose(w, cfg):
 _H = lambda cfg: cfg.n_heads  # noqa: E731
 _HK = lambda cfg: cfg.n_kv_heads  # noqa: E731
 
-# our path -> (transform of the stored array, HF name, GGUF name); "{i}" is the layer index.
+# our path -> (transform of the stored array, HF name, GGUF name); "{i}" is the layer index. The
+# parts of a fused tensor (``kvjax.model.params.FUSED``) have paths of their own here.
 TABLE = {
     "embed": (_same, "model.embed_tokens.weight", "token_embd.weight"),
     "final_norm": (_same, "model.norm.weight", "output_norm.weight"),
@@ -116,12 +119,13 @@ def convert(
     skip: Iterable[str] = (),
     desc: str = "converting",
 ) -> dict[str, np.ndarray]:
-    """Read every tensor named in ``names`` through the table into a flat dict of stacked arrays.
+    """Read every tensor named in ``names`` through the table into a flat dict of stacked arrays
+    (``param_specs``' paths: the query, key and value parts fused).
 
     ``read(name)`` returns the stored array (already in the HF orientation). All shape problems are
     collected and raised together in one ``CheckpointError``.
     """
-    specs = param_specs(cfg)
+    specs = stored_specs(cfg)
     patterns = _patterns(column)
     per_layer: dict[str, dict[int, np.ndarray]] = {}
     flat, problems, seen = {}, [], set()
@@ -169,4 +173,4 @@ def convert(
             f"checkpoint does not match the config ({len(problems)} problems):\n  "
             + "\n  ".join(problems)
         )
-    return flat
+    return fuse_parts(flat)

@@ -41,7 +41,7 @@ def read_source(path: str) -> dict | None:
 
 
 def _nest(flat: dict) -> dict:
-    """``{"layers.wq": x}`` -> ``{"layers": {"wq": x}}`` (Orbax keys may not contain dots)."""
+    """``{"layers.wqkv": x}`` -> ``{"layers": {"wqkv": x}}`` (Orbax keys may not contain dots)."""
     tree: dict = {}
     for path, value in flat.items():
         *parents, leaf = path.split(".")

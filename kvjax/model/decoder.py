@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.model.layer_fields import join_layers, split_layers
-from kvjax.model.params import LayerParams, Params
+from kvjax.model.params import LayerParams, Params, split_qkv
 from kvjax.model.rope import apply_rope, inverse_frequencies
 from kvjax.model.segment import Segment
 
@@ -31,17 +31,14 @@ def decoder_layer(
             ``cache.attend(layer, ...)`` reads and updates layer ``layer``.
     """
     h = rms_norm(x, p.attn_norm, cfg.norm_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, p.wq)
-    k = jnp.einsum("btd,dhk->bthk", h, p.wk)
-    v = jnp.einsum("btd,dhk->bthk", h, p.wv)
-    if cfg.qkv_bias:
-        q, k, v = q + p.bq, k + p.bk, v + p.bv
+    qkv = jnp.einsum("btd,dngk->btngk", h, p.wqkv)
+    q, k, v = split_qkv(qkv + p.bqkv if cfg.qkv_bias else qkv)
     if cfg.qk_norm:
         q, k = rms_norm(q, p.q_norm, cfg.norm_eps), rms_norm(k, p.k_norm, cfg.norm_eps)
     q, k = apply_rope(q, seg.positions, inv_freq), apply_rope(k, seg.positions, inv_freq)
-    # k and v whole before the cache write: XLA:GPU computes a small product (wk, wv at batch 1) as
-    # a reduction, and fused into the cache's scatter that reduction ran serially per element
-    # (4.3 of the 8B's 10.5 ms batch-1 step on an H200, 2026-11-28; benchmarks/gpu/NOTES.md)
+    # k and v whole before the cache write: XLA:GPU fused their projection into the cache's scatter,
+    # which then ran serially per element (4.3 of the 8B's 10.5 ms batch-1 step on an H200,
+    # 2026-11-28, when wk and wv were separate products; benchmarks/gpu/NOTES.md)
     k, v = jax.lax.optimization_barrier((k, v))
     attn, cache = cache.attend(layer, q, k, v, seg)
     x = x + jnp.einsum("bthk,hkd->btd", attn, p.wo)
