@@ -51,20 +51,21 @@ def set_layer_slots(
     """(x [L, B, Hk, S, ...] with ``x[layer, b, h, index[b, h, i]] = values[b, h, i]``, its layer
     ``layer`` [B, Hk, S, ...] so updated).
 
-    The layer returned is its slice of ``x`` updated by a scatter whose batch dimensions are the
-    row and KV-head axes (leading there); where it is not read (a decoding step evicting after the
-    step), XLA drops it. The stacked array is written in place, on each platform as its compiler
-    does it without copies:
+    Where the layer is not read (a decoding step evicting after the step), XLA drops it. The
+    stacked array is written in place, on each platform as its compiler does it without copies:
     - CUDA: one scatter whose coordinates are the layer, the row, the KV head and the slot (as
-      ``FullCache.write``). Writing the updated slice back (below) made XLA:GPU copy each layer's
-      keys and values out of the stack and back in every step (for the 8B at batch 64, budget
-      1024: 134 MB four times per layer, 10 of the step's 22.7 ms on an H200, 2026-11-28).
-    - elsewhere: the updated slice written back (``dynamic_update_slice``). On CPU the scatter
-      above holds more temporaries (22.1 against 9.5 MiB per row for 4 of the 8B's layers,
+      ``FullCache.write``); the layer is its slice of the result, which XLA:GPU reads in place.
+      Writing the updated slice back (below) made XLA:GPU copy each layer's keys and values out of
+      the stack and back in every step (for the 8B at batch 64, budget 1024: 134 MB four times per
+      layer, 10 of the step's 22.7 ms on an H200, 2026-11-28); scattering into the slice of ``x``
+      as it was made it copy the slice for MomentKV's in-layer eviction (8.6 GB per step).
+    - elsewhere: the slice updated by a scatter whose batch dimensions are the row and KV-head axes
+      (leading there), and written back (``dynamic_update_slice``). On CPU the scatter above holds
+      more temporaries (22.1 against 9.5 MiB per row for 4 of the 8B's layers,
       ``benchmarks/decode_temporaries.py``); a scatter batched over the stacked array's middle
-      axes made XLA:CPU transpose and copy all of it for every layer.
-    Reading the layer from the stacked result, after the in-place write, can make XLA keep a copy
-    of the whole stacked array for every layer."""
+      axes made XLA:CPU transpose and copy all of it for every layer, and reading the layer from
+      the stacked result can make XLA:CPU keep a copy of the whole stacked array for every
+      layer."""
     return jax.lax.platform_dependent(
         x, layer, index, values, cuda=scatter_layer_slots, default=write_back_layer_slots
     )
@@ -72,10 +73,11 @@ def set_layer_slots(
 
 def scatter_layer_slots(x, layer, index, values) -> tuple[jax.Array, jax.Array]:
     """``set_layer_slots`` on CUDA: the stacked array by one scatter at (layer, row, KV head,
-    slot); the layer by a scatter into its slice of ``x`` as it was."""
+    slot); the layer, its slice of the result."""
     B, Hk = index.shape[:2]
     at = (layer, jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None], index)
-    return x.at[at].set(values), set_slots(x[layer], index, values)
+    stacked = x.at[at].set(values)
+    return stacked, stacked[layer]
 
 
 def write_back_layer_slots(x, layer, index, values) -> tuple[jax.Array, jax.Array]:

@@ -1,6 +1,6 @@
 """What kvjax hands XLA:GPU, checked from the CPU (the card's own compiles are read by benchmarks/gpu/aot.py,
 benchmarks/gpu/NOTES.md): the budget caches' per-layer write scatters into the stacked keys and values on
-CUDA, and a layer's new keys and values are whole before its cache write."""
+CUDA and reads the layer from the result, and a layer's new keys and values are whole before its cache write."""
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,12 @@ def test_on_cuda_the_stacked_array_is_scattered_into_not_written_back():
     cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "stablehlo.scatter" in cuda and not writes_back(cuda)
     assert writes_back(traced.lower(lowering_platforms=("cpu",)).as_text())
+
+
+def test_on_cuda_the_layer_is_read_from_the_scattered_stack():
+    """One scatter on CUDA gives both results: the layer is a slice of the written stack (a second scatter into the
+    slice as it was made XLA:GPU copy each layer's keys and values for MomentKV's in-layer eviction)."""
+    assert jax.jit(slots.scatter_layer_slots).lower(*layer_slots_case()).as_text().count('"stablehlo.scatter"') == 1
 
 
 def test_new_keys_and_values_pass_an_optimization_barrier_before_the_cache():
