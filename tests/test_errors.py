@@ -121,6 +121,18 @@ def test_converted_checkpoint_damage(hf_dir, checkpoint_root):
         kvjax.load(str(ckpt))
 
 
+def test_a_checkpoint_with_separate_qkv_projections_is_refused_with_the_reason(hf_dir, checkpoint_root, tmp_path):
+    from kvjax.model.params import params_to_flat, split_qkv
+
+    params = kvjax.load(str(hf_dir))
+    flat = params_to_flat(params)
+    flat["layers.wq"], flat["layers.wk"], flat["layers.wv"] = split_qkv(flat.pop("layers.wqkv"))
+    store.write_checkpoint(str(tmp_path / "old"), params.config, flat)  # as kvjax converted before wqkv
+    with pytest.raises(kvjax.CheckpointError, match=r"(?s)layers.wqkv: expected .* missing.*layers.wq: unexpected "
+                                                    r".*stored apart: an older kvjax converted it"):
+        kvjax.load(str(tmp_path / "old"))
+
+
 def test_conversion_is_atomic(hf_dir, checkpoint_root, monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("disk full")

@@ -21,7 +21,13 @@ import numpy as np
 
 from kvjax.checkpoint.errors import CheckpointError
 from kvjax.model.config import ModelConfig
-from kvjax.model.params import Params, abstract_flat, params_from_flat, shape_mismatches
+from kvjax.model.params import (
+    FUSED,
+    Params,
+    abstract_flat,
+    params_from_flat,
+    shape_mismatches,
+)
 
 CONFIG_FILE = "kvjax_config.json"
 SOURCE_FILE = "source.json"
@@ -184,9 +190,16 @@ def read_checkpoint(path: str, dtype) -> Params:
         except Exception as e:
             raise CheckpointError(f"{params_dir} is corrupt: cannot read its metadata ({e})") from e
         if problems := shape_mismatches(cfg, {k: tuple(m.shape) for k, m in stored.items()}):
+            apart = any(part in stored for parts in FUSED.values() for part in parts)
             raise CheckpointError(
                 f"{path} does not match its config ({len(problems)} problems):\n  "
                 + "\n  ".join(problems)
+                + (
+                    "\nIts query, key and value projections are stored apart: an older kvjax "
+                    "converted it (kvjax fuses them into layers.wqkv); convert its source again."
+                    if apart
+                    else ""
+                )
             )
         try:
             tree = ckpt.restore(params_dir, _nest(abstract_flat(cfg, np.float32)))
