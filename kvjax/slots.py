@@ -53,12 +53,13 @@ def set_layer_slots(
 
     Where the layer is not read (a decoding step evicting after the step), XLA drops it. The
     stacked array is written in place, on each platform as its compiler does it without copies:
-    - CUDA: one scatter whose coordinates are the layer, the row, the KV head and the slot (as
-      ``FullCache.write``); the layer is its slice of the result, which XLA:GPU reads in place.
-      Writing the updated slice back (below) made XLA:GPU copy each layer's keys and values out of
-      the stack and back in every step (for the 8B at batch 64, budget 1024: 134 MB four times per
-      layer, 10 of the step's 22.7 ms on an H200, 2026-11-28); scattering into the slice of ``x``
-      as it was made it copy the slice for MomentKV's in-layer eviction (8.6 GB per step).
+    - CUDA: one scatter whose coordinates are the layer, the row, the KV head and the slot
+      (``scatter_at_layer``, as ``FullCache.write``); the layer is its slice of the result, which
+      XLA:GPU reads in place. Writing the updated slice back (below) made XLA:GPU copy each layer's
+      keys and values out of the stack and back in every step (for the 8B at batch 64, budget 1024:
+      134 MB four times per layer, 10 of the step's 22.7 ms on an H200, 2026-11-28); scattering into
+      the slice of ``x`` as it was made it copy the slice for MomentKV's in-layer eviction (8.6 GB
+      per step).
     - elsewhere: the slice updated by a scatter whose batch dimensions are the row and KV-head axes
       (leading there), and written back (``dynamic_update_slice``). On CPU the scatter above holds
       more temporaries (22.1 against 9.5 MiB per row for 4 of the 8B's layers,
@@ -71,12 +72,19 @@ def set_layer_slots(
     )
 
 
-def scatter_layer_slots(x, layer, index, values) -> tuple[jax.Array, jax.Array]:
-    """``set_layer_slots`` on CUDA: the stacked array by one scatter at (layer, row, KV head,
-    slot); the layer, its slice of the result."""
-    B, Hk = index.shape[:2]
+def scatter_at_layer(x, layer, index, values) -> jax.Array:
+    """x [L, B, Hk, S, ...] with ``x[layer, b, h, index[b, h, i]] = values[b, h, i]`` by one
+    scatter at (layer, row, KV head, slot), which XLA does in place; index [B, Hk or 1, T]
+    broadcasts over the KV heads of values [B, Hk, T, ...]."""
+    B, Hk = values.shape[:2]
     at = (layer, jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None], index)
-    stacked = x.at[at].set(values)
+    return x.at[at].set(values)
+
+
+def scatter_layer_slots(x, layer, index, values) -> tuple[jax.Array, jax.Array]:
+    """``set_layer_slots`` on CUDA: the stacked array by ``scatter_at_layer``; the layer, its
+    slice of the result."""
+    stacked = scatter_at_layer(x, layer, index, values)
     return stacked, stacked[layer]
 
 

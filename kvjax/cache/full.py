@@ -17,6 +17,7 @@ from kvjax.kernels import attention_with_scores, causal_attention, decode_attent
 from kvjax.model.config import ModelConfig
 from kvjax.model.segment import Segment
 from kvjax.sharding import per_shard
+from kvjax.slots import scatter_at_layer
 
 
 @struct.dataclass
@@ -59,16 +60,10 @@ class FullCache:
     ) -> FullCache:
         """Layer ``layer`` with k, v [B, T, Hk, K] written at their ``positions`` [B, T] (in
         place)."""
-        B, _, Hk, _ = k.shape
-        index = (
-            layer,
-            jnp.arange(B)[:, None, None],
-            jnp.arange(Hk)[None, :, None],
-            positions[:, None, :],
-        )
+        at = positions[:, None, :]
         return self.replace(
-            k=self.k.at[index].set(k.swapaxes(1, 2).astype(self.k.dtype)),
-            v=self.v.at[index].set(v.swapaxes(1, 2).astype(self.v.dtype)),
+            k=scatter_at_layer(self.k, layer, at, k.swapaxes(1, 2).astype(self.k.dtype)),
+            v=scatter_at_layer(self.v, layer, at, v.swapaxes(1, 2).astype(self.v.dtype)),
         )
 
     def attend(
