@@ -24,18 +24,21 @@ LAYERS, D, HQ, HKV, FF, VOCAB = 30, 576, 576, 192, 1536, 49152  # SmolLM2-135M: 
 SHAPES = dict(wqkv=(D, HQ + 2 * HKV), wo=(HQ, D), gate=(D, FF), up=(D, FF), down=(FF, D))
 
 
+def split_qkv(qkv):
+    """[B, HQ + 2 HKV] -> q, k, v."""
+    return qkv[:, :HQ], qkv[:, HQ:HQ + HKV], qkv[:, HQ + HKV:]
+
+
 def layer(x, w):
     """The products of one layer (a cheap nonlinearity between them: the products are what is measured)."""
-    qkv = x @ w["wqkv"]
-    q, k, v = qkv[:, :HQ], qkv[:, HQ:HQ + HKV], qkv[:, HQ + HKV:]
+    q, k, v = split_qkv(x @ w["wqkv"])
     x = x + (q + jnp.tile(k + v, (1, HQ // HKV))) @ w["wo"]
     return x + (jnp.tanh(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
 
 
 def numpy_step(x, layers, head):
     for w in layers:
-        qkv = x @ w["wqkv"]
-        q, k, v = qkv[:, :HQ], qkv[:, HQ:HQ + HKV], qkv[:, HQ + HKV:]
+        q, k, v = split_qkv(x @ w["wqkv"])
         x = x + (q + np.tile(k + v, (1, HQ // HKV))) @ w["wo"]
         x = x + (np.tanh(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
     return x @ head
