@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 from helpers import QUICK_COMPILE
 
-# Tests compile over a thousand small programs and run most on tiny shapes, where the backend's optimisation of
-# the CPU code costs far more than it saves: 25 min 21 s -> 19 min 0 s for the suite on this 2-core machine.
-# Float32 results differ in their last bits (up to 1.0e-5 on a tiny model's logits of 7). The notebooks and the
-# installed package run with the user's flags (helpers.xla_flags). Read when JAX's backend starts.
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_COMPILE}".strip()
+# Tests compile over a thousand small programs and run most on tiny shapes, where XLA:CPU's compile costs far more
+# than its code saves (helpers.QUICK_COMPILE). On this 2-core machine: the backend's optimisation off, 25 min 21 s ->
+# 19 min 0 s for the suite; then the older fusion emitters, 26 min 4 s -> 17 min 40 s (2026-11-28, --durations=0;
+# the real-model files run up to 16% slower alone). Float32 results differ in their last bits (up to 1.0e-5 on a
+# tiny model's logits of 7). The notebooks and the installed package run with the user's flags (helpers.xla_flags).
+# Read when JAX's backend starts.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *QUICK_COMPILE]).strip()
 
 SMOLLM2 = "smollm2-135m-instruct"
 # The CLI turns JAX's persistent compilation cache on (kvjax.runtime.compilation_cache); tests that call it in-process
@@ -25,10 +27,10 @@ def pytest_addoption(parser):
 
 # The files that take longest (measured in the full run, longest first), run first: ``pytest -n 2 --dist loadfile``
 # hands files to its workers in this order, and a long file started last would leave one worker idle at the end.
-LONGEST_FIRST = ("test_sharding.py", "test_engine_vs_reference.py", "test_notebooks.py", "test_engine.py",
-                 "test_serving.py", "test_output_aware_smollm2.py", "test_ask_chat.py", "test_prefilled.py",
-                 "test_gpu_script.py", "test_paged_kernels.py", "test_serving_contexts_api.py", "test_eval.py",
-                 "test_packaging.py", "test_kernels.py", "test_output_aware.py")
+LONGEST_FIRST = ("test_notebooks.py", "test_sharding.py", "test_engine_vs_reference.py", "test_serving.py",
+                 "test_output_aware_smollm2.py", "test_ask_chat.py", "test_eval.py", "test_engine.py",
+                 "test_packaging.py", "test_paged_kernels.py", "test_prefilled.py", "test_gpu_script.py",
+                 "test_kernels.py", "test_serving_contexts_api.py", "test_smollm2.py", "test_generate.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,13 +25,15 @@ def gpu_script(module: str):
         sys.path.remove(str(GPU_SCRIPT))
 
 
-QUICK_COMPILE = "--xla_backend_optimization_level=0"  # every test process's (conftest.py)
+# Every test process's XLA flags (conftest.py): no backend optimisation, and XLA:CPU's older elemental emitters
+# for fusions instead of its MLIR fusion emitters, which compile the suite's small programs more slowly.
+QUICK_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
 def xla_flags(devices: int | None = None, *, optimized: bool = False) -> dict[str, str]:
     """XLA_FLAGS for a subprocess: this run's, with ``devices`` fake CPU devices, or without QUICK_COMPILE
     (``optimized``: the compiler as a user's process runs it)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not (optimized and f == QUICK_COMPILE)]
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not (optimized and f in QUICK_COMPILE)]
     if devices:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     return {"XLA_FLAGS": " ".join(flags)}
