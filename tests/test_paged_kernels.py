@@ -68,8 +68,8 @@ class Moments(NamedTuple):
 
 
 def compiled(fn, *args):
-    """fn jitted for args' shapes and compiled at XLA:CPU's lowest optimisation level."""
-    return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})
+    """fn jitted for args' shapes and compiled (with the suite's XLA flags, conftest.py)."""
+    return jax.jit(fn).lower(*args).compile()
 
 
 def run(fn, *args):
