@@ -26,10 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# XLA's default, which kvjax's programs turn off on a GPU (kvjax.runtime.jit): Triton GEMM fusions, each handed a
-# copy of its layer's slice of the stacked weights where cuBLAS reads the slice in place (aot.py)
-TRITON_GEMMS = {"xla_gpu_enable_triton_gemm": True}
-
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

@@ -12,18 +12,16 @@ the default full prefill fail, the "xla" one makes the full cache's decode rows'
 Decode: ms per step of ``kvjax.runtime.decoding.decode_steps`` (the loop ``kvjax.generate`` runs: greedy sampling, every
 step evicting one token per row and KV head) at batch 1, 8, 32 and 64, from the prefilled state of one prompt
 repeated over the batch (every row holds the same cache; the prefill above made it). MomentKV decodes from
-SnapKV's prefilled cache (the same layout; its moment sums start empty): its step is what is timed. Impl
-"triton" is the default compiled with XLA's Triton GEMM fusions allowed (kvjax's programs disallow them on a GPU:
-``kvjax.runtime.jit``; batch 1 and 64 at 4K; see layers_part and aot.py); impl
-"unstacked" is the default run with ``kvjax.unstack_layers`` (a loop over per-layer weights: nothing sliced;
-its prefills at 4K, its decodes at batch 1 and 64 at 4K; the per-layer copy of the weights exists only while
-those rows run). JAX's profiler traces 4 more steps of a few rows (``ModelRun.profiled``): their device time by
-kind of op. Beside each figure its floor: the bytes a step must read (every weight but the embedding table, plus
-the kept keys and values of every row) over the copy bandwidth measured in the same run. Every row's attention
-is the kernels' unless ``common.decode_attention`` finds the decode kernel failing on the device (then XLA's,
-said in the report's head). The largest batch that fits at 32K is found from two compiled programs' memory figures
+SnapKV's prefilled cache (the same layout; its moment sums start empty): its step is what is timed. (Call 3's
+rows of the default compiled with Triton GEMM fusions and of ``kvjax.unstack_layers`` answered their questions
+and are gone: layers_part and aot.py still compile both.) JAX's profiler traces 4 more steps of a few rows
+(``ModelRun.profiled``): their device time by kind of op. Beside each figure its floor: the bytes a step must
+read (every weight but the embedding table, plus the kept keys and values of every row) over the copy bandwidth
+measured in the same run. Every row's attention is the kernels' unless ``common.decode_attention`` finds the
+decode kernel failing on the device (then XLA's, said in the report's head). The largest batch that fits at 32K is found from two compiled programs' memory figures
 (batch 1 and 8: the state and temporaries one more row adds, and the temporaries that do not grow) against the
-allocator's free bytes, then run (10% smaller, up to twice, if it does not).
+allocator's largest free block, then run (10% smaller, once, if it does not). Those searches run right after
+the batch-1 rows, on a pool that no other batch has used yet (``ModelRun.decode``).
 
 Every program is compiled in the background first; timed runs wait for the compilations (XLA autotunes on the
 device while it compiles) for at most a third of the part's time.
@@ -42,7 +40,6 @@ import jax.numpy as jnp
 import numpy as np
 from common import (
     KINDS,
-    TRITON_GEMMS,
     Ceilings,
     Compiler,
     Deadline,
@@ -221,7 +218,6 @@ class ModelRun:
             sum(x.size * x.dtype.itemsize for x in leaves) - embed.size * embed.dtype.itemsize
         )
         self.states: dict[tuple[Cache, int], DecodeState] = {}
-        self.unstacked = None  # kvjax.unstack_layers(self.params) while the "unstacked" rows run
         self.kernels, results.meta["decode_attention"] = decode_attention()
         log(f"model: {results.meta['decode_attention']}")
         results.meta["model"] = {
@@ -235,17 +231,6 @@ class ModelRun:
         found them failing)."""
         return "xla" if impl == "xla" else self.kernels
 
-    def params_for(self, impl: str | None, abstract: bool = False):
-        """The weights a row runs with: per-layer arrays for impl "unstacked" (made on first use; with
-        ``abstract``, their shapes alone), else the stacked ones."""
-        if impl != "unstacked":
-            return self.params
-        if abstract:
-            return jax.eval_shape(kvjax.unstack_layers, self.params)
-        if self.unstacked is None:
-            self.unstacked = jax.block_until_ready(kvjax.unstack_layers(self.params))
-        return self.unstacked
-
     # --- prefill -----------------------------------------------------------------------------------------------
 
     def prefill_program(self, cache: Cache, context: int, impl: str | None) -> tuple:
@@ -254,13 +239,12 @@ class ModelRun:
         lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
         key = jax.eval_shape(lambda: jax.random.key(0))
         ev = eviction(cache, self.sz, context, self.attention(impl))
-        params = self.params_for(impl, abstract=True)
         if ev is None:
             static = dict(capacity=round_capacity(context + NEW), out_width=OUT_WIDTH, impl=self.attention(impl))
-            return feed_full, (params, tokens, lengths, key), static
+            return feed_full, (self.params, tokens, lengths, key), static
         return (
             feed_budget,
-            (params, None, tokens, lengths, lengths, key),
+            (self.params, None, tokens, lengths, lengths, key),
             dict(ev=ev, out_width=OUT_WIDTH, decode_spare=ev.decode_spare(OUT_WIDTH)),
         )
 
@@ -290,14 +274,11 @@ class ModelRun:
             (snap_lo, c32, None),
             (ada_lo, c4, None),
             (ada_lo, c32, None),
-            (FULL, c4, "unstacked"),
-            (snap, c4, "unstacked"),
         ]
-        if self.smoke:  # one budget, one impl="xla" (on CPU the default is XLA), one unstacked prefill,
-            # AdaKV at the shorter context: the same paths
-            dropped = ((snap, c4, "unstacked"), (ada, c32, None))
+        if self.smoke:  # one budget, one impl="xla" (on CPU the default is XLA), AdaKV at the shorter context:
+            # the same paths
             keep = lambda p: p[2] != "xla" or p == (FULL, c4, "xla")  # noqa: E731
-            plan = [p for p in plan if p[0][1] != 1 and keep(p) and p not in dropped]
+            plan = [p for p in plan if p[0][1] != 1 and keep(p) and p != (ada, c32, None)]
         return plan
 
     def prefill(self, futures: dict) -> None:
@@ -320,15 +301,13 @@ class ModelRun:
                     self.prefill_row, futures[cache, context, impl], cache, context, impl
                 ),
             )
-        self.unstacked = None  # its memory back for the decodes' largest batches
 
     def prefill_row(self, future, cache: Cache, context: int, impl: str | None) -> dict:
         compiled, compile_s = future.result(timeout=max(1.0, self.deadline.left()))
-        params = self.params_for(impl)
         times = []
         for _ in range(2 if context >= 16384 else 3):
             t0 = time.perf_counter()
-            state = jax.block_until_ready(self.call_prefill(compiled, cache, context, params))
+            state = jax.block_until_ready(self.call_prefill(compiled, cache, context, self.params))
             times.append(time.perf_counter() - t0)
         extra = {}
         if cache == FULL:
@@ -358,18 +337,17 @@ class ModelRun:
 
     # --- decode ------------------------------------------------------------------------------------------------
 
-    def submit_decode(self, state_shape, ev, options=None, params=None):
+    def submit_decode(self, state_shape, ev):
         n = jax.ShapeDtypeStruct((), jnp.int32)
         return self.compiler.submit(
             decode_steps,
-            self.params if params is None else params,
+            self.params,
             state_shape,
             n,
             n,
             Sampling(),
             (),
             None if ev is None else ev.decoding(),
-            options=options,
         )
 
     def time_decode(self, compiled, state: DecodeState, params) -> tuple[float, DecodeState]:
@@ -390,12 +368,11 @@ class ModelRun:
         return seconds, state
 
     def decode_row(
-        self, future, source: DecodeState, batch: int, profile: bool = False, impl: str | None = None,
-        moment_dim: int | None = None,
+        self, future, source: DecodeState, batch: int, profile: bool = False, moment_dim: int | None = None
     ) -> dict:
         """The timed row; with ``profile``, also where the device time of PROFILE_STEPS more steps goes."""
         compiled, compile_s = future.result(timeout=max(1.0, self.deadline.left()))
-        params = self.params_for(impl)
+        params = self.params
         state = tile_state(source, batch, moment_dim)
         seconds, state = self.time_decode(compiled, state, params)
         kept = kept_kv_bytes(state, self.sz.cfg)
@@ -440,19 +417,11 @@ class ModelRun:
             (("snapkv", 1), None, ("snapkv", 1)),
             (("momentkv", 1), None, ("snapkv", 1)),
             (("adakv", 1), None, ("adakv", 1)),
-            # answered by call 3 (cuBLAS 10.5 ms against Triton GEMM fusions' 16.7 at batch 1), run last
-            (FULL, "triton", FULL),
-            (("snapkv", 0), "triton", ("snapkv", 0)),
-            (FULL, "unstacked", FULL),
-            (("snapkv", 0), "unstacked", ("snapkv", 0)),
         ]
         jobs = []
         for cache, impl, source in plan:
             for b in sz.batches:
-                if impl in ("triton", "unstacked"):  # the default, compiled or run otherwise: batch ends, 4K
-                    if b in (sz.batches[0], sz.batches[-1]) and not (self.smoke and b != 1):  # smoke: batch 1
-                        jobs.append((cache, impl, source, b, (c4,)))
-                elif cache == FULL:
+                if cache == FULL:
                     jobs.append((cache, impl, source, b, (c4,)))
                     if (
                         b <= sz.probe
@@ -462,9 +431,8 @@ class ModelRun:
                     jobs.append((cache, impl, source, b, (c4, c32)))
         if not self.smoke:
             return jobs
-        # smoke: as prefill_plan; "triton" (compiler flags alone) with the full cache; MomentKV and AdaKV at the
-        # profiled batch alone
-        jobs = [j for j in jobs if j[0][1] != 1 and j[1] != "xla" and (j[1] != "triton" or j[0] == FULL)]
+        # smoke: as prefill_plan; MomentKV and AdaKV at the profiled batch alone
+        jobs = [j for j in jobs if j[0][1] != 1 and j[1] != "xla"]
         return [
             (cache, impl, source, b, (c4,) if cache == ("adakv", 0) else contexts)
             for cache, impl, source, b, contexts in jobs
@@ -486,8 +454,7 @@ class ModelRun:
                 functools.partial(tile_state, batch=b, moment_dim=self.moment_dim(cache)),
                 self.prefill_shape(source, contexts[0]),
             )
-            options = TRITON_GEMMS if impl == "triton" else None
-            decodes[job] = self.submit_decode(shape, ev, options, self.params_for(impl, abstract=True))
+            decodes[job] = self.submit_decode(shape, ev)
         return prefills, decodes
 
     def moment_dim(self, cache: Cache) -> int | None:
@@ -506,9 +473,12 @@ class ModelRun:
         first = [
             j for j in jobs if j[:3] in ((FULL, None, FULL), (("snapkv", 0), None, ("snapkv", 0)))
         ]
-        for job in first:
+        ones = [j for j in first if j[3] == sz.batches[0]]
+        for job in ones:  # batch 1 first: the target nearest its limit
             self.decode_job(futures, job)
-        for cache in (FULL, ("snapkv", 0)):  # the largest batches next: they decide a target
+        # the largest batches next, on a pool that no larger batch or profile has used (call 3 ran them after
+        # every batch of the first two caches, two profiled, and found its free bytes in pieces)
+        for cache in (FULL, ("snapkv", 0)):
             label = {
                 "cache": cache_label(cache, sz),
                 "impl": "default",
@@ -531,11 +501,9 @@ class ModelRun:
                 label,
                 functools.partial(self.largest_batch_row, cache, *probes),
             )
-        rest = [j for j in jobs if j not in first]
-        for i, job in enumerate(rest):
-            self.decode_job(futures, job)
-            if job[1] == "unstacked" and all(j[1] != "unstacked" for j in rest[i + 1 :]):
-                self.unstacked = None
+        for job in jobs:
+            if job not in ones:
+                self.decode_job(futures, job)
 
     def decode_job(self, futures: dict, job: tuple) -> None:
         cache, impl, source, b, contexts = job
@@ -565,21 +533,16 @@ class ModelRun:
                         self.states[source, context],
                         b,
                         self.profiled(cache, impl, b, context),
-                        impl,
                         self.moment_dim(cache),
                     ),
                 )
 
     def profiled(self, cache: Cache, impl: str | None, batch: int, context: int) -> bool:
-        """The decode rows traced by the profiler, at the shorter context: the full cache at batch 1 (default and
-        unstacked), and the full cache, SnapKV, MomentKV and AdaKV (the larger budget) at the largest batch of the
+        """The decode rows traced by the profiler, at the shorter context and the default impl: the full cache at
+        batch 1, and the full cache, SnapKV, MomentKV and AdaKV (the larger budget) at the largest batch of the
         plan."""
         sz = self.sz
-        if context != sz.contexts[0]:
-            return False
-        if impl == "unstacked":
-            return cache == FULL and batch == sz.batches[0]
-        if impl is not None:
+        if context != sz.contexts[0] or impl is not None:
             return False
         return (cache == FULL and batch == sz.batches[0]) or (
             batch == sz.batches[-1] and cache in (FULL, ("snapkv", 0), ("momentkv", 0), ("adakv", 0))
@@ -588,10 +551,11 @@ class ModelRun:
     def largest_batch_row(self, cache: Cache, first_future, probe_future) -> dict:
         """Size the batch from two compiled programs of the plan (batch 1 and the probe, ≤ 8): the state and the
         temporaries one more row adds (their differences), and the temporaries that do not grow with the batch,
-        against the allocator's free bytes; then run it (a batch that fails to run is retried sized by the
-        largest free block, then 10% below that). (Call 2 divided the probe's temporaries by its batch,
-        counting a fixed ≈ 420 MiB eight times over: its budget cache's largest batch was sized at 207 MiB per
-        row where one more row took ≈ 150.)"""
+        against the allocator's largest free block (the state's keys and values, two arrays, both fit in it); then
+        run it (if it fails, 10% smaller once). (Call 3 sized its first try from every free byte, 108 GiB in
+        pieces: that try and two smaller ones failed, and 93 GiB were gone afterwards. Call 2 divided the probe's
+        temporaries by its batch, counting a fixed ≈ 420 MiB eight times over: its budget cache's largest batch
+        was sized at 207 MiB per row where one more row took ≈ 150.)"""
         c32 = self.sz.contexts[1]
         source = self.states[cache, c32]
         ev = eviction(cache, self.sz, c32, self.attention(None))
@@ -609,26 +573,22 @@ class ModelRun:
         per_row = (state_bytes(probe_batch) - state_bytes(b1)) / (probe_batch - b1) + per_row_temp
         fixed_temp = max(0.0, t1 - b1 * per_row_temp)
 
-        def sized(one_block: bool) -> tuple[float, int, dict]:  # (free bytes, batch, allocator figures)
+        def sized() -> tuple[float, int, dict]:  # (bytes for the state, batch, allocator figures)
             stats = memory_stats()
             if not stats:  # CPU (smoke): no allocator figures
                 return float("nan"), 2 * max(self.sz.batches), stats
             free = stats["bytes_limit"] - stats["bytes_in_use"]
-            if one_block:  # the state's keys and values are two arrays, each a block of the allocator's pool
-                free = min(free, stats.get("largest_free_block_bytes", free))
-            free -= self.sz.margin + fixed_temp
+            free = min(free, stats.get("largest_free_block_bytes", free)) - self.sz.margin - fixed_temp
             return free, max(1, int(free // per_row)), stats
 
         errors = []
-        for attempt in range(3):
-            # first from every free byte; after a failure from the largest free block (call 3's pool was
-            # fragmented: 108 GiB free and no block of 52), then 10% below that
-            free, batch, stats = sized(one_block=attempt > 0)
-            batch = batch if attempt < 2 else max(1, int(batch * 0.9))
+        for attempt in range(2):
+            free, batch, stats = sized()
+            batch = batch if attempt == 0 else max(1, int(batch * 0.9))
             log(
-                f"largest batch, {cache_label(cache, self.sz)} at {c32}, try {attempt + 1}: {batch} (free "
-                f"{free / 2**30:.1f} GiB{' in one block' if attempt else ''} after {fixed_temp / 2**20:.0f} MiB "
-                f"of fixed temporaries, {per_row / 2**20:.1f} MiB per row; allocator {stats})"
+                f"largest batch, {cache_label(cache, self.sz)} at {c32}, try {attempt + 1}: {batch} ("
+                f"{free / 2**30:.1f} GiB of the largest free block after {fixed_temp / 2**20:.0f} MiB of fixed "
+                f"temporaries, {per_row / 2**20:.1f} MiB per row; allocator {stats})"
             )
             if self.deadline.passed():
                 break
@@ -640,7 +600,7 @@ class ModelRun:
                     "batch": batch,
                     "per_row_bytes": per_row,
                     "fixed_temp_bytes": fixed_temp,
-                    "free_bytes": free,
+                    "state_room_bytes": free,  # of the largest free block
                     "allocator": stats,
                     "attempts": attempt + 1,
                 }
