@@ -245,7 +245,7 @@ def copied_bytes(copies: list[tuple[str, tuple[int, ...], int]]) -> int:
 
 
 def memory_stats() -> dict[str, int]:
-    """The default device's allocator figures (bytes_limit, bytes_in_use, peak_bytes_in_use,
+    """The default device's allocator figures (bytes_limit, bytes_in_use, peak_bytes_in_use and, if it gives it,
     largest_free_block_bytes), {} where the platform gives none (CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
     keys = ("bytes_limit", "bytes_in_use", "peak_bytes_in_use", "largest_free_block_bytes")

@@ -18,10 +18,11 @@ and are gone: layers_part and aot.py still compile both.) JAX's profiler traces 
 (``ModelRun.profiled``): their device time by kind of op. Beside each figure its floor: the bytes a step must
 read (every weight but the embedding table, plus the kept keys and values of every row) over the copy bandwidth
 measured in the same run. Every row's attention is the kernels' unless ``common.decode_attention`` finds the
-decode kernel failing on the device (then XLA's, said in the report's head). The largest batch that fits at 32K is found from two compiled programs' memory figures
-(batch 1 and 8: the state and temporaries one more row adds, and the temporaries that do not grow) against the
-allocator's largest free block, then run (10% smaller, once, if it does not). Those searches run right after
-the batch-1 rows, on a pool that no other batch has used yet (``ModelRun.decode``).
+decode kernel failing on the device (then XLA's, said in the report's head). The largest batch that fits at
+32K is found from two compiled programs' memory figures (batch 1 and 8: the state and temporaries one more row
+adds, and the temporaries that do not grow) against the allocator's free bytes (or its largest free block),
+then run (10% smaller, once, if it does not). Those searches run last, with the prefilled states moved to the
+host (``ModelRun.decode``).
 
 Every program is compiled in the background first; timed runs wait for the compilations (XLA autotunes on the
 device while it compiles) for at most a third of the part's time.
@@ -106,6 +107,7 @@ TINY = dataclasses.replace(
 )
 OUT_WIDTH = 256  # decode steps a state has room for
 PROFILE_STEPS = 4  # decode steps traced by the profiler
+SEARCH_S = 60  # seconds kept for the two largest-batch searches at 32K (each compiles and runs one program)
 NEW = 64  # max_new_tokens of the prefills (room in the full cache after the prompt)
 
 
@@ -476,8 +478,20 @@ class ModelRun:
         ones = [j for j in first if j[3] == sz.batches[0]]
         for job in ones:  # batch 1 first: the target nearest its limit
             self.decode_job(futures, job)
-        # the largest batches next, on a pool that no larger batch or profile has used (call 3 ran them after
-        # every batch of the first two caches, two profiled, and found its free bytes in pieces)
+        # then every other row, leaving SEARCH_S for the largest batches, which run last: call 3c's failed tries
+        # left 93 GiB taken, and every row after them failed
+        deadline, self.deadline = self.deadline, Deadline(self.deadline.left() - SEARCH_S)
+        for job in jobs:
+            if job not in ones:
+                self.decode_job(futures, job)
+        self.deadline = deadline
+        # with every prefilled state moved to the host: each state held on the device splits the allocator's pool
+        # (call 3c's searches found 108 GiB free and no block of 52 GiB for the state's keys)
+        on_device = memory_stats().get("bytes_in_use")
+        held, self.states = jax.device_get(self.states), {}
+        gc.collect()
+        log(f"model: prefilled states on the host for the largest batches (bytes in use {on_device} -> "
+            f"{memory_stats().get('bytes_in_use')})")
         for cache in (FULL, ("snapkv", 0)):
             label = {
                 "cache": cache_label(cache, sz),
@@ -485,7 +499,7 @@ class ModelRun:
                 "context": c32,
                 "largest_batch": True,
             }
-            if (cache, c32) not in self.states or self.deadline.passed():
+            if (cache, c32) not in held or self.deadline.passed():
                 self.results.add(
                     "decode",
                     {**label, "error": "not run: no prefilled state or the deadline passed"},
@@ -499,11 +513,8 @@ class ModelRun:
                 self.results,
                 "decode",
                 label,
-                functools.partial(self.largest_batch_row, cache, *probes),
+                functools.partial(self.largest_batch_row, cache, held[cache, c32], *probes),
             )
-        for job in jobs:
-            if job not in ones:
-                self.decode_job(futures, job)
 
     def decode_job(self, futures: dict, job: tuple) -> None:
         cache, impl, source, b, contexts = job
@@ -548,16 +559,15 @@ class ModelRun:
             batch == sz.batches[-1] and cache in (FULL, ("snapkv", 0), ("momentkv", 0), ("adakv", 0))
         )
 
-    def largest_batch_row(self, cache: Cache, first_future, probe_future) -> dict:
+    def largest_batch_row(self, cache: Cache, source: DecodeState, first_future, probe_future) -> dict:
         """Size the batch from two compiled programs of the plan (batch 1 and the probe, ≤ 8): the state and the
         temporaries one more row adds (their differences), and the temporaries that do not grow with the batch,
-        against the allocator's largest free block (the state's keys and values, two arrays, both fit in it); then
-        run it (if it fails, 10% smaller once). (Call 3 sized its first try from every free byte, 108 GiB in
-        pieces: that try and two smaller ones failed, and 93 GiB were gone afterwards. Call 2 divided the probe's
-        temporaries by its batch, counting a fixed ≈ 420 MiB eight times over: its budget cache's largest batch
-        was sized at 207 MiB per row where one more row took ≈ 150.)"""
+        against the allocator's free bytes (its largest free block, if it says); then run it (if it fails, 10%
+        smaller once: call 3c's failed tries left 93 GiB taken, so that every later row failed). ``source``: the
+        prefilled state (on the host, see ``decode``). (Call 2 divided the probe's temporaries by its batch,
+        counting a fixed ≈ 420 MiB eight times over: its budget cache's largest batch was sized at 207 MiB per
+        row where one more row took ≈ 150.)"""
         c32 = self.sz.contexts[1]
-        source = self.states[cache, c32]
         ev = eviction(cache, self.sz, c32, self.attention(None))
         b1, probe_batch = self.sz.batches[0], self.sz.probe
 
@@ -578,6 +588,7 @@ class ModelRun:
             if not stats:  # CPU (smoke): no allocator figures
                 return float("nan"), 2 * max(self.sz.batches), stats
             free = stats["bytes_limit"] - stats["bytes_in_use"]
+            # the state's keys and values are two arrays: both fit in the largest free block, if it is given
             free = min(free, stats.get("largest_free_block_bytes", free)) - self.sz.margin - fixed_temp
             return free, max(1, int(free // per_row)), stats
 
@@ -586,9 +597,9 @@ class ModelRun:
             free, batch, stats = sized()
             batch = batch if attempt == 0 else max(1, int(batch * 0.9))
             log(
-                f"largest batch, {cache_label(cache, self.sz)} at {c32}, try {attempt + 1}: {batch} ("
-                f"{free / 2**30:.1f} GiB of the largest free block after {fixed_temp / 2**20:.0f} MiB of fixed "
-                f"temporaries, {per_row / 2**20:.1f} MiB per row; allocator {stats})"
+                f"largest batch, {cache_label(cache, self.sz)} at {c32}, try {attempt + 1}: {batch} (free "
+                f"{free / 2**30:.1f} GiB after {fixed_temp / 2**20:.0f} MiB of fixed temporaries and the margin, "
+                f"{per_row / 2**20:.1f} MiB per row; allocator {stats})"
             )
             if self.deadline.passed():
                 break
@@ -600,7 +611,7 @@ class ModelRun:
                     "batch": batch,
                     "per_row_bytes": per_row,
                     "fixed_temp_bytes": fixed_temp,
-                    "state_room_bytes": free,  # of the largest free block
+                    "free_bytes": free,
                     "allocator": stats,
                     "attempts": attempt + 1,
                 }
