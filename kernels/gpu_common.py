@@ -30,7 +30,14 @@ from kvjax.kernels._shared import (
 DEFAULT_BLOCK_K = 64  # slots per key tile
 DEFAULT_BLOCK_Q = 64  # queries per query tile
 MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
-MAX_SPLITS = 8  # flash-decoding: at most this many runs of key tiles per (row, KV head)
+# Flash-decoding: the softmax pass's splits per (row, KV head), at least MIN_SPLITS and, when
+# rows × KV heads are few, as many as make about SPLIT_PROGRAMS programs while each covers
+# SPLIT_SLOTS slots or more. On an H200, 256 programs (batch 4 × 8 KV heads × 8 splits) streamed a
+# 32K cache at 3.6 TB/s (2026-11-26); the 8B at batch 1, 64 programs, read the 3.8 GB more of a 32K
+# cache at about 1.6 TB/s (2026-11-28; benchmarks/gpu/NOTES.md).
+MIN_SPLITS = 8
+SPLIT_PROGRAMS = 256
+SPLIT_SLOTS = 512
 
 
 def supports(head_dim: int) -> bool:
@@ -296,6 +303,16 @@ def decode_queries(q, query_pos, n_kv_heads: int):
     gp = max(MIN_DOT, next_pow2(G))
     rows = pad_axis(q.reshape(B, n_kv_heads, G, K), 2, gp)
     return rows, jnp.broadcast_to(query_pos.astype(jnp.int32).reshape(B, 1), (B, gp)), gp
+
+
+def decode_splits(rows_heads: int, n_slots: int, splits: int | None = None) -> int:
+    """The softmax pass's splits per (row, KV head) of a decode step over ``rows_heads`` rows × KV
+    heads of ``n_slots`` slots each: ``splits`` if given, else max(MIN_SPLITS,
+    min(⌈SPLIT_PROGRAMS / rows_heads⌉, n_slots // SPLIT_SLOTS)). The caller caps it at its number of
+    key tiles or pages."""
+    if splits:
+        return splits
+    return max(MIN_SPLITS, min(-(-SPLIT_PROGRAMS // rows_heads), n_slots // SPLIT_SLOTS))
 
 
 def merge_splits(o_part, m_part, l_part, m, l=None):

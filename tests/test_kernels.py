@@ -39,6 +39,7 @@ from kvjax.kernels.block_attention import gpu as block_gpu
 from kvjax.kernels.block_attention import reference as block_ref
 from kvjax.kernels.block_attention import tpu as block_tpu
 from kvjax.kernels.decode_attention import reference as decode_ref
+from kvjax.kernels.gpu_common import decode_splits
 
 import kvjax
 from kvjax.cache.full import FullCache
@@ -198,6 +199,29 @@ def test_decode_kernel_equals_reference(case, kernel):
         q, k3, v3, slot_pos, query_pos, w, score, moments, zeroth, layer=layer, interpret=True,
         **DECODE_KERNELS[kernel]))
     assert_outputs_close(stacked(k3, v3, jnp.int32(1)), want, dtype)
+
+
+def test_decode_splits_grow_for_few_heads_over_a_long_cache():
+    """Flash-decoding's default splits per (row, KV head): 8, more when rows × KV heads are few and the cache long
+    (about 256 programs, each over at least 512 slots)."""
+    assert decode_splits(8, 4160) == 8  # the 8B at batch 1 over 4K: as before
+    assert decode_splits(8, 32832) == 32  # ... over 32K: 256 programs
+    assert decode_splits(64, 32832) == 8  # batch 8
+    assert decode_splits(3, 8192) == 16  # SmolLM2 at batch 1 over 8K: 512 slots per split
+    assert decode_splits(1, 1024) == 8 and decode_splits(8, 32832, splits=5) == 5
+
+
+@pytest.mark.parametrize("score", ["attn", "obcache-joint"])
+def test_gpu_decode_kernel_over_many_splits_equals_reference(score):
+    """Two rows of one KV head over 5,200 slots, slots 1,300 … 3,899 empty: the default makes 10 splits of 9 key
+    tiles (576 slots), of which splits 3, 4 and 5 hold no token (partials m = -inf, l = 0)."""
+    S = 5200
+    q, k, v, slot_pos, query_pos, w = make_case(11, B=2, T=1, Hk=1, G=4, S=S)
+    slot_pos = jnp.where((jnp.arange(S) < 1300) | (jnp.arange(S) >= 3900), slot_pos, -1)
+    assert decode_splits(2, S) == 10
+    want = decode_ref.decode_attention_with_scores(q, k, v, slot_pos, query_pos, w, score)
+    got = decode_attention_with_scores(q, k, v, slot_pos, query_pos, w, score, impl="pallas_gpu", interpret=True)
+    assert_outputs_close(got, want, jnp.float32)
 
 
 @pytest.mark.parametrize("kernel", ["pallas_tpu", "pallas_gpu"])

@@ -40,6 +40,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels._shared import NEG_INF, SCORE_KINDS
 from kvjax.kernels.block_attention import reference as block_ref
 from kvjax.kernels.decode_attention import reference as decode_ref
+from kvjax.kernels.gpu_common import decode_splits
 from kvjax.kernels.paged_attention import (
     gpu,
     paged_block_attention_with_scores,
@@ -308,6 +309,17 @@ def test_paged_decode_kernel_equals_reference(case, kernel):
     got = run(lambda *a: paged_decode_attention_with_scores(*a, score, moments, zeroth, **DECODE_KERNELS[kernel]),
               *args)
     assert_outputs_close(got, want, case[5])
+
+
+def test_gpu_paged_decode_kernel_over_many_splits_equals_reference():
+    """Tables of 165 pages of 32 slots (5,280 per head): the default makes 10 runs of used pages per head, over
+    heads that use from no page to all 165."""
+    args = make_case(21, B=2, T=1, G=4, P=32, M=165)
+    assert decode_splits(2 * 2, 165 * 32) == 10
+    want = run(lambda *a: reference.paged_decode_attention_with_scores(*a, "obcache-joint"), *args)
+    got = run(lambda *a: paged_decode_attention_with_scores(*a, "obcache-joint", impl="pallas_gpu", interpret=True),
+              *args)
+    assert_outputs_close(got, want, jnp.float32)
 
 
 @pytest.mark.parametrize("kernel", ["pallas_tpu", "pallas_gpu"])

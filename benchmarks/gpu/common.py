@@ -254,13 +254,14 @@ def memory_stats() -> dict[str, int]:
 
 def decode_attention() -> tuple[str | None, str]:
     """(impl, why) of the decode steps' attention in the layers and model parts: None (the platform's kernel) when the
-    decode kernel, reading the middle layer of a stack of three at the 8B's heads in bfloat16, runs here and matches
+    decode kernel, reading the middle layer of a stack of three at the 8B's heads in bfloat16, one row over 16K
+    slots (32 splits, as a batch-1 step over a long cache: ``gpu_common.decode_splits``), runs here and matches
     XLA's; else "xla" for every row, so that one failed kernel does not fail every decode row. (On a CPU None is
     XLA's attention: the check runs the same steps, at 128 slots.)"""
     from kvjax.kernels import decode_attention_with_scores
 
     cpu = jax.default_backend() == "cpu"
-    L, B, H, Hk, K, S = 3, 2, 32, 8, 128, 128 if cpu else 1024
+    L, B, H, Hk, K, S = 3, 1, 32, 8, 128, 128 if cpu else 16384
     keys = jax.random.split(jax.random.key(7), 3)
     q = jax.random.normal(keys[0], (B, 1, H, K), jnp.bfloat16)
     k, v = (jax.random.normal(key, (L, B, Hk, S, K), jnp.bfloat16) for key in keys[1:])

@@ -8,9 +8,10 @@ KV head and must run on any CUDA GPU.
 A decode step has little parallelism per (row, KV head), so the softmax pass splits the cache
 ("flash-decoding"): grid (B, Hk, splits), each program runs the online softmax over its run of key
 tiles (``gpu_common.softmax_kernel``) and writes partial (o, m, l); the partials are merged in jnp
-(a log-sum-exp over ≤ 8 splits of [G, K]). The scores pass, grid (B, Hk, key tiles), recomputes each
-tile's logits with the merged statistics and writes the per-slot scores of the G rows (rows padded
-to 16, the minimum of ``tl.dot``; ``gpu_common.head_scores``). Unweighted: the wrapper multiplies by
+(a log-sum-exp over the splits of [G, K]; ``gpu_common.decode_splits``: 8, more for a few rows over
+a long cache). The scores pass, grid (B, Hk, key tiles), recomputes each tile's logits with the
+merged statistics and writes the per-slot scores of the G rows (rows padded to 16, the minimum of
+``tl.dot``; ``gpu_common.head_scores``). Unweighted: the wrapper multiplies by
 the query's weight. The cache is read in masked power-of-two tiles (``gpu_common.load_tile``), never
 padded in HBM, from the stacked [L, B, Hk, S, K] arrays at the layer given (a [1] input each program
 reads): the layer's keys and values are never sliced out into a copy.
@@ -85,7 +86,8 @@ def decode_attention_gpu(
     """(o [B, 1, H, K] float32 — uncorrected —, lse [B, 1, H], col [B, Hk, G, S] or None), as
     ``reference.decode_attention_with_scores`` without moments; with ``layer`` (an int32 scalar),
     k, v are [L, B, Hk, S, K] and layer ``layer`` is read. block_k is rounded up to a power of two
-    ≥ 16; splits (default: up to 8) is the number of cache splits of the softmax pass."""
+    ≥ 16; splits (default ``gpu_common.decode_splits``, at most the key tiles) is the number of
+    cache splits of the softmax pass."""
     check_score(score)
     check_decode(q)
     k, v, layer, shape = stacked_layer(k, v, layer)
@@ -95,7 +97,7 @@ def decode_attention_gpu(
     rows, qpos, gp = common.decode_queries(q, query_pos, Hk)
     bk = max(common.MIN_DOT, next_pow2(block_k or common.DEFAULT_BLOCK_K))
     nk = -(-S // bk)
-    per_split = -(-nk // min(splits or common.MAX_SPLITS, nk))
+    per_split = -(-nk // min(common.decode_splits(B * Hk, S, splits), nk))
     n_splits = -(-nk // per_split)  # every split starts with a real slot
     scale = math.sqrt(K)
     params = plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages)

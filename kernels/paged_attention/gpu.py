@@ -325,8 +325,9 @@ def paged_decode_attention_gpu(
     num_stages: int = 2,
 ):
     """(o [B, 1, H, K] float32 — uncorrected —, lse [B, 1, H], col [B, Hk, G, M·P] or None), as
-    ``reference.paged_decode_attention_with_scores`` without moments. splits (default: up to 8, at
-    most M): the softmax pass' runs of pages per head."""
+    ``reference.paged_decode_attention_with_scores`` without moments. splits (default
+    ``gpu_common.decode_splits`` over a head's M·P slots, at most M): the softmax pass' runs of
+    pages per head."""
     check_score(score)
     check_decode(q)
     B, _, H, Hk, M, P, K = check_paged_shapes(
@@ -335,7 +336,7 @@ def paged_decode_attention_gpu(
     G = H // Hk
     check_supported(K, P)
     rows, qpos, gp = common.decode_queries(q, query_pos, Hk)
-    n_splits = min(splits or common.MAX_SPLITS, M)
+    n_splits = min(common.decode_splits(B * Hk, M * P, splits), M)
     scale = math.sqrt(K)
     params = plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages)
 
