@@ -68,6 +68,57 @@ def test_kvpress_form_scores_equal_its_reference(model):
     assert not np.allclose(got[:, 0, :, 5:41], numpy_kvzip(model, contexts[0], CHUNK)[..., 5:], rtol=1e-2)
 
 
+@pytest.mark.parametrize("shift, calls", [(-50.0, 4), (200.0, 2)], ids=["scored-logits", "exponentials"])
+def test_both_ways_to_the_weights_equal_the_reference(model, monkeypatch, shift, calls):
+    """The pass takes a slot's weight from the attention's exponentials over their sum on the scored slots, and
+    scores a chunk again from the scored logits alone where some query's scored exponentials sum below e^-SHIFT.
+    Each way forced (SHIFT -50: every chunk twice; 200: once) on kvpress's form, whose template head is visible but
+    not scored, over two chunks: the float64 reference."""
+    import kvjax.runtime.kvzip_pass as kvzip
+
+    prompt = RepeatPrompt(first=(5, 6, 7, 11, 12), later=(5, 6, 8), colon=(11, 12), skip=5, sinks=4)
+    contexts = [np.random.default_rng(6).integers(10, 97, 37).astype(np.int32)]
+    full = prefill_full(model, contexts).cache.full
+    exact, score_chunk = [], kvzip._score_chunk
+
+    def spy(params, scoring, *rest):  # records each call's way
+        exact.append(scoring.exact)
+        return score_chunk(params, scoring, *rest)
+
+    monkeypatch.setattr(kvzip, "_score_chunk", spy)
+    monkeypatch.setattr(kvzip, "SHIFT", shift)
+    jax.clear_caches()  # SHIFT is read when the pass is traced
+    try:
+        got = np.asarray(kvzip_scores(model, full, contexts, prompt, chunk=CHUNK))
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert exact == ([False, True] * 2 if calls == 4 else [False, False])
+    np.testing.assert_allclose(got[:, 0, :, :37], numpy_kvzip(model, contexts[0], CHUNK, prompt), rtol=1e-4,
+                               atol=1e-6)
+
+
+def test_query_blocks_read_only_the_slots_they_can_see(model, monkeypatch):
+    """Queries lo … hi − 1 of a repeat input read the slots below C + hi alone (C: the prefilled cache's 65 slots,
+    the repeat input's 28 tokens written past a context of 63): in blocks of 4 queries, the scores of Algorithm 1."""
+    import kvjax.runtime.kvzip_pass as kvzip
+
+    rng = np.random.default_rng(7)
+    contexts = [rng.integers(10, 97, 63).astype(np.int32), rng.integers(10, 97, 30).astype(np.int32)]
+    full = prefill_full(model, contexts, room=1).cache.full
+    assert full.capacity == 65
+    monkeypatch.setattr(kvzip, "QUERY_BLOCK", 4)
+    jax.clear_caches()  # QUERY_BLOCK is read when the pass is traced
+    try:
+        got = np.asarray(kvzip_scores(model, full, contexts, PROMPT, chunk=CHUNK))
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    for row, context in enumerate(contexts):
+        np.testing.assert_allclose(got[:, row, :, : len(context)], numpy_kvzip(model, context, CHUNK), rtol=1e-4,
+                                   atol=1e-6)
+
+
 def test_contexts_shorter_than_a_chunk_are_fed_at_their_length(model, monkeypatch):
     """Contexts of 300 and 40 tokens under the paper's 2K chunk: one repeat input of 512 slots (300 rounded up to
     WIDTH_STEP), not 2,048, with Algorithm 1's scores; the same as when padded to the whole chunk."""

@@ -38,6 +38,12 @@ CHUNK = 2048  # m: context tokens per repeat input (the paper's 2K)
 QUERY_BLOCK = 256  # repeat queries attended and scored at once
 # a context shorter than a chunk is fed as one chunk of its length rounded up to this
 WIDTH_STEP = 256
+# The scores come from the attention's exponentials (shifted by a query's largest visible logit)
+# unless some query's exponentials sum to less than e^-SHIFT over the scored slots: then the chunk
+# is scored again from the scored logits alone (``RepeatScoring.exact``). Its largest scored logit
+# is then within SHIFT + log(slots) of its largest visible one, and a weight rounds to 0 only below
+# about e^-(87 − SHIFT − log(slots)) of the largest, where float32's exponential underflows.
+SHIFT = 20.0
 
 
 @struct.dataclass
@@ -49,7 +55,9 @@ class RepeatScoring:
         scores: [L, B, Hk, C] the scores so far, per cache slot.
         start, stop: [B] the chunk's slots.
         context: [B] each row's context length (the repeat input's first slot).
+        far: [] bool, some query's exponentials summed to less than e^-SHIFT over the scored slots.
         sinks: slots below it join every score's softmax.
+        exact: the weights from the scored logits alone (``SHIFT``).
     """
 
     full: FullCache
@@ -57,53 +65,76 @@ class RepeatScoring:
     start: jax.Array
     stop: jax.Array
     context: jax.Array
+    far: jax.Array
     sinks: int = struct.field(pytree_node=False, default=0)
+    exact: bool = struct.field(pytree_node=False, default=False)
 
     AXES = dict(
         scores=("layers", "batch", "kv_heads", "slots"),
         start=("batch",),
         stop=("batch",),
         context=("batch",),
+        far=(),
     )
 
     def attend(self, layer, q, k, v, seg: Segment):
         """Write k, v [B, T, Hk, K], attend q [B, T, H, K] causally over the context and the repeat
         input, and keep each chunk slot's largest score: its softmax weight among [sinks, chunk,
         repeat input] (the attention's logits over fewer keys), maxed over the queries and the
-        group's heads."""
+        group's heads.
+
+        Queries lo … hi − 1 read only the slots below C + hi (C: the context's slots; a row's repeat
+        token t sits at its context length + t). One product per block of queries gives the
+        attention's numerator and two sums of its exponentials, over all slots and over the scored
+        ones: a scored slot's weight is its exponential over the latter (``SHIFT``; ``exact``:
+        from the scored logits instead)."""
         B, T, H, K = q.shape
         Hk = k.shape[2]
+        C = self.scores.shape[-1]
         full = self.full.write(layer, k, v, seg.positions)
         keys, values = full.k[layer].astype(q.dtype), full.v[layer].astype(q.dtype)  # [B, Hk, S, K]
-        slots = jnp.arange(full.capacity)
-        in_chunk = (slots >= self.start[:, None]) & (slots < self.stop[:, None])  # [B, S]
-        scored = in_chunk | (slots < self.sinks) | (slots >= self.context[:, None])
         qg = q.reshape(B, T, Hk, H // Hk, K)
-        best, outs = jnp.zeros((B, Hk, full.capacity), jnp.float32), []
+        best, outs, far = jnp.zeros((B, Hk, C), jnp.float32), [], self.far
         for lo in range(0, T, QUERY_BLOCK):  # no [T, S] matrix at once
             hi = min(lo + QUERY_BLOCK, T)
-            z = jnp.einsum("bthgk,bhsk->bhgts", qg[:, lo:hi], keys).astype(jnp.float32) / jnp.sqrt(
-                jnp.float32(K)
-            )
-            visible = slots[None, None, :] <= seg.positions[:, lo:hi, None]  # [B, hi − lo, S]
+            n = min(full.capacity, C + hi)
+            slots = jnp.arange(n)
+            in_chunk = (slots >= self.start[:, None]) & (slots < self.stop[:, None])  # [B, n]
+            scored = in_chunk | (slots < self.sinks) | (slots >= self.context[:, None])
+            z = jnp.einsum("bthgk,bhsk->bhgts", qg[:, lo:hi], keys[:, :, :n]).astype(
+                jnp.float32
+            ) / jnp.sqrt(jnp.float32(K))
+            visible = slots[None, None, :] <= seg.positions[:, lo:hi, None]  # [B, hi − lo, n]
             z = jnp.where(visible[:, None, None], z, NEG_INF)
             e = jnp.exp(z - z.max(-1, keepdims=True))
-            outs.append(
-                jnp.einsum(
-                    "bhgts,bhsk->bthgk", (e / e.sum(-1, keepdims=True)).astype(q.dtype), values
-                )
-            )
-            # its own max: no underflow of a small sum
-            zs = jnp.where(scored[:, None, None, None], z, NEG_INF)
-            w = jnp.exp(zs - zs.max(-1, keepdims=True))
-            w = w / w.sum(-1, keepdims=True)
-            w = jnp.where(
-                seg.valid[:, None, None, lo:hi, None] & in_chunk[:, None, None, None], w, 0.0
-            )
-            best = jnp.maximum(best, w.max(axis=(2, 3)))
+            # [values, 1, scored]: XLA:CPU's row sums cost more than this wider product
+            sums = jnp.stack([jnp.ones_like(scored), scored], -1)  # [B, n, 2]
+            r = jnp.einsum(
+                "bhgts,bhsk->bthgk",
+                e.astype(q.dtype),
+                jnp.concatenate(
+                    [
+                        values[:, :, :n],
+                        jnp.broadcast_to(sums[:, None], (B, Hk, n, 2)).astype(q.dtype),
+                    ],
+                    -1,
+                ),
+                preferred_element_type=jnp.float32,
+            )  # [B, hi − lo, Hk, G, K + 2]
+            outs.append((r[..., :K] / r[..., K : K + 1]).astype(q.dtype))
+            valid = seg.valid[:, None, None, lo:hi, None]  # [B, 1, 1, hi − lo, 1]
+            if self.exact:
+                zs = jnp.where(scored[:, None, None, None], z, NEG_INF)
+                w = jnp.exp(zs - zs.max(-1, keepdims=True))
+                w = w / w.sum(-1, keepdims=True)
+            else:
+                kept = r[..., K + 1].transpose(0, 2, 3, 1)[..., None]  # [B, Hk, G, hi − lo, 1]
+                far = far | jnp.any(valid & (kept < np.exp(-SHIFT)))
+                w = e / kept
+            w = jnp.where(valid & in_chunk[:, None, None, None], w, 0.0)
+            best = jnp.maximum(best, w.max(axis=(2, 3))[..., :C])
         out = jnp.concatenate(outs, axis=1).reshape(B, T, H, K)
-        C = self.scores.shape[-1]
-        return out, self.replace(full=full, scores=self.scores.at[layer].max(best[..., :C]))
+        return out, self.replace(full=full, scores=self.scores.at[layer].max(best), far=far)
 
 
 @jit
@@ -144,6 +175,7 @@ def kvzip_scores(
         start=jnp.zeros(B, jnp.int32),
         stop=jnp.zeros(B, jnp.int32),
         context=jnp.asarray([len(r) for r in rows], jnp.int32),
+        far=jnp.zeros((), bool),
         sinks=prompt.sinks,
     )
     for start in range(skip, longest, chunk):
@@ -157,12 +189,12 @@ def kvzip_scores(
         for b, ids in enumerate(inputs):
             tokens[b, : len(ids)] = ids
         stop = np.array([min(start + chunk, len(r)) for r in rows], np.int32)
-        scoring = _score_chunk(
-            params,
-            scoring.replace(start=jnp.full(B, start, jnp.int32), stop=jnp.asarray(stop)),
-            jnp.asarray(tokens),
-            jnp.asarray([len(i) for i in inputs], np.int32),
-        )
+        before = scoring.replace(start=jnp.full(B, start, jnp.int32), stop=jnp.asarray(stop))
+        args = jnp.asarray(tokens), jnp.asarray([len(i) for i in inputs], np.int32)
+        scoring = _score_chunk(params, before, *args)
+        if scoring.far:  # weights that could underflow: this chunk from the scored logits alone
+            exact = _score_chunk(params, before.replace(exact=True), *args)
+            scoring = exact.replace(far=jnp.zeros((), bool), exact=False)
     return scoring.scores
 
 
