@@ -107,19 +107,19 @@ class RepeatScoring:
             visible = slots[None, None, :] <= seg.positions[:, lo:hi, None]  # [B, hi − lo, n]
             z = jnp.where(visible[:, None, None], z, NEG_INF)
             e = jnp.exp(z - z.max(-1, keepdims=True))
-            # [values, 1, scored]: XLA:CPU's row sums cost more than this wider product
+            # [values, 1, scored], in float32 for a bfloat16 model's scores too: XLA:CPU's row sums
+            # cost more than this wider product
             sums = jnp.stack([jnp.ones_like(scored), scored], -1)  # [B, n, 2]
             r = jnp.einsum(
                 "bhgts,bhsk->bthgk",
-                e.astype(q.dtype),
+                e,
                 jnp.concatenate(
                     [
-                        values[:, :, :n],
-                        jnp.broadcast_to(sums[:, None], (B, Hk, n, 2)).astype(q.dtype),
+                        values[:, :, :n].astype(jnp.float32),
+                        jnp.broadcast_to(sums[:, None], (B, Hk, n, 2)).astype(jnp.float32),
                     ],
                     -1,
                 ),
-                preferred_element_type=jnp.float32,
             )  # [B, hi − lo, Hk, G, K + 2]
             outs.append((r[..., :K] / r[..., K : K + 1]).astype(q.dtype))
             valid = seg.valid[:, None, None, lo:hi, None]  # [B, 1, 1, hi − lo, 1]
