@@ -2,6 +2,7 @@
 model, the compression that keeps the top scores across a layer's KV heads, the head-level mode with saved
 head scores, and the errors a user meets."""
 
+import contextlib
 import json
 
 import jax
@@ -68,8 +69,25 @@ def test_kvpress_form_scores_equal_its_reference(model):
     assert not np.allclose(got[:, 0, :, 5:41], numpy_kvzip(model, contexts[0], CHUNK)[..., 5:], rtol=1e-2)
 
 
-@pytest.mark.parametrize("shift, calls", [(-50.0, 4), (200.0, 2)], ids=["scored-logits", "exponentials"])
-def test_both_ways_to_the_weights_equal_the_reference(model, monkeypatch, shift, calls):
+@contextlib.contextmanager
+def pass_traced_with(monkeypatch, **constants):
+    """``kvjax.runtime.kvzip_pass``'s module ``constants`` set, read by the pass traced anew (JAX's caches cleared
+    before and after)."""
+    import kvjax.runtime.kvzip_pass as kvzip
+
+    for name, value in constants.items():
+        monkeypatch.setattr(kvzip, name, value)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+
+
+@pytest.mark.parametrize("shift, ways", [(-50.0, [False, True] * 2), (200.0, [False, False])],
+                         ids=["scored-logits", "exponentials"])
+def test_both_ways_to_the_weights_equal_the_reference(model, monkeypatch, shift, ways):
     """The pass takes a slot's weight from the attention's exponentials over their sum on the scored slots, and
     scores a chunk again from the scored logits alone where some query's scored exponentials sum below e^-SHIFT.
     Each way forced (SHIFT -50: every chunk twice; 200: once) on kvpress's form, whose template head is visible but
@@ -85,15 +103,9 @@ def test_both_ways_to_the_weights_equal_the_reference(model, monkeypatch, shift,
         exact.append(scoring.exact)
         return score_chunk(params, scoring, *rest)
 
-    monkeypatch.setattr(kvzip, "_score_chunk", spy)
-    monkeypatch.setattr(kvzip, "SHIFT", shift)
-    jax.clear_caches()  # SHIFT is read when the pass is traced
-    try:
+    with pass_traced_with(monkeypatch, _score_chunk=spy, SHIFT=shift):
         got = np.asarray(kvzip_scores(model, full, contexts, prompt, chunk=CHUNK))
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
-    assert exact == ([False, True] * 2 if calls == 4 else [False, False])
+    assert exact == ways
     np.testing.assert_allclose(got[:, 0, :, :37], numpy_kvzip(model, contexts[0], CHUNK, prompt), rtol=1e-4,
                                atol=1e-6)
 
@@ -101,19 +113,12 @@ def test_both_ways_to_the_weights_equal_the_reference(model, monkeypatch, shift,
 def test_query_blocks_read_only_the_slots_they_can_see(model, monkeypatch):
     """Queries lo … hi − 1 of a repeat input read the slots below C + hi alone (C: the prefilled cache's 65 slots,
     the repeat input's 28 tokens written past a context of 63): in blocks of 4 queries, the scores of Algorithm 1."""
-    import kvjax.runtime.kvzip_pass as kvzip
-
     rng = np.random.default_rng(7)
     contexts = [rng.integers(10, 97, 63).astype(np.int32), rng.integers(10, 97, 30).astype(np.int32)]
     full = prefill_full(model, contexts, room=1).cache.full
     assert full.capacity == 65
-    monkeypatch.setattr(kvzip, "QUERY_BLOCK", 4)
-    jax.clear_caches()  # QUERY_BLOCK is read when the pass is traced
-    try:
+    with pass_traced_with(monkeypatch, QUERY_BLOCK=4):
         got = np.asarray(kvzip_scores(model, full, contexts, PROMPT, chunk=CHUNK))
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
     for row, context in enumerate(contexts):
         np.testing.assert_allclose(got[:, row, :, : len(context)], numpy_kvzip(model, context, CHUNK), rtol=1e-4,
                                    atol=1e-6)
