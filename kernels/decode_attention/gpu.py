@@ -11,10 +11,10 @@ tiles (``gpu_common.softmax_kernel``) and writes partial (o, m, l); the partials
 (a log-sum-exp over the splits of [G, K]; ``gpu_common.decode_splits``: 8, more for a few rows over
 a long cache). The scores pass, grid (B, Hk, key tiles), recomputes each tile's logits with the
 merged statistics and writes the per-slot scores of the G rows (rows padded to 16, the minimum of
-``tl.dot``; ``gpu_common.head_scores``). Unweighted: the wrapper multiplies by
-the query's weight. The cache is read in masked power-of-two tiles (``gpu_common.load_tile``), never
-padded in HBM, from the stacked [L, B, Hk, S, K] arrays at the layer given (a [1] input each program
-reads): the layer's keys and values are never sliced out into a copy.
+``tl.dot``; ``gpu_common.head_scores``). Unweighted: the wrapper multiplies by the query's weight.
+The cache is read in masked power-of-two tiles (``gpu_common.load_tile``), never padded in HBM, from
+the stacked [L, B, Hk, S, K] arrays at the layer given (a [1] input each program reads): the layer's
+keys and values are never sliced out into a copy.
 """
 
 from __future__ import annotations

@@ -193,8 +193,8 @@ def kvzip_scores(
         args = jnp.asarray(tokens), jnp.asarray([len(i) for i in inputs], np.int32)
         scoring = _score_chunk(params, before, *args)
         if scoring.far:  # weights that could underflow: this chunk from the scored logits alone
-            exact = _score_chunk(params, before.replace(exact=True), *args)
-            scoring = exact.replace(far=jnp.zeros((), bool), exact=False)
+            # (the exact run leaves ``far`` as ``before`` had it: False)
+            scoring = _score_chunk(params, before.replace(exact=True), *args).replace(exact=False)
     return scoring.scores
 
 
