@@ -145,9 +145,10 @@ KINDS = (  # (kind, name fragments), first match wins
 
 def device_profile(run: Callable[[], Any], steps: int, top: int = 8) -> dict:
     """Where one call of ``run`` (``steps`` decode steps) spends device time, from JAX's profiler (a Perfetto
-    trace): ms per step per kind of op (``KINDS``, else "other") and the ``top`` names by time (None: all; also
-    read by ``benchmarks/batch_decode.py``). On a GPU the
-    kernels of the device's stream threads (the "XLA Ops" line if there are none); on a CPU, XLA's thunks."""
+    trace): ms per step per kind of op (``KINDS``, else "other"), ops per step (with the timed step, the gap
+    each kernel launch leaves) and the ``top`` names by time (None: all; also read by
+    ``benchmarks/batch_decode.py``). On a GPU the kernels of the device's stream threads (the "XLA Ops" line if
+    there are none); on a CPU, XLA's thunks."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             jax.block_until_ready(run())
@@ -160,7 +161,7 @@ def device_profile(run: Callable[[], Any], steps: int, top: int = 8) -> dict:
                if e.get("name") == "thread_name" and e.get("pid") in devices}
     lines = [t for t, n in threads.items() if "stream" in n.lower()] or \
         [t for t, n in threads.items() if n == "XLA Ops"]
-    per_name = collections.Counter()
+    per_name, ops = collections.Counter(), 0
     for e in events:
         name = e.get("name", "")
         if e.get("ph") != "X":
@@ -171,11 +172,12 @@ def device_profile(run: Callable[[], Any], steps: int, top: int = 8) -> dict:
         elif not _XLA_OP.fullmatch(name) or name.startswith(("while", "call", "conditional")):
             continue
         per_name[name] += e.get("dur", 0) / 1e3 / steps
+        ops += 1
     kinds = collections.Counter()
     for name, ms in per_name.items():
         lower = name.lower()
         kinds[next((k for k, parts in KINDS if any(p in lower for p in parts)), "other")] += ms
-    return {"ms_per_step": sum(per_name.values()), "kinds": dict(kinds),
+    return {"ms_per_step": sum(per_name.values()), "ops_per_step": ops / steps, "kinds": dict(kinds),
             "top": [[name, ms] for name, ms in per_name.most_common(top)],
             # the trace lines counted (none on a device: every device line's name, to see why)
             "lines": (sorted({threads[t] for t in lines}) or [f"none of {sorted(set(threads.values()))}"])

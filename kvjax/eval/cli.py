@@ -26,7 +26,7 @@ RELIABLE = dict(tasks=["single-number", "single-uuid", "multikey"], haystacks=["
 # (``--dry-run``): sample, per sample and 1K tokens, its shared full prefill and full-cache answer;
 # answer, per answer under the prefill protocol; mi, the same with moment-informed eviction batched
 # by 128; blockwise, per 1K tokens block-wise; kvzip_pass, per sample's KVzip scoring pass at 1K
-# (scaled by length^1.85); compile, the first answer of each method; ppl_token, per token of
+# (scaled by length^1.53); compile, the first answer of each method; ppl_token, per token of
 # decoding-time eviction (``eval ppl``); fidelity, per fidelity run (scorer, budget and prompt, with
 # its share of the compilation). Where the figures come from: docs/performance.md.
 COST = dict(
@@ -34,7 +34,7 @@ COST = dict(
     answer=0.75,
     mi=2.4,
     blockwise=2.3,
-    kvzip_pass=9.2,
+    kvzip_pass=4.3,
     compile=2.5,
     ppl_token=0.052,
     fidelity=4.0,
@@ -232,7 +232,7 @@ def estimate(methods: list, lengths, settings, per_length: int) -> tuple[int, fl
             COST["sample"] * length / 1024
             + len(settings)
             * (
-                passes * COST["kvzip_pass"] * (length / 1024) ** 1.85
+                passes * COST["kvzip_pass"] * (length / 1024) ** 1.53
                 + sum(cost(m, length) for m in here)
             )
         )
