@@ -38,7 +38,8 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     profiled = {(r["cache"], r["impl"], r["batch"]): r["profile"] for r in decode if "profile" in r}
     assert set(profiled) == {("full", "default", 1), ("full", "default", 2), ("snapkv 64", "default", 2),
                              ("momentkv 64", "default", 2), ("adakv 64", "default", 2)}
-    assert all("error" not in p and p["ms_per_step"] > 0 and p["ops_per_step"] >= 1 and p["top"] for p in profiled.values()), profiled
+    assert all("error" not in p and p["ms_per_step"] > 0 and p["ops_per_step"] >= 1 and p["top"]
+               for p in profiled.values()), profiled
     adakv = profiled["adakv 64", "default", 2]["kinds"]  # the kinds told apart; evicting one token per head, AdaKV's
     assert adakv["matmul"] > 0 and adakv["cache write"] > 0 and "sort" not in adakv, adakv  # step sorts nothing
     assert {r["slots"] for r in parts["serve"]} == {1, 4}
