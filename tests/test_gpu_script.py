@@ -22,9 +22,11 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
         assert rows, table
         failed = [r for r in rows if "error" in r]
         assert not failed, (table, failed[:3])
-    OPS, VARIANTS = gpu_script("kernels_part").OPS, gpu_script("layers_part").VARIANTS
+    kernels_part, VARIANTS = gpu_script("kernels_part"), gpu_script("layers_part").VARIANTS
     checks = parts["kernel_checks"]
-    assert {r["op"] for r in checks} == set(OPS)  # every kernel: dense, paged, MomentKV-corrected
+    # every kernel (dense, paged, MomentKV-corrected) and the full cache's prompt attention (XLA's on a CPU)
+    assert {r["op"] for r in checks} == {*kernels_part.OPS, kernels_part.PROMPT}
+    assert {r.get("attention") for r in checks if r["op"] == kernels_part.PROMPT} == {"xla"}
     assert all(r["ok"] and r["max_err"] < 1e-2 for r in checks)
     assert {r["impl"] for r in parts["kernel_times"]} == {"pallas_gpu", "xla", "cudnn"}
     decode = parts["decode"]
@@ -52,6 +54,18 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert "error" not in peer and peer["decode"] and not [r for r in peer["decode"] if "error" in r]
     report = (tmp_path / "results.md").read_text()
     assert "### Targets" in report and report.strip() == done.stdout.strip()  # the table is printed last
+
+
+def test_kernel_ops_checks_only_the_ops_named_and_refuses_an_unknown_one(tmp_path):
+    run = [sys.executable, str(GPU_SCRIPT / "run.py"), "--smoke", "--parts", "kernels", "--no-kernel-timings"]
+    done = subprocess.run([*run, "--kernel-ops", "prompt,decode", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    checks = json.loads((tmp_path / "results.json").read_text())["parts"]["kernel_checks"]
+    assert {r["op"] for r in checks} == {"prompt", "decode"} and all(r["ok"] for r in checks)
+    bad = subprocess.run([*run, "--kernel-ops", "decode,flash", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--kernel-ops: unknown ['flash']" in bad.stderr
 
 
 def test_report_combines_runs_and_keeps_only_what_no_run_reached():

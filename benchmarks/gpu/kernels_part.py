@@ -13,6 +13,10 @@ fails. The XLA reference in the inputs' own dtype (default precision) is measure
 dense decode kernels read the case's keys and values as the middle layer of a stack of three (``layer=``), as
 the budget cache hands them over.
 
+The full cache's prompt attention (``kvjax.kernels.causal_attention``, op "prompt": cuDNN's flash attention on
+CUDA, no Pallas kernel) is checked the same way, in bfloat16 (cuDNN takes no float32), over causal sequences of
+the case's length in two rows; the row says which attention the compiled program holds.
+
 Timings (Llama-3.1-8B heads, bfloat16, 4 rows, 1K / 4K / 32K slots, every slot visible): the median of
 batches of back-to-back calls, inputs rotated among 3 sets when they would fit in L2.
 """
@@ -30,6 +34,7 @@ from common import Compiler, Deadline, Results, guarded, log, median_seconds, re
 from kvjax.kernels import (
     SCORE_KINDS,
     block_attention_with_scores,
+    causal_attention,
     decode_attention_with_scores,
 )
 from kvjax.kernels.paged_attention import (
@@ -48,6 +53,7 @@ L2_BYTES = 60 << 20
 OPS = {"block": (False, False, None), "decode": (False, True, None), "decode+momentkv": (False, True, "first"),
        "decode+momentkv-zeroth": (False, True, "zeroth"), "paged_block": (True, False, None),
        "paged_decode": (True, True, None), "paged_decode+momentkv": (True, True, "first")}
+PROMPT = "prompt"  # causal_attention: the full cache's prompt (cuDNN on CUDA), checked beside the kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +72,15 @@ class Case:
 
 def make_inputs(case: Case, seed: int, visible_all: bool = False) -> tuple:
     """Random inputs of one case (on the default device). visible_all: every slot valid and visible (timing)."""
-    paged, decode, moments = OPS[case.op]
     Hk, G, K = SHAPES[case.shape]
-    B, S, T = case.batch, case.slots, 1 if decode else BLOCK_T
     dtype = jnp.dtype(case.dtype)
     keys = iter(jax.random.split(jax.random.key(seed), 16))
     normal = lambda shape: jax.random.normal(next(keys), shape, jnp.float32).astype(dtype)  # noqa: E731
+    if case.op == PROMPT:  # q [B, T, H, K], k and v [B, Hk, T, K]: T = slots
+        B, T = case.batch, case.slots
+        return (normal((B, T, Hk * G, K)), normal((B, Hk, T, K)), normal((B, Hk, T, K)))
+    paged, decode, moments = OPS[case.op]
+    B, S, T = case.batch, case.slots, 1 if decode else BLOCK_T
     q = normal((B, T, Hk * G, K))
     if visible_all:
         slot_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, Hk, S))
@@ -118,7 +127,11 @@ def make_inputs(case: Case, seed: int, visible_all: bool = False) -> tuple:
 
 def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = False):
     """A jitted function of the case's inputs -> (out, lse, col or None). in_stack: a dense decode kernel reads
-    the case's keys and values as the middle layer of a stack of three, as the budget cache hands them over."""
+    the case's keys and values as the middle layer of a stack of three, as the budget cache hands them over.
+    The prompt's "pallas_gpu" is ``causal_attention``'s default (cuDNN on CUDA): it has no Pallas kernel."""
+    if case.op == PROMPT:
+        prompt_impl = None if impl == "pallas_gpu" else impl
+        return jax.jit(lambda q, k, v: (causal_attention(q, k, v, impl=prompt_impl), None, None))
     paged, decode, moments = OPS[case.op]
     score = "attn" if case.score == "none" else case.score
     opts = dict(impl=impl) if impl in (None, "xla") else dict(impl=impl, interpret=interpret)
@@ -156,17 +169,19 @@ def to_f32(args):
     return jax.tree.map(cast, args)
 
 
-def check_cases(smoke: bool, slots: int) -> list[Case]:
-    """Every kernel, score kind, head geometry and dtype at ``slots`` (smoke: SmolLM2's heads, two score kinds,
-    bfloat16)."""
+def check_cases(smoke: bool, slots: int, ops: tuple[str, ...] | None = None) -> list[Case]:
+    """Every kernel, score kind, head geometry and dtype at ``slots``, then the prompt attention (smoke: SmolLM2's
+    heads, two score kinds, bfloat16). ops: only these (of OPS and PROMPT; None: all)."""
+    shapes = ("smollm2",) if smoke else tuple(SHAPES)
     cases = []
     for op, (paged, _, moments) in OPS.items():
         scores = ("attn",) if moments else ("attn", "obcache-joint") if smoke else SCORE_KINDS
         for score in scores:
-            for shape in (("smollm2",) if smoke else SHAPES):
+            for shape in shapes:
                 for dtype in (("bfloat16",) if smoke else ("float32", "bfloat16")):
                     cases.append(Case(op, score, shape, dtype, slots if not paged else -(-slots // PAGE) * PAGE, 2))
-    return cases
+    cases += [Case(PROMPT, "none", shape, "bfloat16", slots, 2) for shape in shapes]
+    return [c for c in cases if ops is None or c.op in ops]
 
 
 def timing_cases(smoke: bool) -> list[Case]:
@@ -178,13 +193,14 @@ def timing_cases(smoke: bool) -> list[Case]:
     return [Case(op, score, shape, "bfloat16", slots, batch) for slots in lengths for op in ops for score in scores]
 
 
-def submit_checks(compiler: Compiler, smoke: bool, slots: int, f32_precision: str | None = None) -> dict:
+def submit_checks(compiler: Compiler, smoke: bool, slots: int, f32_precision: str | None = None,
+                  ops: tuple[str, ...] | None = None) -> dict:
     """Compilations of the checks at ``slots``: per case the kernel (and, for bfloat16, the XLA reference in
     bfloat16), and the float32 reference, one per (op, score, shape): shared by both dtypes. No autotuning:
     these programs run once, for their values. f32_precision: the matmul precision the float32 kernels are
     traced under (None: JAX's default, which Pallas' Triton lowering runs as TF32 dots)."""
     futures, opts = {}, {"xla_gpu_autotune_level": 0}
-    for c in check_cases(smoke, slots):
+    for c in check_cases(smoke, slots, ops):
         ref_case = dataclasses.replace(c, dtype="float32")
         args = jax.eval_shape(lambda c=c: make_inputs(c, 0))
         if ref_case not in futures:
@@ -198,9 +214,10 @@ def submit_checks(compiler: Compiler, smoke: bool, slots: int, f32_precision: st
     return futures
 
 
-def run_checks(results: Results, deadline: Deadline, futures: dict, smoke: bool, slots: int) -> None:
+def run_checks(results: Results, deadline: Deadline, futures: dict, smoke: bool, slots: int,
+               ops: tuple[str, ...] | None = None) -> None:
     done = []
-    for i, c in enumerate(check_cases(smoke, slots)):
+    for i, c in enumerate(check_cases(smoke, slots, ops)):
         if deadline.passed():
             results.add("kernel_checks", {**c.label, "error": "not run: the part's deadline passed"})
             continue
@@ -218,6 +235,8 @@ def run_checks(results: Results, deadline: Deadline, futures: dict, smoke: bool,
                     if x is not None and r is not None:
                         row[f"{which}_{name}_err"] = rel_error(x, r)
                 row[f"{which}_compile_s"] = compile_s
+            if c.op == PROMPT:
+                row["attention"] = "cudnn" if "cudnn" in futures[c, "kernel"].result()[0].as_text() else "xla"
             errs = [row[k] for k in row if k.startswith("kernel_") and k.endswith("_err")]
             row["max_err"] = max(errs) if not any(math.isnan(e) for e in errs) else float("nan")
             row["tol"] = TOL[c.dtype]
@@ -282,20 +301,21 @@ def run_timings(results: Results, deadline: Deadline, futures: dict, smoke: bool
 
 
 def run(results: Results, deadline: Deadline, compiler: Compiler, smoke: bool, timings: bool = True,
-        f32_precision: str | None = None) -> None:
-    """Checks at the first length, then the timings, then checks at the other lengths while time is left."""
+        f32_precision: str | None = None, ops: tuple[str, ...] | None = None) -> None:
+    """Checks at the first length, then the timings, then checks at the other lengths while time is left.
+    ops: check only these (None: every kernel and the prompt attention)."""
     lengths = (100,) if smoke else (1061, 32768, 4096)
     results.meta["f32_precision"] = f32_precision or "default"
-    checks = submit_checks(compiler, smoke, lengths[0], f32_precision)
+    checks = submit_checks(compiler, smoke, lengths[0], f32_precision, ops)
     if timings:
         futures = submit_timings(compiler, smoke)  # compiled while the first checks run
-        run_checks(results, Deadline(deadline.left() * 0.4), checks, smoke, lengths[0])
+        run_checks(results, Deadline(deadline.left() * 0.4), checks, smoke, lengths[0], ops)
         run_timings(results, Deadline(deadline.left() * 0.6), futures, smoke)
         compiler.cancel_pending()
     else:
-        run_checks(results, Deadline(deadline.left() * 0.6), checks, smoke, lengths[0])
+        run_checks(results, Deadline(deadline.left() * 0.6), checks, smoke, lengths[0], ops)
     for slots in lengths[1:]:
-        run_checks(results, deadline, submit_checks(compiler, smoke, slots, f32_precision), smoke, slots)
+        run_checks(results, deadline, submit_checks(compiler, smoke, slots, f32_precision, ops), smoke, slots, ops)
         compiler.cancel_pending()
 
 
@@ -314,7 +334,8 @@ def tables(results: Results) -> list[str]:
                              f"{r['error'][:160]} | | {state} | | |")
                 continue
             xla = max((v for k, v in r.items() if k.startswith("xla_") and k.endswith("_err")), default=None)
-            lines.append(f"| {r['op']} | {r['score']} | {r['shape']} | {r['dtype']} | {r['slots']} | "
+            op = f"{r['op']} ({r['attention']})" if "attention" in r else r["op"]
+            lines.append(f"| {op} | {r['score']} | {r['shape']} | {r['dtype']} | {r['slots']} | "
                          f"{r['max_err']:.2e} | {r['tol']:.0e} | {'yes' if r['ok'] else 'NO'} | "
                          f"{'' if xla is None else f'{xla:.2e}'} | "
                          f"{r['kernel_compile_s']:.1f} |")

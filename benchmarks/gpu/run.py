@@ -45,12 +45,21 @@ def parse(argv=None):
     parser.add_argument("--no-kernel-timings", action="store_true", help="kernels: the checks alone")
     parser.add_argument("--f32-precision", choices=["highest"], help="kernels: trace the float32 kernels' checks "
                         "under this matmul precision (default: JAX's, TF32 dots in Triton)")
+    parser.add_argument("--kernel-ops", help="kernels: check only these ops, comma-separated (default: all)")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # run one part in this process
     args = parser.parse_args(argv)
     args.seconds = args.seconds or (900.0 if args.smoke else 420.0)
     args.parts = [p for p in args.parts.split(",") if p]
     if unknown := set(args.parts) - set(PARTS):
         parser.error(f"--parts: unknown {sorted(unknown)}; choose from {PARTS}")
+    if args.kernel_ops:
+        args.kernel_ops = tuple(args.kernel_ops.split(","))
+        if not args.part:  # checked once, in the parent
+            sys.path.insert(0, str(HERE))
+            from kernels_part import OPS, PROMPT
+
+            if unknown := set(args.kernel_ops) - {*OPS, PROMPT}:
+                parser.error(f"--kernel-ops: unknown {sorted(unknown)}; choose from {[*OPS, PROMPT]}")
     return args
 
 
@@ -79,7 +88,7 @@ def run_part(args) -> int:
         if args.part == "kernels":
             import kernels_part
             kernels_part.run(results, deadline, compiler, args.smoke, timings=not args.no_kernel_timings,
-                             f32_precision=args.f32_precision)
+                             f32_precision=args.f32_precision, ops=args.kernel_ops)
         elif args.part == "layers":
             import layers_part
             layers_part.run(results, deadline, compiler, args.smoke)
@@ -142,6 +151,7 @@ def main(argv=None) -> int:
         cmd += ["--workers", str(args.workers)] if args.workers else []
         cmd += ["--no-kernel-timings"] if args.no_kernel_timings else []
         cmd += ["--f32-precision", args.f32_precision] if args.f32_precision else []
+        cmd += ["--kernel-ops", ",".join(args.kernel_ops)] if args.kernel_ops else []
         try:
             status = subprocess.run(cmd, env=env, timeout=share + GRACE_S).returncode
         except subprocess.TimeoutExpired:
