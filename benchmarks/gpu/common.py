@@ -37,6 +37,11 @@ def error_text(e: BaseException, limit: int = 600) -> str:
     return text if len(text) <= limit else text[:200] + " … " + text[-(limit - 200):]
 
 
+def prompt_attention(compiled) -> str:
+    """Which prompt attention a compiled program holds: "cudnn" (cuDNN's flash attention) or "xla"."""
+    return "cudnn" if "cudnn" in compiled.as_text() else "xla"
+
+
 def rel_error(x, ref) -> float:
     """‖x − ref‖ / ‖ref‖ in float64 (NaN where x is not finite)."""
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)

@@ -30,7 +30,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from common import Compiler, Deadline, Results, guarded, log, median_seconds, rel_error
+from common import Compiler, Deadline, Results, guarded, log, median_seconds, prompt_attention, rel_error
 from kvjax.kernels import (
     SCORE_KINDS,
     block_attention_with_scores,
@@ -236,7 +236,7 @@ def run_checks(results: Results, deadline: Deadline, futures: dict, smoke: bool,
                         row[f"{which}_{name}_err"] = rel_error(x, r)
                 row[f"{which}_compile_s"] = compile_s
             if c.op == PROMPT:
-                row["attention"] = "cudnn" if "cudnn" in futures[c, "kernel"].result()[0].as_text() else "xla"
+                row["attention"] = prompt_attention(futures[c, "kernel"].result()[0])
             errs = [row[k] for k in row if k.startswith("kernel_") and k.endswith("_err")]
             row["max_err"] = max(errs) if not any(math.isnan(e) for e in errs) else float("nan")
             row["tol"] = TOL[c.dtype]

@@ -53,6 +53,7 @@ from common import (
     log,
     loop_copies,
     memory_stats,
+    prompt_attention,
     rel_error,
 )
 
@@ -313,7 +314,7 @@ class ModelRun:
             times.append(time.perf_counter() - t0)
         extra = {}
         if cache == FULL:
-            extra["prompt_attention"] = "cudnn" if "cudnn" in compiled.as_text() else "xla"
+            extra["prompt_attention"] = prompt_attention(compiled)
         if impl is None:
             self.states[cache, context] = state
         elif cache == FULL and impl == "xla":
