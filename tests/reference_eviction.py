@@ -39,6 +39,8 @@ Readings chosen where ``docs/eviction.md`` leaves room (see the module's tests a
 from __future__ import annotations
 
 import dataclasses
+import decimal
+import sys
 
 import numpy as np
 
@@ -754,11 +756,20 @@ class Reference:
             else [[(layer, kh) for layer in layers for kh in range(Hk)]]
         counts = {}
         for group in groups:
-            kept, near, exact = shared_counts([heads[key] for key in group], len(group) * b, floor, Hk * b)
+            kept, near, exact = shared_counts([heads[key] for key in group], self.group_total(len(group)),
+                                              floor, self.head_cap())
             self.near_ties += near
             self.exact_ties += exact
             counts |= dict(zip(group, kept))
         return counts
+
+    def head_cap(self) -> int:
+        """The most tokens one head keeps under a shared allocation: n_kv_heads × budget."""
+        return self.cfg.n_kv_heads * self.budget
+
+    def group_total(self, heads: int) -> int:
+        """Tokens kept by ``heads`` heads sharing one budget: heads × budget."""
+        return heads * self.budget
 
     def _evict(self, layer: int, kh: int, prio: np.ndarray | None = None, count: int | None = None):
         """Keep ``count`` (default: the budget) of one head's tokens, chosen by ``prio`` (default: the head's
@@ -976,13 +987,17 @@ class KVzipReference(Reference):
     :class:`Reference`'s: it runs as ``h2o`` + the modifier (no pooling, no reset) with base
     ``kvzip``. Near ties are counted at ``tie_rtol`` (default :data:`KVZIP_TIE_RTOL`)."""
 
-    def __init__(self, params, *, scorer: str, budget: int, repeat_prompt=None, head_scores=None,
+    def __init__(self, params, *, scorer: str, budget: int | float, repeat_prompt=None, head_scores=None,
                  n_sink: int = 4, window: int = 0, floor: float = 0.0, floor_mode: str = "adakv",
                  aggregate: str | None = None, chunk: int = 2048, context: int | None = None,
                  tie_rtol: float = KVZIP_TIE_RTOL):
         allocation, base, modifier = parse_kvzip_scorer(scorer)
         if (repeat_prompt is None, head_scores is None) != (base != "kvzip", base == "kvzip"):
             raise ValueError("kvzip takes repeat_prompt, kvzip-head head_scores (not the other)")
+        self.ratio = None
+        if isinstance(budget, float):  # a fraction of the longest prompt, ``context``
+            self.ratio = float(1 - decimal.Decimal(repr(budget)))
+            budget = context - int(context * self.ratio)
         super().__init__(params, scorer="h2o" + (f"+{modifier}" if modifier else ""), budget=budget,
                          protocol="prefill", n_sink=n_sink, window=window, aggregate=aggregate,
                          decode_evict=False, floor=floor, floor_mode=floor_mode,
@@ -997,6 +1012,18 @@ class KVzipReference(Reference):
             return repeat_scores(self.params, prompt, self.repeat_prompt, self.repeat_chunk)
         heads = np.asarray(self.head_scores, np.float64)
         return np.broadcast_to(heads[:, :, None], heads.shape + (len(prompt),))
+
+    def head_cap(self) -> int:
+        """Under one threshold over all heads no limit on one head (kvpress's ``KVzipPress()``): the
+        compression happens once."""
+        return sys.maxsize if self.allocation == "global" else super().head_cap()
+
+    def group_total(self, heads: int) -> int:
+        """A fractional budget f over n = ``context`` tokens keeps kvpress's count at compression ratio
+        r = 1 − f (in decimal): heads·n − ⌊heads·n·r⌋."""
+        if self.ratio is None:
+            return super().group_total(heads)
+        return heads * self.context - int(heads * self.context * self.ratio)
 
     def _counts(self, heads: dict) -> dict:
         if self.allocation != "heads":
@@ -1047,7 +1074,7 @@ def run_kvzip_reference(params, prompt, max_new_tokens: int, *, scorer: str, bud
     """Compress ``prompt`` under a KVzip name (:data:`KVZIP_SCORERS`), append ``question`` and
     greedily decode ``max_new_tokens`` tokens, nothing evicted after the compression. ``options``:
     :class:`KVzipReference`'s (``repeat_prompt`` for kvzip, ``head_scores`` [L, Hk] for
-    kvzip-head; ``chunk``: the repeat pass's; ``context``: kvzip-head's n, in kvjax the batch's
+    kvzip-head; ``chunk``: the repeat pass's; ``context``: kvzip-head's n and a fractional budget's, in kvjax the batch's
     longest prompt). Returns ``prefill_logits``, ``scores`` [L, Hk, P], ``kept_after_prefill``,
     ``tokens``, ``step_logits``, ``moments``, ``near_ties``, ``exact_ties``."""
     ref = KVzipReference(params, scorer=scorer, budget=budget, **options)

@@ -40,7 +40,9 @@ def check(model, settings: dict, *, generate: bool = False, head_scores=None) ->
     of ``kvjax.prefill``; tokens of ``kvjax.decode`` (a question, no eviction) and ``generate``."""
     options = {k: v for k, v in settings.items() if k != "head_scores"}
     if head_scores is not None:
-        options |= dict(head_scores=head_scores, context=max(len(p) for p in PROMPTS))
+        options |= dict(head_scores=head_scores)
+    if head_scores is not None or isinstance(settings["budget"], float):
+        options |= dict(context=max(len(p) for p in PROMPTS))
     refs = [run_kvzip_reference(model, p, NEW, question=q, chunk=CHUNK, **options)
             for p, q in zip(PROMPTS, QUESTIONS, strict=True)]
     # exact agreement is only well posed away from near ties (exact ones follow the tie rule)
@@ -89,6 +91,24 @@ def test_kvzip_matches_reference(tiny_llama, case):
     assert all(r["moments"]["count"].sum() > 0 for r in refs)  # both rows lost tokens
 
 
+@pytest.mark.parametrize("budget", [5, 0.2])
+def test_global_puts_no_limit_on_a_head(tiny_llama, budget):
+    """global+kvzip as kvpress's KVzipPress(): one head keeps more than n_kv_heads × budget (the limit under
+    an allocation that evicts again), and a fractional budget keeps kvpress's count, L·Hk·n − ⌊L·Hk·n·0.8⌋
+    over the longest prompt n (here not a multiple of L·Hk)."""
+    cfg, layers = tiny_llama.config, tiny_llama.layers
+    # layer 0's first KV head attends more sharply (its queries ×3), so its tokens score higher
+    peaked = tiny_llama.replace(layers=layers.replace(wqkv=layers.wqkv.at[0, :, 0, : cfg.group_size].multiply(3)))
+    refs = check(peaked, dict(scorer="global+kvzip", repeat_prompt=KVPRESS, n_sink=2, budget=budget))
+    per_head = 5 if budget == 5 else max(map(len, PROMPTS)) - int(max(map(len, PROMPTS)) * 0.8)
+    most = max(len(h) for r in refs for layer in r["kept_after_prefill"] for h in layer)
+    assert most > cfg.n_kv_heads * per_head
+    if isinstance(budget, float):
+        rows, n = cfg.n_layers * cfg.n_kv_heads, max(map(len, PROMPTS))
+        assert sum(len(h) for layer in refs[0]["kept_after_prefill"] for h in layer) == rows * n - int(
+            rows * n * 0.8) == 30
+
+
 def test_kvzip_head_matches_reference(tiny_llama, tiny_head_scores):
     """Whole heads by the saved scores: round(4 · (20 − 4)/(37 − 4)) = 2 heads keep the context (n:
     the batch's longest prompt), the others their sink and window."""
@@ -98,6 +118,29 @@ def test_kvzip_head_matches_reference(tiny_llama, tiny_head_scores):
                                   head_scores=tiny_head_scores), generate=True, head_scores=heads)
     sizes = sorted(len(h) for layer in refs[0]["kept_after_prefill"] for h in layer)
     assert sizes == [4, 4, 37, 37]
+
+
+def test_whole_heads_longer_than_the_decoding_slots_survive(tiny_llama, tmp_path):
+    """kvzip-head's whole heads of a 900-token context, longer than the slots a budget of 240 gives decoding
+    (240 rounded up to CAPACITY_STEP, plus the question's and the answer's), are all attended while the
+    question and the answer are decoded: the tokens equal the reference's."""
+    import dataclasses
+
+    from kvjax.runtime.kvzip_pass import save_head_scores
+
+    model = tiny_llama.replace(config=dataclasses.replace(tiny_llama.config, max_seq_len=1024))
+    heads, path = np.linspace(0, 1, 4).reshape(2, 2), str(tmp_path / "heads.json")
+    save_head_scores(path, heads, model.config)
+    # kvzip-head ranks whole heads, not tokens: repeated tokens make no ties
+    prompt, question = np.random.default_rng(2).integers(4, 97, 900).astype(np.int32), np.arange(5, 11)
+    settings = dict(scorer="kvzip-head", budget=240, n_sink=1, window=3)  # one whole head of four
+    ref = run_kvzip_reference(model, prompt, 8, question=question, head_scores=heads, context=len(prompt),
+                              **settings)
+    assert max(len(h) for layer in ref["kept_after_prefill"] for h in layer) == len(prompt)
+    context = kvjax.prefill(model, prompt, head_scores=path, **settings)
+    # (when decoding fitted the context into 640 slots per head, the whole head lost 522 of its 906 tokens and
+    # the 4th token differed)
+    assert kvjax.decode(model, context, question, 8, evict=False, stop_ids=()).tolist() == ref["tokens"]
 
 
 @pytest.mark.parametrize("scorer, budget", [("kvzip", 37), ("kvzip", 36), ("kvzip-head", 37)])

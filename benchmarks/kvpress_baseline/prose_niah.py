@@ -1,12 +1,15 @@
 """kvjax's KVzip and AdaKV against NVIDIA kvpress's on needles written as ordinary prose (docs/results.md).
 
     bash benchmarks/kvpress_baseline/setup.sh     # once: kvpress in its own .venv
-    .venv/bin/python benchmarks/kvpress_baseline/prose_niah.py --out docs/results/kvzip_prose
+    .venv/bin/python benchmarks/kvpress_baseline/prose_niah.py --out docs/results/kvzip_global \
+        --budgets 64 128 256 512 --methods "kvzip (layerwise)" "kvzip (global)" --presses kvzip kvzip_global
 
 The samples are kvjax's ``sentence-number`` NIAH form (``kvjax.eval.niah``): a 7-digit number in an ordinary
 sentence ("The access code for the Amber Lantern gate is 8322358."), one distractor sentence of the same form,
-real prose around them (``pydoc`` and ``licenses``), the question after the context in the chat template and no
-answer prefix; ``--samples`` per haystack, needle depths spread over the context. Each sample runs in two
+real prose around them (``--haystacks``: ``pydoc`` and ``licenses``), the question after the context in the
+chat template and no answer prefix; ``--samples`` per haystack, needle depths spread over the context. Answers
+are scored from their text when the table is made (``kvjax.eval.niah.score``: a number only as a whole
+number). Each sample runs in two
 settings, kvpress's: query-agnostic (the context compressed, then the question appended uncompressed) and
 query-aware (the prompt but its last token compressed, the last token appended).
 
@@ -40,14 +43,20 @@ from kvjax.eval.stats import paired  # noqa: E402
 SETTINGS = ("query-agnostic", "query-aware")
 ADAKV_MATCHED = dict(n_sink=0, obs_window=64, window=64, pool="avg", kernel=5, floor=0.2, floor_mode="kvpress")
 METHODS = {  # label -> (scorer, options); the budget comes from --budgets
-    "kvzip": ("kvzip", {}),  # the default: kvpress's repeat prompt, 4 sinks, no window, each layer's heads shared
-    "kvzip (paper prompt)": ("kvzip", dict(repeat="paper")),  # the default until this evaluation
+    # kvpress's repeat prompt, 4 sinks, no window; one layer's KV heads share its budget (KVzipPress(layerwise=True))
+    "kvzip (layerwise)": ("adakv+kvzip", {}),
+    # one threshold over every layer and KV head, no limit on one head (KVzipPress(), kvpress's default)
+    "kvzip (global)": ("global+kvzip", {}),
+    "kvzip (paper prompt)": ("adakv+kvzip", dict(repeat="paper")),  # the KVzip code's repeat prompt
     "adakv": ("adakv", {}),
     "adakv (kvpress's settings)": ("adakv", ADAKV_MATCHED),
 }
-PRESSES = {"kvpress:kvzip": "KVzipPress(layerwise=True)", "kvpress:adakv_snapkv": "AdaKVPress(SnapKVPress)"}
-PAIRS = (("kvzip", "kvpress:kvzip"), ("kvzip (paper prompt)", "kvpress:kvzip"), ("kvzip", "kvzip (paper prompt)"),
-         ("adakv", "kvpress:adakv_snapkv"), ("adakv (kvpress's settings)", "kvpress:adakv_snapkv"))
+PRESSES = {"kvpress:kvzip": "KVzipPress(layerwise=True)", "kvpress:kvzip_global": "KVzipPress()",
+           "kvpress:adakv_snapkv": "AdaKVPress(SnapKVPress)"}
+PAIRS = (("kvzip (layerwise)", "kvpress:kvzip"), ("kvzip (global)", "kvpress:kvzip_global"),
+         ("kvzip (layerwise)", "kvpress:kvzip_global"), ("kvzip (global)", "kvzip (layerwise)"),
+         ("kvzip (paper prompt)", "kvpress:kvzip"), ("adakv", "kvpress:adakv_snapkv"),
+         ("adakv (kvpress's settings)", "kvpress:adakv_snapkv"))
 
 
 def setting_samples(samples) -> list:
@@ -65,16 +74,18 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/kvzip_prose")
     parser.add_argument("--samples", type=int, default=24, help="per haystack (default: %(default)s)")
     parser.add_argument("--length", type=int, default=1024, help="prompt tokens (default: %(default)s)")
+    parser.add_argument("--haystacks", nargs="+", choices=["pydoc", "licenses"], default=["pydoc", "licenses"])
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512])
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS)[:3],
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS)[:2],
                         help="kvjax's methods (default: %(default)s)")
-    parser.add_argument("--presses", nargs="*", choices=["kvzip", "adakv_snapkv"], default=["kvzip", "adakv_snapkv"],
+    parser.add_argument("--presses", nargs="*", choices=["kvzip", "kvzip_global", "adakv_snapkv"],
+                        default=["kvzip", "kvzip_global", "adakv_snapkv"],
                         help="kvpress's presses (none: kvjax's answers only)")
     parser.add_argument("--table-only", action="store_true", help="the table from the rows already written")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     tokenizer = kvjax.load_tokenizer("smollm2-135m-instruct")
-    samples = setting_samples(make_samples(tokenizer, ["sentence-number"], ["pydoc", "licenses"], [args.length],
+    samples = setting_samples(make_samples(tokenizer, ["sentence-number"], args.haystacks, [args.length],
                                            args.samples))
     samples_path, kvpress_path = os.path.join(args.out, "samples.jsonl"), os.path.join(args.out, "kvpress_rows.jsonl")
     kvjax_path = os.path.join(args.out, "kvjax_rows.jsonl")
@@ -146,7 +157,7 @@ def read_scores(samples, kvjax_path: str, kvpress_path: str) -> dict:
     found: dict = {}
     for r in sweep.read_rows(kvjax_path):
         if r.sample in answers:
-            found.setdefault((r.method_label, r.budget), {})[r.sample] = r.score
+            found.setdefault((r.method_label, r.budget), {})[r.sample] = score(r.prediction, answers[r.sample])
             found.setdefault((r.method_label, r.budget, "text"), {})[r.sample] = r.prediction
     if os.path.exists(kvpress_path):
         for r in map(json.loads, open(kvpress_path)):

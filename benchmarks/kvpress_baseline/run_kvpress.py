@@ -10,9 +10,10 @@ prefill, then feed the question and decode greedily, uncompressed), on the same 
 follows (kvpress's default); ``query-aware`` compresses the prompt up to its last token, which is then fed as
 the "question". One JSON line per answer: sample, setting, scorer ("kvpress:<press>"), budget, prediction,
 seconds, and ``kept``: the KV pairs each layer keeps, summed over its KV heads (n_kv_heads × budget for every
-press here: checked, not assumed). KVzip's presses score a context once for all the budgets (``kvzip_answers``:
-the same selection and answers as one run per budget; ``seconds`` of the later budgets leave the shared scoring
-pass out and their rows say ``shared_scoring``).
+press here but ``kvzip_global``, whose layers keep n_layers × n_kv_heads × budget together). KVzip's presses
+score a context once for all their budgets (``kvzip_answers``: the same selection and answers as one run per
+press and budget; ``seconds`` of the later ones leave the shared scoring pass out and their rows say
+``shared_scoring``).
 
 A budget b over a context of n tokens is kvpress's ``compression_ratio`` r (the fraction removed), chosen so
 that kvpress's own rounding keeps exactly b per KV head on average (``ratio_for``):
@@ -145,51 +146,56 @@ def gguf_tokenizer():
     return tokenizer
 
 
-def recorder_setup(doc: str):
+def recorder_setup(doc: str, extra: dict | None = None):
     """The command line of a kept-position recorder (``record_*_kept.py``, described by ``doc``) and
     the model it runs (``load_model``: sdpa), on 2 threads: (args, model).
 
     --samples: JSONL, one sample a line (``id`` and the token ids of ``context``);
     --budgets: the kept tokens per KV head to record;
-    --out: the JSON file to write.
+    --out: the JSON file to write;
+    extra: more flags, {flag: ``add_argument`` keywords}.
     """
     parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", required=True)
     parser.add_argument("--budgets", type=int, nargs="+", required=True)
     parser.add_argument("--out", required=True)
+    for flag, options in (extra or {}).items():
+        parser.add_argument(flag, **options)
     args = parser.parse_args()
     torch.set_num_threads(2)
     return args, load_model("sdpa")
 
 
-def press_answers(pipe, name: str, context: list[int], question: list[int], budgets: list[int], max_new: int):
-    """(budget, answer, seconds, kept) for each budget: kvpress's pipeline run once per budget, or for KVzip's
-    presses once for all of them (``kvzip_answers``)."""
+def press_answers(pipe, todo: list[tuple[str, int]], context: list[int], question: list[int], max_new: int):
+    """(press, budget, answer, seconds, kept) for each (press, budget) of ``todo``: kvpress's pipeline run once
+    for each, or for KVzip's presses once for all of them (``kvzip_answers``)."""
     from transformers import DynamicCache
 
-    if name in KVZIP_PRESSES:
-        return kvzip_answers(pipe, name, context, question, budgets, max_new)
+    if all(name in KVZIP_PRESSES for name, _ in todo):
+        return kvzip_answers(pipe, todo, context, question, max_new)
     found = []
-    for budget in budgets:
+    for name, budget in todo:
         press, cache = make_press(name, len(context), budget, pipe.model.config), DynamicCache()
         start = time.perf_counter()
         inputs = {"context_ids": torch.tensor([context]), "questions_ids": [torch.tensor([question])]}
         answer = pipe._forward(inputs, max_new_tokens=max_new, press=press, cache=cache)[0]
-        found.append((budget, answer, time.perf_counter() - start, kept_per_layer(pipe.model, cache)))
+        found.append((name, budget, answer, time.perf_counter() - start, kept_per_layer(pipe.model, cache)))
     return found
 
 
-def kvzip_answers(pipe, name: str, context: list[int], question: list[int], budgets: list[int], max_new: int):
-    """(budget, answer, seconds, kept) for each budget from one KVzip scoring of ``context``: the first budget's
-    press runs kvpress's pipeline (prefill, reconstruction scoring, ``compress_post``, answer) and its scores
-    are kept; each later budget runs a press of its own ratio whose ``compress_post`` selects from the same
-    scores over the same cache (the pipeline crops the answer off it), then answers as the pipeline does. The
-    same kept sets and answers as one pipeline run per budget, without repeating the scoring pass."""
+def kvzip_answers(pipe, todo: list[tuple[str, int]], context: list[int], question: list[int], max_new: int):
+    """(press, budget, answer, seconds, kept) for each (KVzip press, budget) of ``todo`` from one KVzip scoring of
+    ``context``: the first press runs kvpress's pipeline (prefill, reconstruction scoring, ``compress_post``,
+    answer) and its scores are kept; each later one is a press of its own ratio (and ``layerwise``) whose
+    ``compress_post`` selects from the same scores over the same cache (the pipeline crops the answer off it),
+    then answers as the pipeline does. The same kept sets and answers as one pipeline run per press and budget
+    (the scores do not depend on the ratio nor on ``layerwise``), without repeating the scoring pass."""
     from transformers import DynamicCache
 
     model, saved, found = pipe.model, {}, []
-    first = make_press(name, len(context), budgets[0], model.config)
+    (name, budget), *later = todo
+    first = make_press(name, len(context), budget, model.config)
     select = first.compress_post
 
     def keep_scores(model_):  # the scores, and the context's keys and values before any answer touches them
@@ -201,8 +207,8 @@ def kvzip_answers(pipe, name: str, context: list[int], question: list[int], budg
     cache, start = DynamicCache(), time.perf_counter()
     inputs = {"context_ids": torch.tensor([context]), "questions_ids": [torch.tensor([question])]}
     answer = pipe._forward(inputs, max_new_tokens=max_new, press=first, cache=cache)[0]
-    found.append((budgets[0], answer, time.perf_counter() - start, kept_per_layer(model, cache)))
-    for budget in budgets[1:]:
+    found.append((name, budget, answer, time.perf_counter() - start, kept_per_layer(model, cache)))
+    for name, budget in later:
         start = time.perf_counter()
         for layer, (keys, values) in zip(cache.layers, saved["kv"], strict=True):
             layer.keys, layer.values = keys.clone(), values.clone()  # decoding overwrote the evicted keys in place
@@ -213,7 +219,7 @@ def kvzip_answers(pipe, name: str, context: list[int], question: list[int], budg
         answer = pipe.generate_answer(question_ids=torch.tensor([question]), cache=cache,
                                       context_length=len(context), max_new_tokens=max_new)
         pipe._remove_answer_from_cache(cache, lengths)
-        found.append((budget, answer, time.perf_counter() - start, kept_per_layer(model, cache)))
+        found.append((name, budget, answer, time.perf_counter() - start, kept_per_layer(model, cache)))
     return found
 
 
@@ -266,20 +272,25 @@ def main() -> None:
                 else:
                     prompt = sample["context"] + sample["question"]
                     context, question = prompt[:-1], prompt[-1:]
-                for press_name in args.presses:
-                    scorer = f"kvpress:{press_name}"
-                    todo = [b for b in args.budgets if (sample["id"], setting, scorer, b) not in done]
+                # KVzip's presses share one scoring pass; each other press runs by itself
+                groups = [[p for p in args.presses if p in KVZIP_PRESSES]]
+                groups += [[p] for p in args.presses if p not in KVZIP_PRESSES]
+                for group in groups:
+                    todo = [(p, b) for p in group for b in args.budgets
+                            if (sample["id"], setting, f"kvpress:{p}", b) not in done]
                     if not todo:
                         continue
-                    for budget, answer, seconds, kept in press_answers(pipe_for(press_name), press_name, context,
-                                                                       question, todo, sample["max_new_tokens"]):
+                    found = press_answers(pipe_for(todo[0][0]), todo, context, question, sample["max_new_tokens"])
+                    for i, (press_name, budget, answer, seconds, kept) in enumerate(found):
+                        scorer = f"kvpress:{press_name}"
                         row = {"sample": sample["id"], "setting": setting, "scorer": scorer, "budget": budget,
                                "prediction": answer, "seconds": seconds, "kept": kept}
                         if press_name in KVZIP_PRESSES:
-                            row["shared_scoring"] = budget != todo[0]
+                            row["shared_scoring"] = i > 0
                         f.write(json.dumps(row) + "\n")
                         f.flush()
                         print(f"{sample['id']} {setting} {scorer} {budget}: {answer!r}", flush=True)
+
 
 if __name__ == "__main__":
     main()

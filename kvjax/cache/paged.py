@@ -321,22 +321,22 @@ class PagedCache(SlotsView):
                 (kvzip-head).
         """
         L, B, Hk, C = self.pos.shape
-        cap = p.head_capacity(L, Hk)
+        cap, sharing = p.head_capacity(L, Hk), p.allocation_spec.sharing(L, Hk)
         if max_evict is None:
-            max_evict = min(C, (C - cap) * p.allocation_spec.sharing(L, Hk))
-        return self._evict(p, seen, max_evict, cap, p.layer_budgets(L), head_budgets)
+            max_evict = min(C, (C - cap) * sharing)
+        budgets = p.layer_budgets(L)
+        return self._evict(p, seen, max_evict, cap, budgets, p.group_budget(sharing), head_budgets)
 
     def _evict_layer(self, p: Policy, seen: jax.Array, layer: jax.Array) -> PagedCache:
         """``evict`` on a layer's view, for layer ``layer`` (a traced index; not under a "global"
         allocation)."""
         L, Hk, C = self.n_layers, self.pos.shape[1], self.slots
-        cap = p.head_capacity(L, Hk)
-        max_evict = min(C, (C - cap) * p.allocation_spec.sharing(L, Hk))
+        cap, sharing = p.head_capacity(L, Hk), p.allocation_spec.sharing(L, Hk)
+        max_evict = min(C, (C - cap) * sharing)
         part, fields = split_layers(self)
         part = join_layers(part, jax.tree.map(lambda x: x[None], fields))
-        part = part._evict(
-            p, seen, max_evict, cap, jnp.asarray(p.layer_budgets(L), jnp.int32)[layer][None]
-        )
+        budgets = jnp.asarray(p.layer_budgets(L), jnp.int32)[layer][None]
+        part = part._evict(p, seen, max_evict, cap, budgets, p.group_budget(sharing))
         part, fields = split_layers(part)
         return join_layers(part, jax.tree.map(lambda x: x[0], fields))
 
@@ -347,10 +347,12 @@ class PagedCache(SlotsView):
         max_evict: int,
         cap: int,
         budgets,
+        group: int,
         head_budgets: jax.Array | None = None,
     ) -> PagedCache:
         """``evict`` over this cache's layers (every layer, or one cut out with a leading axis of
-        1), whose budgets are ``budgets``."""
+        1), whose budgets are ``budgets``; ``group``: ``Policy.group_budget`` of the heads that
+        share a budget."""
         kv = (None, None)
         if p.reads_kv:  # reads every slot's keys, values
             kv = jax.vmap(lambda t, n, s: gather_pages(self.k_pages, self.v_pages, t, n, s)[:2])(
@@ -364,14 +366,14 @@ class PagedCache(SlotsView):
         spec, floor = p.allocation_spec, p.floor_count()
 
         def ranked():  # kept counts [L, B, Hk] and kept slots [L, B, Hk, C], by sorting
-            kept = spec.targets(key, self.pos, budgets, floor, cap, head_budgets)
+            kept = spec.targets(key, self.pos, budgets, floor, cap, head_budgets, group)
             return kept, valid & (ranks(-key, -self.pos) < kept[..., None])
 
         def unsorted(find):  # the same from the slots that ``find`` drops
             keep = (key > -jnp.inf) & ~find()
             return keep.sum(-1).astype(jnp.int32), keep
 
-        few = spec.few_dropped(key, self.pos, budgets, floor, cap, head_budgets)
+        few = spec.few_dropped(key, self.pos, budgets, floor, cap, head_budgets, group)
         if few is None:
             kept, best = ranked()
         else:  # a decoding step's few drops need no sort

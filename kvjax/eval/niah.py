@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import uuid
 
 from kvjax.eval.haystack import HAYSTACKS, sentences
@@ -208,9 +209,16 @@ class Sample:
 
 def score(prediction: str, answers: tuple[str, ...] | list[str]) -> float:
     """RULER's ``string_match_all``: the fraction of the answers found (case-insensitive) in the
-    prediction."""
+    prediction; a number counts only as a whole number, not inside a longer run of digits
+    ("2049969999" does not answer 2049969)."""
     text = prediction.lower()
-    return sum(a.lower() in text for a in answers) / len(answers)
+    return sum(_found(a.lower(), text) for a in answers) / len(answers)
+
+
+def _found(answer: str, text: str) -> bool:
+    if answer.isdigit():
+        return re.search(rf"(?<!\d){answer}(?!\d)", text) is not None
+    return answer in text
 
 
 def _needle(kind: str, key: str, value: str) -> str:

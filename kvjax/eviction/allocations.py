@@ -187,6 +187,7 @@ class Allocation:
         floor: int,
         cap: int,
         head_budgets: jax.Array | None = None,
+        group: int | None = None,
     ) -> jax.Array:
         """[L, B, Hk] kept counts from the eviction keys and positions [L, B, Hk, S] of every slot.
 
@@ -195,6 +196,8 @@ class Allocation:
             floor: ``floor_count``.
             cap: ``head_capacity``.
             head_budgets: [L, Hk] int32 each head's budget (``Heads`` only).
+            group: the slots kept by the heads that share a budget (``Policy.group_budget``;
+                shared allocations only; None: their count × the budget).
         """
         count = (key > -jnp.inf).sum(-1)
         return jnp.minimum(count, self.limits(budgets, head_budgets, key.shape[2]))
@@ -204,7 +207,7 @@ class Allocation:
         themselves)."""
         return jnp.asarray(budgets, jnp.int32)[:, None, None]
 
-    def few_dropped(self, key, pos, budgets, floor, cap, head_budgets=None):
+    def few_dropped(self, key, pos, budgets, floor, cap, head_budgets=None, group=None):
         """(fits, dropped) for a decoding step's eviction, found without a sort, or None where this
         allocation has none. fits: a bool scalar, True where every head holds at most one slot
         over its limit (heads sharing a budget: at most one each over their total); dropped: a
@@ -259,14 +262,15 @@ class AdaKV(Allocation):
     def sharing(self, n_layers, n_kv_heads):
         return n_kv_heads
 
-    def targets(self, key, pos, budgets, floor, cap, head_budgets=None):
-        Hk = key.shape[2]
-        return shared_targets(key, pos, Hk * budgets[0], floor, cap).astype(jnp.int32)
+    def targets(self, key, pos, budgets, floor, cap, head_budgets=None, group=None):
+        group = key.shape[2] * budgets[0] if group is None else group
+        return shared_targets(key, pos, group, floor, cap).astype(jnp.int32)
 
-    def few_dropped(self, key, pos, budgets, floor, cap, head_budgets=None):
-        Hk, total = key.shape[2], key.shape[2] * budgets[0]
-        fits = jnp.all((key > -jnp.inf).sum((-2, -1)) <= total + Hk)
-        return fits, lambda: shared_drops(key, pos, total, floor, cap, Hk)
+    def few_dropped(self, key, pos, budgets, floor, cap, head_budgets=None, group=None):
+        Hk = key.shape[2]
+        group = Hk * budgets[0] if group is None else group
+        fits = jnp.all((key > -jnp.inf).sum((-2, -1)) <= group + Hk)
+        return fits, lambda: shared_drops(key, pos, group, floor, cap, Hk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,24 +278,26 @@ class Global(AdaKV):
     name = "global"
     description = (
         "one threshold over every layer and KV head: `n_layers × n_kv_heads × budget` tokens in "
-        "all, at most `n_kv_heads × budget` in one head"
+        "all; compressed once (KVzip) no limit on one head, as kvpress's `KVzipPress()`, else at "
+        "most `n_kv_heads × budget` in one head"
     )
     shared = "all"
     default_floor = 0.0
 
     def head_capacity(self, budget, window, n_layers, n_kv_heads, floor=0):
-        return n_kv_heads * budget  # this allocation's own limit
+        return n_kv_heads * budget  # its limit where it evicts again (else ``Policy.cap``)
 
     def sharing(self, n_layers, n_kv_heads):
         return n_layers * n_kv_heads
 
-    def targets(self, key, pos, budgets, floor, cap, head_budgets=None):
+    def targets(self, key, pos, budgets, floor, cap, head_budgets=None, group=None):
         L, B, Hk, S = key.shape
+        group = L * Hk * budgets[0] if group is None else group
         rows = lambda x: x.transpose(1, 0, 2, 3).reshape(B, L * Hk, S)  # noqa: E731
-        kept = shared_targets(rows(key), rows(pos), L * Hk * budgets[0], floor, cap)
+        kept = shared_targets(rows(key), rows(pos), group, floor, cap)
         return kept.reshape(B, L, Hk).transpose(1, 0, 2).astype(jnp.int32)
 
-    def few_dropped(self, key, pos, budgets, floor, cap, head_budgets=None):
+    def few_dropped(self, key, pos, budgets, floor, cap, head_budgets=None, group=None):
         return None  # one new slot per head is L × Hk greedy steps over a whole row: the sorts
 
 

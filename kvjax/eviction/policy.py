@@ -10,7 +10,6 @@ from kvjax.eviction.allocations import (
     FLOOR_MODES,
     Allocation,
     floor_count,
-    whole_head_count,
 )
 from kvjax.eviction.base import Base
 from kvjax.eviction.modifiers import MODIFIERS, NO_MODIFIER, Modifier
@@ -40,9 +39,12 @@ class Policy:
         allocation: how many slots each (layer, KV head) keeps (``allocations.ALLOCATIONS``).
         floor: the fraction of the budget every head keeps at least under a shared allocation.
         chunk: tokens of ``chunk`` consecutive positions share the mean of their priorities.
-        cap: the most tokens one head keeps where the allocation's own rule does not apply
-            (``kvzip-head``: the context length, set when a prompt is compressed).
+        cap: the most tokens one head keeps where the allocation's own rule does not apply: the
+            context length, set when a prompt is compressed (``for_context``), for ``kvzip-head``
+            and for a global allocation under a scoring pass of the scorer's own.
         floor_mode: how the floor counts the protected tokens (``allocations.FLOOR_MODES``).
+        ratio, ratio_of: a fractional budget as kvpress's compression ratio r = 1 − budget over
+            a prompt of ``ratio_of`` tokens n (``group_budget``); ``budget`` is then n − ⌊n·r⌋.
 
     Data a scoring pass reads (repeat prompt, head scores) is not here: see ``ScoringData``.
     """
@@ -63,6 +65,8 @@ class Policy:
     chunk: int = 1
     cap: int | None = None
     floor_mode: str = "adakv"
+    ratio: float | None = None
+    ratio_of: int | None = None
 
     @property
     def scorer(self) -> Base:
@@ -129,6 +133,27 @@ class Policy:
             self.budget, self.window, n_layers, n_kv_heads, self.floor_count()
         )
 
+    @property
+    def capped_by_context(self) -> bool:
+        """A head may keep a whole context: kvzip-head's whole heads, and a global allocation
+        scored once by a pass of the scorer's own (KVzip), which nothing evicts after (kvpress's
+        ``KVzipPress()`` puts no limit on a head). ``for_context`` sets the cap."""
+        shared_once = self.allocation_spec.shared == "all" and self.scorer.scoring_pass is not None
+        return self.allocation == "heads" or shared_once
+
+    def for_context(self, context: int) -> Policy:
+        """The policy that compresses a prompt of ``context`` tokens: its cap the context where
+        ``capped_by_context``."""
+        return dataclasses.replace(self, cap=context) if self.capped_by_context else self
+
+    def group_budget(self, heads: int) -> int:
+        """Slots kept by ``heads`` heads sharing one budget (``Allocation.sharing``): heads ×
+        budget, or for a fractional budget kvpress's count over n = ``ratio_of`` tokens,
+        heads·n − ⌊heads·n·r⌋ (``KVzipPress``'s rounding; at most heads × budget)."""
+        if self.ratio is None:
+            return heads * self.budget
+        return heads * self.ratio_of - int(heads * self.ratio_of * self.ratio)
+
     def floor_count(self) -> int:
         return floor_count(self.floor, self.budget, self.n_sink + self.window, self.floor_mode)
 
@@ -136,9 +161,8 @@ class Policy:
         """Tokens kept over every layer and KV head of a row after an eviction point."""
         # compressed: whole heads and reduced ones
         if self.allocation == "heads" and self.cap is not None:
-            reduced, heads = self.n_sink + self.window, n_layers * n_kv_heads
-            full = whole_head_count(self.budget, reduced, self.cap, heads)
-            return full * self.cap + (heads - full) * reduced
+            # whole_head_count rounds to the nearest head: at most half a head over the budget
+            return n_layers * n_kv_heads * self.budget + self.cap
         return n_kv_heads * sum(self.layer_budgets(n_layers))
 
     def check_model(self, n_layers: int) -> None:
@@ -168,6 +192,8 @@ def make_policy(
     floor: float | None,
     chunk: int,
     floor_mode: str,
+    ratio: float | None = None,
+    ratio_of: int | None = None,
 ) -> Policy:
     """The validated ``Policy`` of the eviction keywords (``kvjax.runtime.options.EvictionOptions``,
     which holds their defaults), with the scorer's own settings for what is left as None: window and
@@ -255,4 +281,6 @@ def make_policy(
         float(floor),
         chunk,
         floor_mode=floor_mode,
+        ratio=ratio,
+        ratio_of=ratio_of,
     )

@@ -8,7 +8,7 @@ here into the static ``Eviction`` the engine runs (``None``: the full cache).
 from __future__ import annotations
 
 import dataclasses
-import math
+import decimal
 from typing import Any
 
 from kvjax.eviction import (
@@ -42,8 +42,8 @@ class EvictionOptions:
     budget: int | float | None = _option(
         None,
         "KV slots kept per layer and KV head (on average, under a "
-        "non-uniform allocation); a float in (0, 1) is a fraction of the longest "
-        "prompt; None keeps the full cache",
+        "non-uniform allocation); a float f in (0, 1) is a fraction of the longest "
+        "prompt, kept as kvpress keeps it at compression_ratio=1-f; None keeps the full cache",
     )
     scorer: str = _option(
         "snapkv", "a base or base+modifier (kvjax.SCORERS; README 'Scorer names')"
@@ -191,10 +191,15 @@ class EvictionOptions:
                 if self.head_scores is None
                 else f"head_scores is kvzip-head's; scorer={self.scorer!r}"
             )
+        ratio = ratio_of = None
         if isinstance(budget, float):
             if not 0 < budget < 1:
                 raise ValueError(f"budget={budget!r}: a fractional budget must lie in (0, 1)")
-            budget = math.ceil(budget * context) if context is not None else BUDGET_FOR_CHECKS
+            if context is None:
+                budget = BUDGET_FOR_CHECKS
+            else:
+                ratio, ratio_of = compression_ratio(budget), context
+                budget = context - int(context * ratio)
         policy = make_policy(
             self.scorer,
             budget,
@@ -210,6 +215,8 @@ class EvictionOptions:
             floor=self.floor,
             floor_mode=self.floor_mode,
             chunk=self.chunk,
+            ratio=ratio,
+            ratio_of=ratio_of,
         )
         own_pass = policy.scorer.scoring_pass is not None
         protocol = self.protocol or ("prefill" if own_pass else "blockwise")
@@ -238,6 +245,12 @@ class EvictionOptions:
         its head scores loaded and checked against the model; empty for other scorers)."""
         scores = None if self.head_scores is None else load_head_scores(self.head_scores, cfg)
         return ScoringData(repeat_prompt=self.repeat_prompt, head_scores=scores)
+
+
+def compression_ratio(fraction: float) -> float:
+    """kvpress's ``compression_ratio`` (the fraction removed) of a fractional budget, as a user
+    writes it: 1 − fraction in decimal (0.07 -> 0.93, where binary 1 − 0.07 is 0.9299…)."""
+    return float(1 - decimal.Decimal(repr(fraction)))
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(EvictionOptions))

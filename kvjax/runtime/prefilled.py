@@ -184,17 +184,17 @@ def _compress(
     return constrain(ev.fit(cache, cfg, ev.decode_spare(0)))
 
 
-def whole_heads(policy: Policy, scores: np.ndarray, context: int) -> tuple[Policy, np.ndarray]:
-    """kvzip-head's policy for a context of ``context`` tokens and its head budgets [L, Hk] int32:
-    the best heads by the saved head scores [L, Hk] keep the whole context, the others their sinks
-    and window, as many full heads as the budget pays for (``whole_head_count``)."""
+def whole_heads(policy: Policy, scores: np.ndarray, context: int) -> np.ndarray:
+    """kvzip-head's head budgets [L, Hk] int32 for a context of ``context`` tokens: the best heads
+    by the saved head scores [L, Hk] keep the whole context, the others their sinks and window, as
+    many full heads as the budget pays for (``whole_head_count``)."""
     reduced = policy.n_sink + policy.window
     full = np.argsort(-scores.reshape(-1), kind="stable")[
         : whole_head_count(policy.budget, reduced, context, scores.size)
     ]
     budgets = np.full(scores.size, reduced, np.int32)
     budgets[full] = context
-    return dataclasses.replace(policy, cap=context), budgets.reshape(scores.shape)
+    return budgets.reshape(scores.shape)
 
 
 class Prefilled:
@@ -290,10 +290,11 @@ class Prefilled:
     def compressed(self, ev: Eviction, data: ScoringData, lengths: np.ndarray) -> Context:
         """The context of the prompts' first ``lengths`` tokens compressed under ``ev`` (resolved
         for a prefill protocol); data: what the scorer's own scoring pass reads."""
+        context = int(lengths.max())
+        ev = dataclasses.replace(ev, policy=ev.policy.for_context(context))
         head_budgets = None
         if ev.policy.scorer.scoring_pass == "heads":
-            policy, head_budgets = whole_heads(ev.policy, data.head_scores, int(lengths.max()))
-            ev = dataclasses.replace(ev, policy=policy)
+            head_budgets = whole_heads(ev.policy, data.head_scores, context)
         with on_mesh(self.mesh):
             state = self._state(ev.policy, data, lengths)
             stats = _scoring_stats(

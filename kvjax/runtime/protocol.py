@@ -126,8 +126,9 @@ class Eviction:
         """Feeding and decoding that never evict (the cache grows): what a compressed context does
         with a question that arrives after it (KVzip's and kvpress's query-agnostic setting). Only
         MomentKV's correction of the attention still depends on the scorer, so the policy keeps just
-        that and the budget rounded up to ``CAPACITY_STEP`` (which sizes the cache): every other
-        scorer and nearby budgets then share one compilation."""
+        that, the budget and a context's cap (``Policy.cap``) rounded up to ``CAPACITY_STEP``
+        (which size the cache): every other scorer and nearby budgets then share one
+        compilation."""
         p = self.policy
         nc = p.modifier if p.moment_correction else ""
         policy = Policy(
@@ -142,6 +143,7 @@ class Eviction:
             modifier=nc,
             impl=p.impl,
             allocation=p.allocation,
+            cap=None if p.cap is None else round_capacity(p.cap),
         )
         return Eviction(
             policy,

@@ -333,6 +333,10 @@ class Engine:
             options = EvictionOptions.of(**eviction)
             ev = options.resolve()
         else:
+            # room for whole contexts in a head where one may keep them (kvzip-head, global+kvzip)
+            contexts = dataclasses.replace(
+                contexts, policy=contexts.policy.for_context(cfg.max_seq_len)
+            )
             ev = contexts if evict else contexts.without_eviction()
         if contexts is None and ev is not None and ev.policy.scorer.scoring_pass is not None:
             raise ValueError(
@@ -426,13 +430,18 @@ class Engine:
         """A ValueError naming the differences unless contexts compressed under ``ev`` continue in
         this engine's slots: the same settings once eviction stops (``Eviction.without_eviction``:
         the budget rounded to ``CAPACITY_STEP``, the allocation's layout, MomentKV's correction),
-        or in an evicting engine (``evict=True``) the same settings."""
+        or in an evicting engine (``evict=True``) the same settings. A context whose heads may keep
+        it whole (``Policy.cap``) fits slots of a cap at least as large."""
         theirs = ev if self.evict else ev.without_eviction()
         if theirs == self.ev:
             return
         flat = lambda e: dataclasses.asdict(e) | dataclasses.asdict(e.policy)  # noqa: E731
         ours, theirs = flat(self.ev), flat(theirs)
+        if ours["cap"] is not None and (theirs["cap"] or 0) <= ours["cap"]:
+            theirs["cap"] = ours["cap"]
         diff = [k for k in theirs if k != "policy" and theirs[k] != ours[k]]
+        if not diff:
+            return
         raise ValueError(
             (
                 "these eviction settings differ from those of this server's evicting context "
