@@ -171,7 +171,7 @@ def main() -> int:
         max_new_tokens=args.max_tokens,
         contexts=template,
     )
-    log(f"warming up: {len(whole.buckets)} prompt buckets of the ordinary route, decoding of both")
+    log("warming up: prompt chunks and decoding of both routes")
     whole.warmup()
     contexts.warmup()
     with tempfile.TemporaryDirectory() as root:
@@ -231,7 +231,7 @@ def main() -> int:
             # What a compression costs the running slots: the same 8 questions on the first
             # document from 4 clients, alone and while the second document is compressed.
             probe = [(0, q, e) for d, q, e in questions if d == 0][:4] * 2
-            run_phase(4, probe, ask_context, args.time_cap)  # compiles the questions' buckets
+            run_phase(4, probe, ask_context, args.time_cap)  # compiles fitting the contexts
             _, quiet = run_phase(4, probe, ask_context, args.time_cap)
             with ThreadPoolExecutor(1) as pool:
                 second = pool.submit(post, 1)

@@ -2,7 +2,8 @@
 
 A source is a registry name (``kvjax.checkpoint.registry.REGISTRY``), a ``.gguf`` file, a Hugging
 Face directory (``config.json`` + safetensors), a Hugging Face model id found through
-``huggingface_hub`` or a converted kvjax checkpoint directory. GGUF and HF sources are converted
+``huggingface_hub``, a converted kvjax checkpoint directory, or ``random:<shape>``: a named shape
+with random weights (``kvjax.checkpoint.random_model``). GGUF and HF sources are converted
 once into ``<checkpoint dir>/<name>/`` (Orbax) and later loads reuse that conversion. The checkpoint
 dir: ``checkpoint_root``.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.checkpoint import hub, store
+from kvjax.checkpoint import hub, random_model, store
 from kvjax.checkpoint.errors import CheckpointError
 from kvjax.checkpoint.registry import REGISTRY
 from kvjax.model.params import Params
@@ -90,7 +91,8 @@ def _resolve(source: str) -> tuple[str, str, str | None]:
         return "hf", path, os.path.join(checkpoint_root(), source.replace("/", "--"))
     raise CheckpointError(
         f"source={source!r} is not a registry name (known: {sorted(REGISTRY)}), an existing "
-        "file or directory, nor a Hugging Face model id (owner/name)"
+        "file or directory, a Hugging Face model id (owner/name), nor a random shape "
+        f"({', '.join(random_model.PREFIX + name for name in random_model.SHAPES)})"
     )
 
 
@@ -148,6 +150,8 @@ def load(source: str, dtype="float32") -> Params:
     key = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     if key not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+    if isinstance(source, str) and source.startswith(random_model.PREFIX):
+        return random_model.random_params(source, DTYPES[key])
     return store.read_checkpoint(_ensure_converted(source), np.dtype(DTYPES[key]))
 
 
@@ -156,6 +160,8 @@ def load_tokenizer(source: str):
     needed)."""
     from transformers import AutoTokenizer
 
+    if isinstance(source, str) and source.startswith(random_model.PREFIX):
+        return random_model.random_tokenizer(source)
     kind, path, _ = _resolve(source)
     directory = _ensure_converted(source) if kind != "hf" else path
     tok_dir = os.path.join(directory, "tokenizer") if kind != "hf" else directory

@@ -25,6 +25,17 @@ def gpu_script(module: str):
         sys.path.remove(str(GPU_SCRIPT))
 
 
+def load_script(path: str):
+    """A script of the repository (``benchmarks/...``) as a module, by its path from the root."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, GPU_SCRIPT.parent.parent / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 # Every test process's XLA flags (conftest.py): no backend optimisation, and XLA:CPU's older elemental emitters
 # for fusions instead of its MLIR fusion emitters, which compile the suite's small programs more slowly.
 QUICK_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")

@@ -173,9 +173,14 @@ def test_a_mesh_made_by_jax_with_explicit_axes_runs_as_one_device(model):
                     kvjax.decode(model, context, question, 4, stop_ids=()), strict=True):
         np.testing.assert_array_equal(a, b)
     engine = Engine(model, slots=8, max_prompt=64, max_new_tokens=6, mesh=mesh, **SETTINGS["snapkv"])
-    state = engine.init_state()
-    for i, row in enumerate(rows):
-        state = engine.insert(engine.prefill(engine.inputs(row, stop_ids=())), state, i)
+    state, filling = engine.init_state()
+    for i, row in enumerate(rows):  # each prompt prefilled in row 0, a chunk at a time, then slot i
+        inputs, fed, filling = engine.inputs(row, stop_ids=()), 0, engine.begin(filling, 0)
+        while fed < len(row):
+            chunk = engine.chunk([(inputs, fed)] + [None] * (engine.prefill_rows - 1))
+            filling, logits = engine.fill(filling, chunk)
+            fed += int(chunk.n[0])
+        state = engine.promote(filling, 0, logits, state, i, inputs)
     steps = []
     for _ in range(6):
         state, tokens = engine.generate(state)

@@ -16,7 +16,9 @@ params = kvjax.init_params(cfg, jax.random.key(0), scale=0.3)
 eviction = dict(budget=24, scorer="snapkv", obs_window=8, block_size=16)
 prompts = [np.random.default_rng(i).integers(4, 97, n) for i, n in enumerate((30, 9, 27))]
 engine = Engine(params, slots=2, max_prompt=32, max_new_tokens=12, mesh=kvjax.make_mesh("data=2"), **eviction)
-assert engine.init_state().cache.k.sharding.spec[1] == "data"  # [L, B, Hk, S, K]: slots split
+state, filling = engine.init_state()
+assert state.cache.k.sharding.spec[1] == "data"  # [L, B, Hk, S, K]: slots split
+assert filling.cache.k.sharding.spec[1] == "data" and engine.prefill_rows == 2  # and the prompt rows
 driver = Driver(engine).start()
 outputs = [r.result(300) for r in [driver.submit(p, max_new_tokens=12) for p in prompts]]
 driver.stop()

@@ -6,14 +6,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import GPU_SCRIPT, gpu_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
-    done = subprocess.run([sys.executable, str(GPU_SCRIPT / "run.py"), "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1200)
+    """Every part but "server" (six servers started: test_smoke_server_part, slow)."""
+    parts = "kernels,layers,model,serve,peer"
+    done = subprocess.run([sys.executable, str(GPU_SCRIPT / "run.py"), "--smoke", "--parts", parts, "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     merged = json.loads((tmp_path / "results.json").read_text())
     parts = merged["parts"]
@@ -54,6 +57,20 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert "error" not in peer and peer["decode"] and not [r for r in peer["decode"] if "error" in r]
     report = (tmp_path / "results.md").read_text()
     assert "### Targets" in report and report.strip() == done.stdout.strip()  # the table is printed last
+
+
+@pytest.mark.slow
+def test_smoke_server_part(tmp_path):
+    """The server part on the CPU: each case's server started, benchmarked over HTTP and stopped; a row per case
+    with the benchmark's figures and the server's capacity, the busy cases beside their raw decode."""
+    done = subprocess.run([sys.executable, str(GPU_SCRIPT / "run.py"), "--smoke", "--parts", "server", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["parts"]["server"]
+    assert [r["case"] for r in rows] == ["busy", "call4b", "long-full", "long-snapkv", "documents", "documents-whole"]
+    assert all("error" not in r and r["exit"] == 0 and r["completed"] == 8 and "slots" in r["capacity"] for r in rows)
+    assert all(r["raw_decode_tokens_per_s"] > 0 for r in rows[:2]) and rows[4]["context_seconds"] > 0
+    assert "### Server over HTTP" in done.stdout and "server (busy)" in done.stdout
 
 
 def test_kernel_ops_checks_only_the_ops_named_and_refuses_an_unknown_one(tmp_path):

@@ -116,6 +116,72 @@ def test_paged_and_moment_slots_equal_generate_alone(tiny_llama, scorer):
         assert out == [int(t) for t in kvjax.generate(tiny_llama, p, max_new_tokens=12, **eviction)]
 
 
+def test_a_long_prompt_is_prefilled_a_chunk_per_decode_step(tiny_llama):
+    """A slot decoding while a prompt of 12 chunks arrives gets a token at every chunk (prefill and decode share
+    each step: the running slot never waits for the whole prompt), and both answers equal kvjax.generate alone,
+    with the full cache and with eviction."""
+    rng = np.random.default_rng(3)
+    short, long = rng.integers(4, 97, 9), rng.integers(4, 97, 190)
+    for eviction in (TINY, {}):
+        engine = Engine(tiny_llama, **(TINY_ENGINE | dict(max_prompt=200, max_new_tokens=40)), prefill_chunk=16,
+                        **eviction)
+        assert engine.chunk_size == 16 and -(-len(long) // 16) == 12
+        events = []
+        driver = Driver(engine).start()
+        try:
+            first = driver.submit(short, max_new_tokens=40, stop_ids=(),
+                                  on_update=lambda t, _: events.extend(("short", x) for x in t))
+            wait_for(lambda: len(first.tokens) >= 2, what="the short prompt decoding")
+            at_submit = len(events)
+            second = driver.submit(long, max_new_tokens=5, stop_ids=(),
+                                   on_update=lambda t, _: events.extend(("long", x) for x in t))
+            outputs = [first.result(120), second.result(120)]
+        finally:
+            driver.stop()
+        during = [e for e in events[at_submit : events.index(("long", outputs[1][0]))] if e[0] == "short"]
+        assert len(during) >= 12 - 1, len(during)  # a token per chunk while the long prompt was fed
+        for prompt, out, n in zip((short, long), outputs, (40, 5)):
+            assert out == [int(t) for t in kvjax.generate(tiny_llama, prompt, max_new_tokens=n, stop_ids=(),
+                                                          **eviction)]
+
+
+def test_slots_from_memory(tiny_llama):
+    """Engine.for_memory: as many slots as the bytes hold with the prompt rows (one more would not fit), the
+    full cache's slots sized by its context, a budget cache's by its budget; too little memory is an error."""
+    kw = dict(max_prompt=200, max_new_tokens=24)
+    for eviction in (TINY, {}):
+        engine = Engine.for_memory(tiny_llama, 8 << 20, **kw, **eviction)
+        m = engine.memory()
+        used = m["slot_bytes"] * m["slots"] + m["prompt_bytes"]
+        assert used <= 8 << 20 < used + m["slot_bytes"] and m["cache_bytes"] == m["slot_bytes"] * m["slots"]
+        # the full cache: 200 prompt tokens in chunks of 128 (256) and 24 new, rounded up to 256
+        assert m["tokens_per_slot"] == (24 if eviction else 512) and m["per_kv_head"] == bool(eviction)
+    with pytest.raises(ValueError, match="holds no slot"):
+        Engine.for_memory(tiny_llama, 1000, **kw)
+    with pytest.raises(ValueError, match="slots: an engine sized by kv_memory"):
+        Engine.for_memory(tiny_llama, 1 << 30, slots=3, **kw)
+
+
+def test_kv_memory_sizes_and_random_shapes():
+    """--kv-memory's sizes and their errors; random:<shape> models load with a byte-level tokenizer, and an
+    unknown shape names the known ones."""
+    from kvjax.cli.main import memory_bytes
+
+    assert (memory_bytes("60GiB"), memory_bytes("512MiB"), memory_bytes("2GB")) == (60 << 30, 512 << 20, 2 * 10**9)
+    for bad in ("lots", "-1GB", "0"):
+        with pytest.raises(ValueError, match="--kv-memory"):
+            memory_bytes(bad)
+    with pytest.raises(ValueError, match="a fraction needs a device that reports its memory"):
+        memory_bytes("0.5")  # the CPU reports none
+    params, tokenizer = kvjax.load("random:tiny"), kvjax.load_tokenizer("random:tiny")
+    assert params.config.vocab_size == 512 and params.layers.wqkv.shape[0] == 2
+    ids = tokenizer("hi there", add_special_tokens=False)["input_ids"]
+    assert ids == list(b"hi there") and tokenizer.decode(ids + [300]) == "hi there<|300|>"
+    assert kvjax.chat_tokens(tokenizer, "hi")[-len("<|assistant|>"):] == list(b"<|assistant|>")
+    with pytest.raises(ValueError, match="random:llama-3.1-8b"):
+        kvjax.load("random:nope")
+
+
 def test_nothing_compiles_after_warmup(tiny_llama, count_compiles):
     """50 requests of mixed lengths, limits, sampling settings and stop ids after warm-up: no compilation.
     Without warm-up the same count sees the compilations (the check can fail)."""
@@ -133,7 +199,7 @@ def test_nothing_compiles_after_warmup(tiny_llama, count_compiles):
             driver.stop()
 
     engine = Engine(tiny_llama, **(TINY_ENGINE | dict(max_prompt=200)), **TINY)
-    assert engine.buckets == (32, 64, 128, 256)
+    assert (engine.chunk_size, engine.prefill_rows) == (16, 4)  # prompts of up to 13 chunks
     engine.warmup()
     with count_compiles() as after_warmup:
         outputs = serve(engine, 50)
@@ -302,6 +368,27 @@ def test_stream_format_and_stop_strings(tiny, smollm2_tokenizer):
             assert "".join(c.text for c in choices) == full[: full.index(stop)]
             assert choices[-1].finish_reason == "stop"
     driver.stop()
+
+
+def test_serve_bench_measures_a_live_server(tiny, smollm2_tokenizer, tmp_path):
+    """benchmarks/serve_bench.py against a live server (the completions endpoint, token-id prompts, all at once, 3
+    at a time): every request completes with its tokens (ignore_eos), and the saved result holds vLLM's figures."""
+    from helpers import load_script
+
+    bench = load_script("benchmarks/serve_bench.py")
+    driver = Driver(Engine(tiny, **(SERVE_ENGINE | dict(slots=2)), **TINY)).start()
+    with ServerThread(create_app(driver, "tiny", smollm2_tokenizer)) as server:
+        code = bench.main(["--base-url", server.url, "--model", "tiny", "--tokenizer", "smollm2-135m-instruct",
+                           "--backend", "openai", "--random-input-len", "40", "--random-output-len", "5",
+                           "--num-prompts", "6", "--max-concurrency", "3", "--ignore-eos", "--save-result",
+                           "--result-dir", str(tmp_path), "--result-filename", "r.json", "--goodput", "ttft:60000"])
+    driver.stop()
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and result["completed"] == 6 and result["total_output_tokens"] == 30
+    assert result["total_input_tokens"] == 240 and result["request_goodput"] > 0
+    for name in ("ttft", "tpot", "itl"):
+        assert 0 < result[f"median_{name}_ms"] <= result[f"p99_{name}_ms"]
+    assert result["output_throughput"] > 0 and len(result["itls"]) == 6
 
 
 def test_full_queue_answers_429(tiny, smollm2_tokenizer):

@@ -12,6 +12,10 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index --no-co
   echo "pip install failed (see pip.txt); using PYTHONPATH=$PYTHONPATH"
 fi
 rm -f "$OUT/pip.txt"
+if [ -d .whl ]; then  # the server part's packages the image lacks (benchmarks/gpu/wheels.sh, carried)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
 export PYTHONUNBUFFERED=1
 python3 benchmarks/gpu/run.py --out "$OUT" "$@" 2>&1 | tee "$OUT/log.txt"

@@ -96,7 +96,7 @@ def per_layer_caches_step(cfg, layers, embed, tokens, caches, seg):
     inv_freq = inverse_frequencies(cfg)
     x = jnp.take(embed, tokens, axis=0)
     for i, p in enumerate(layers):
-        x, caches[i] = decoder_layer(cfg, x, p, jnp.int32(0), caches[i], seg, inv_freq)
+        (x,), (caches[i],) = decoder_layer(cfg, (x,), p, jnp.int32(0), (caches[i],), (seg,), inv_freq)
     return x, caches
 
 

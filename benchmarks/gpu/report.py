@@ -16,6 +16,7 @@ import kernels_part
 import layers_part
 import model_part
 import serve_part
+import server_part
 from common import Results
 
 
@@ -37,7 +38,7 @@ def load(out: Path) -> dict:
 LABELS = {"kernel_checks": ("op", "score", "shape", "dtype", "slots"),
           "kernel_times": ("op", "score", "slots", "batch", "impl"),
           "prefill": ("cache", "context", "impl"), "decode": ("cache", "impl", "context", "batch", "largest_batch"),
-          "serve": ("slots",), "layers": ("variant", "layers", "dtype", "context", "batch")}
+          "serve": ("slots",), "server": ("case",), "layers": ("variant", "layers", "dtype", "context", "batch")}
 
 
 def combine(runs: list[dict], names: list[str]) -> dict:
@@ -103,7 +104,7 @@ def targets(merged: dict) -> list[str]:
 
     if not contexts:
         add("decode", "no decode rows", None)
-        return lines + [""]
+        return lines + server_targets(parts.get("server", [])) + [""]
     c4, c32 = contexts[0], contexts[-1]
     snaps = sorted({r["cache"] for r in decode if r.get("cache", "").startswith("snapkv ")},
                    key=lambda c: int(c.split()[1]))
@@ -145,7 +146,31 @@ def targets(merged: dict) -> list[str]:
     add(f"serving with {many['slots'] if many else 32} slots >= 8x one at a time",
         f"{many['tokens_per_s']:.0f} vs {one['tokens_per_s']:.0f} tokens/s = {ratio:.1f}x" if ratio else "",
         ratio >= 8 if ratio else None)
-    return lines + [""]
+    return lines + server_targets(parts.get("server", [])) + [""]
+
+
+def server_targets(server: list[dict]) -> list[str]:
+    """Issue 56's targets, judged on the server part's rows."""
+    lines = []
+
+    def add(name, measured, met):
+        lines.append(f"| {name} | {measured} | {'yes' if met else 'no' if met is not None else 'not measured'} |")
+
+    busy = find(server, case="busy")
+    share = busy["output_throughput"] / busy["raw_decode_tokens_per_s"] if busy else None
+    add("server (busy): output throughput >= 85% of the raw decode of its slots",
+        f"{busy['output_throughput']:.0f} vs {busy['raw_decode_tokens_per_s']:.0f} tokens/s = {share:.0%}"
+        if busy else "", share >= 0.85 if busy else None)
+    spread = busy["p99_itl_ms"] / busy["median_itl_ms"] if busy and busy["median_itl_ms"] else None
+    add("server (busy): p99 inter-token latency <= 3x its median",
+        f"{busy['p99_itl_ms']:.1f} vs {busy['median_itl_ms']:.1f} ms = {spread:.1f}x" if spread else "",
+        spread <= 3 if spread else None)
+    full, snap = find(server, case="long-full"), find(server, case="long-snapkv")
+    ratio = snap["output_throughput"] / full["output_throughput"] if full and snap else None
+    add("server, long prompts, the same cache memory: SnapKV >= 8x the full cache's output throughput",
+        f"{snap['output_throughput']:.0f} vs {full['output_throughput']:.0f} tokens/s = {ratio:.1f}x"
+        if ratio else "", ratio >= 8 if ratio else None)
+    return lines
 
 
 def meta_lines(meta: dict, run: str = "") -> list[str]:
@@ -172,6 +197,7 @@ def render(merged: dict, runs: list[str] | None = None) -> str:
         head += meta_lines(merged["meta"])
     r = view(merged)
     lines = head + [""] + kernels_part.tables(r) + layers_part.tables(r) + model_part.tables(r) + serve_part.tables(r) + \
+        server_part.tables(r) + \
         peer_table(merged["parts"].get("peer", {})) + targets(merged)
     return "\n".join(lines)
 

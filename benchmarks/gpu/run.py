@@ -8,7 +8,8 @@ decode against its memory floor, transformers on the same card, and the serving 
 Parts, each in a process of its own (so that each has the whole card, and a crash ends only its part):
 kernels (``kernels_part``), layers (one decode step of the layers, five ways: where its bytes go,
 ``layers_part``), model (prefill and decode, ``model_part``; also measures the copy bandwidth and the
-bf16 matrix rate), serve (``serve_part``), peer (``peer_transformers``). ``--seconds`` is the whole run's budget:
+bf16 matrix rate), serve (the engine's continuous batching, ``serve_part``), server (``kvjax serve`` over HTTP
+against ``benchmarks/serve_bench.py``, ``server_part``), peer (``peer_transformers``). ``--seconds`` is the whole run's budget:
 each part gets a share of what is left when it starts, stops starting new measurements at its deadline and is
 killed 60 s after it. Every measurement is a row in ``OUT/parts/<part>.json`` (written as it is made, so a run
 cut short keeps what it measured; a failure is a row naming its error); at the end ``OUT/results.json`` merges
@@ -29,8 +30,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("kernels", "layers", "model", "serve", "peer")
-SHARES = {"kernels": 0.32, "layers": 0.25, "model": 0.6, "serve": 0.5, "peer": 1.0}  # of the time left when the part starts
+PARTS = ("kernels", "layers", "model", "serve", "server", "peer")
+# of the time left when the part starts
+SHARES = {"kernels": 0.32, "layers": 0.25, "model": 0.6, "serve": 0.4, "server": 0.8, "peer": 1.0}
 GRACE_S = 60
 
 
@@ -67,6 +69,18 @@ def run_part(args) -> int:
     """One part, in this process."""
     if args.smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.part == "server":  # starts servers: this process must leave the card to them (no JAX device)
+        from common import Deadline, Results
+        import server_part
+
+        deadline = Deadline(args.seconds)
+        meta = {"part": "server", "smoke": args.smoke, "device": "the servers' own (their logs: server/)",
+                "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        results = Results(args.out / "parts" / "server.json", meta)
+        server_part.run(results, deadline, args.out, args.smoke)
+        meta["seconds"] = args.seconds - deadline.left()
+        results.save()
+        return 0
     import jax
     from common import (
         Compiler,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -112,20 +113,23 @@ def _serve(args) -> int:
     start = time.perf_counter()
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
-    engine = Engine(
-        params,
-        slots=args.slots,
-        max_prompt=args.max_prompt,
-        max_new_tokens=args.max_tokens,
-        mesh=mesh,
-        **eviction,
+    shape = dict(max_prompt=args.max_prompt, max_new_tokens=args.max_tokens, mesh=mesh)
+    if args.kv_memory is None:
+        engine = Engine(params, slots=args.slots, **shape, **eviction)
+    else:
+        engine = Engine.for_memory(params, memory_bytes(args.kv_memory), **shape, **eviction)
+    random = " (random weights)" if args.model.startswith("random:") else ""
+    print(
+        f"[{args.model}{random}: loaded in {time.perf_counter() - start:.1f}s; "
+        f"{capacity_line(engine)}]",
+        file=sys.stderr,
     )
-    print(f"[{args.model}: loaded in {time.perf_counter() - start:.1f}s]", file=sys.stderr)
     if args.warmup:
         start = time.perf_counter()
         engine.warmup()
         print(
-            f"[compiled prompt buckets {list(engine.buckets)} and decoding in "
+            f"[compiled prompt chunks of {engine.chunk_size} tokens in {engine.prefill_rows} "
+            f"rows and decoding in "
             f"{time.perf_counter() - start:.1f}s]",
             file=sys.stderr,
         )
@@ -150,6 +154,50 @@ def _serve(args) -> int:
                 if running is not None:
                     running.stop()
     return 0
+
+
+def memory_bytes(text: str) -> int:
+    """``--kv-memory``: bytes ("60GiB", "512MiB", "2GB", "1e9") or a fraction in (0, 1] of the
+    device memory still free once the weights are loaded ("0.9")."""
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20}
+    units |= {"GIB": 2**30, "TB": 1e12, "TIB": 2**40}
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]*)\s*", text)
+    unit = match and match[2].upper()
+    try:
+        value = float(match[1]) if match and unit in units else None
+    except ValueError:
+        value = None
+    if value is None or not value > 0:
+        raise ValueError(
+            f"--kv-memory {text!r}: give bytes with a unit (60GiB, 512MiB, 2GB) or a fraction "
+            "in (0, 1] of the free device memory"
+        )
+    if unit or value > 1:
+        return int(value * units[unit])
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        raise ValueError(
+            f"--kv-memory {text!r}: a fraction needs a device that reports its memory "
+            f"({jax.devices()[0].platform} does not); give bytes (60GiB)"
+        )
+    return int(value * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+
+
+def capacity_line(engine) -> str:
+    """The engine's capacity in one line: slots, what a slot keeps, bytes."""
+    m = engine.memory()
+    keeps = (
+        f"{m['tokens_per_slot']} tokens per layer and KV head"
+        if m["per_kv_head"]
+        else f"a context of {m['tokens_per_slot']} tokens"
+    )
+    return (
+        f"{m['slots']} slots, each keeping {keeps} ({m['slot_bytes'] / 2**20:.1f} MiB); caches "
+        f"{m['cache_bytes'] / 2**30:.2f} GiB, {m['prompt_rows']} prompt rows "
+        f"{m['prompt_bytes'] / 2**30:.2f} GiB"
+    )
 
 
 def _context_service(args, params, tokenizer, name: str):
@@ -291,8 +339,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--port", type=int, default=8000, help="port to listen on (default: %(default)s)"
     )
-    s.add_argument(
+    size = s.add_mutually_exclusive_group()
+    size.add_argument(
         "--slots", type=int, default=8, help="requests decoded together (default: %(default)s)"
+    )
+    size.add_argument(
+        "--kv-memory",
+        metavar="SIZE",
+        help="instead of --slots: the memory for the caches (60GiB, 512MiB, or a fraction of the "
+        "device memory free after the weights, 0.9); the slots are as many as it holds, printed "
+        "at start",
     )
     s.add_argument(
         "--max-prompt",
@@ -322,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="compile every prompt bucket and decoding before serving (default: %(default)s)",
+        help="compile prompt chunks and decoding before serving (default: %(default)s)",
     )
     s.add_argument(
         "--log-level",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.model.layer_fields import join_layers, split_layers
 from kvjax.model.params import LayerParams, Params, split_qkv
@@ -20,68 +21,109 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 
 def decoder_layer(
-    cfg, x: jax.Array, p: LayerParams, layer: jax.Array, cache, seg: Segment, inv_freq
-):
-    """One pre-norm block.
+    cfg, xs: tuple, p: LayerParams, layer: jax.Array, caches: tuple, segs: tuple, inv_freq
+) -> tuple[tuple, tuple]:
+    """One pre-norm block over groups of rows that share its weights: a serving step's decode rows
+    and prompt chunks (``forward``). The projections and the MLP run once over every group's tokens
+    (one read of the weights); each group attends over its own cache.
 
     Args:
-        x: [B, T, D].
+        xs: per group [B, T, D].
         p: the layer's parameter slice.
-        cache: its keys and values hold every layer, its ``LAYER_FIELDS`` this layer's slice;
-            ``cache.attend(layer, ...)`` reads and updates layer ``layer``.
+        caches: per group; its keys and values hold every layer, its ``LAYER_FIELDS`` this layer's
+            slice; ``cache.attend(layer, ...)`` reads and updates layer ``layer``.
+        segs: per group, its ``Segment``.
+
+    Returns the groups' outputs [B, T, D] and caches.
     """
+    x = _joined(xs)  # one group: [B, T, D] itself; several: their tokens as [N, D]
     h = rms_norm(x, p.attn_norm, cfg.norm_eps)
-    qkv = jnp.einsum("btd,dngk->btngk", h, p.wqkv)
-    q, k, v = split_qkv(qkv + p.bqkv if cfg.qkv_bias else qkv)
-    if cfg.qk_norm:
-        q, k = rms_norm(q, p.q_norm, cfg.norm_eps), rms_norm(k, p.k_norm, cfg.norm_eps)
-    q, k = apply_rope(q, seg.positions, inv_freq), apply_rope(k, seg.positions, inv_freq)
-    # k and v whole before the cache write: XLA:GPU fused their projection into the cache's scatter,
-    # which then ran serially per element (4.3 of the 8B's 10.5 ms batch-1 step on an H200,
-    # 2026-11-28, when wk and wv were separate products; benchmarks/gpu/NOTES.md)
-    k, v = jax.lax.optimization_barrier((k, v))
-    attn, cache = cache.attend(layer, q, k, v, seg)
-    x = x + jnp.einsum("bthk,hkd->btd", attn, p.wo)
+    qkv = jnp.einsum("...d,dngk->...ngk", h, p.wqkv)
+    qkv = qkv + p.bqkv if cfg.qkv_bias else qkv
+    attn, out_caches = [], []
+    for part, cache, seg in zip(_parts(qkv, xs), caches, segs, strict=True):
+        q, k, v = split_qkv(part)
+        if cfg.qk_norm:
+            q, k = rms_norm(q, p.q_norm, cfg.norm_eps), rms_norm(k, p.k_norm, cfg.norm_eps)
+        q, k = apply_rope(q, seg.positions, inv_freq), apply_rope(k, seg.positions, inv_freq)
+        # k and v whole before the cache write: XLA:GPU fused their projection into the cache's
+        # scatter, which then ran serially per element (benchmarks/gpu/NOTES.md)
+        k, v = jax.lax.optimization_barrier((k, v))
+        out, cache = cache.attend(layer, q, k, v, seg)
+        attn.append(out)
+        out_caches.append(cache)
+    x = x + jnp.einsum("...hk,hkd->...d", _joined(attn), p.wo)
     h = rms_norm(x, p.mlp_norm, cfg.norm_eps)
-    gated = jax.nn.silu(jnp.einsum("btd,df->btf", h, p.w_gate)) * jnp.einsum(
-        "btd,df->btf", h, p.w_up
+    gated = jax.nn.silu(jnp.einsum("...d,df->...f", h, p.w_gate)) * jnp.einsum(
+        "...d,df->...f", h, p.w_up
     )
-    return x + jnp.einsum("btf,fd->btd", gated, p.w_down), cache
+    x = x + jnp.einsum("...f,fd->...d", gated, p.w_down)
+    return tuple(_parts(x, xs)), tuple(out_caches)
 
 
-def decode_hidden(params: Params, tokens: jax.Array, cache, seg: Segment):
-    """Run new tokens [B, T] at ``seg.positions`` [B, T] through every layer against ``cache``.
+def _joined(xs) -> jax.Array:
+    """Groups [B, T, ...] as one array: the group itself, or every group's tokens [N, ...]."""
+    if len(xs) == 1:
+        return xs[0]
+    return jnp.concatenate([x.reshape(-1, *x.shape[2:]) for x in xs])
+
+
+def _parts(y: jax.Array, xs) -> list[jax.Array]:
+    """``_joined``'s result y [..., F...] cut back into the groups of xs: [B, T, F...] each."""
+    if len(xs) == 1:
+        return [y]
+    ends = np.cumsum([x.shape[0] * x.shape[1] for x in xs])[:-1]
+    return [
+        part.reshape(x.shape[0], x.shape[1], *y.shape[1:])
+        for part, x in zip(jnp.split(y, ends), xs, strict=True)
+    ]
+
+
+def forward(params: Params, groups: tuple) -> tuple[tuple, tuple]:
+    """Run groups of new tokens through every layer, each against its own cache: ``groups`` holds
+    (tokens [B, T], cache, seg) per group, rows of any count and lengths (``decoder_layer``).
 
     Stacked ``params.layers`` run under ``lax.scan``; a tuple of layers (``unstack_layers``) as an
-    unrolled loop. Either carries the cache's keys and values and hands each layer its slice of the
-    cache's ``LAYER_FIELDS`` (``kvjax.model.layer_fields``). Returns the final-normed hidden states
-    [B, T, D] and the updated cache.
+    unrolled loop. Either carries the caches' keys and values and hands each layer its slice of the
+    caches' ``LAYER_FIELDS`` (``kvjax.model.layer_fields``). Returns each group's final-normed
+    hidden states [B, T, D] and updated cache.
     """
     cfg = params.config
     inv_freq = inverse_frequencies(cfg)
-    x = jnp.take(params.embed, tokens, axis=0)
-    rest, fields = split_layers(cache)
+    xs = tuple(jnp.take(params.embed, tokens, axis=0) for tokens, _, _ in groups)
+    segs = tuple(seg for _, _, seg in groups)
+    rest, fields = zip(*(split_layers(cache) for _, cache, _ in groups), strict=True)
 
-    def layer_step(x, rest, p, index, here):
-        x, cache = decoder_layer(cfg, x, p, index, join_layers(rest, here), seg, inv_freq)
-        return x, *split_layers(cache)
+    def layer_step(xs, rest, p, index, here):
+        caches = tuple(join_layers(r, f) for r, f in zip(rest, here, strict=True))
+        xs, caches = decoder_layer(cfg, xs, p, index, caches, segs, inv_freq)
+        rest, here = zip(*(split_layers(c) for c in caches), strict=True)
+        return xs, rest, here
 
     if isinstance(params.layers, tuple):
         done = []
         for index, p in enumerate(params.layers):
             here = jax.tree.map(lambda a: a[index], fields)
-            x, rest, here = layer_step(x, rest, p, jnp.int32(index), here)
+            xs, rest, here = layer_step(xs, rest, p, jnp.int32(index), here)
             done.append(here)
         fields = jax.tree.map(lambda *a: jnp.stack(a), *done)
     else:
 
         def body(carry, layer):
-            x, rest, here = layer_step(*carry, *layer)
-            return (x, rest), here
+            xs, rest, here = layer_step(*carry, *layer)
+            return (xs, rest), here
 
         layers = (params.layers, jnp.arange(cfg.n_layers, dtype=jnp.int32), fields)
-        (x, rest), fields = jax.lax.scan(body, (x, rest), layers)
-    return rms_norm(x, params.final_norm, cfg.norm_eps), join_layers(rest, fields)
+        (xs, rest), fields = jax.lax.scan(body, (xs, rest), layers)
+    hidden = tuple(rms_norm(x, params.final_norm, cfg.norm_eps) for x in xs)
+    return hidden, tuple(join_layers(r, f) for r, f in zip(rest, fields, strict=True))
+
+
+def decode_hidden(params: Params, tokens: jax.Array, cache, seg: Segment):
+    """``forward`` of one group: new tokens [B, T] at ``seg.positions`` [B, T] against ``cache``.
+    Returns the final-normed hidden states [B, T, D] and the updated cache."""
+    (hidden,), (cache,) = forward(params, ((tokens, cache, seg),))
+    return hidden, cache
 
 
 def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:

@@ -169,23 +169,34 @@ def decode_step(params: Params, s, sampling, stop, max_new, ev: Eviction | None)
 
     Returns the state after the step and the tokens [B], -1 for rows already done.
     """
+    tokens, seg, finish = decode_feed(params, s, sampling, stop, max_new, ev)
+    return finish(*step(params, tokens, s.cache, seg))
+
+
+def decode_feed(params: Params, s, sampling, stop, max_new, ev: Eviction | None):
+    """The first half of ``decode_step`` (arguments as there), for a forward call that other rows
+    may share (the serving engine's prompt chunks): (tokens [B, 1], seg, finish), where
+    ``finish(hidden [B, 1, D], cache)`` of the forward call and its eviction returns the state
+    after the step and the tokens [B] (-1 for rows already done)."""
     split = jax.random.split(s.key) if s.key.ndim == 0 else jax.vmap(jax.random.split)(s.key)
     active = ~s.done
     tok = jnp.where(active, sample(s.logits, split[..., 1], sampling), params.config.pad_token_id)
     n_new = s.n_new + active
     done = s.done | (tok[:, None] == jnp.asarray(stop, jnp.int32)).any(-1) | (n_new >= max_new)
-    seg = decode_segment(ev, s.step, s.lengths, active)
-    hidden, cache = step(params, tok[:, None], s.cache, seg)
-    s = s.replace(
-        cache=cache,
-        logits=logits_from_hidden(params, hidden[:, 0]),
-        key=split[..., 0],
-        lengths=s.lengths + active,
-        n_new=n_new,
-        done=done,
-        step=s.step + 1,
-    )
-    return s, jnp.where(active, tok, -1)
+
+    def finish(hidden: jax.Array, cache):
+        after = s.replace(
+            cache=cache,
+            logits=logits_from_hidden(params, hidden[:, 0]),
+            key=split[..., 0],
+            lengths=s.lengths + active,
+            n_new=n_new,
+            done=done,
+            step=s.step + 1,
+        )
+        return after, jnp.where(active, tok, -1)
+
+    return tok[:, None], decode_segment(ev, s.step, s.lengths, active), finish
 
 
 @jit(static_argnames=("sampling", "stop_ids", "ev"), donate_argnames=("state",))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from kvjax.cache.layout import Dense, EvictingCache, Paged, cache_layout
 from kvjax.eviction import Policy
-from kvjax.model.decoder import decode_hidden
+from kvjax.model.decoder import forward
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment, when
 from kvjax.runtime.inputs import round_capacity
@@ -201,15 +201,53 @@ def extend(
     return cache, last
 
 
+def chunk_segment(
+    ev: Eviction | None, start: jax.Array, n: jax.Array, end: jax.Array, m: int
+) -> Segment:
+    """The Segment of one prompt chunk per row, as ``extend`` feeds a block: ``n`` [B] tokens of
+    ``m`` at positions ``start`` [B] + t, of prompts that end at ``end`` [B] (the prefill
+    protocol's scoring queries). Under "blockwise" every chunk ends with an eviction point; under
+    "prefill" the caller evicts each row after its own last chunk; ev=None: the full cache."""
+    offs = jnp.arange(m, dtype=jnp.int32)
+    positions = start[:, None] + offs[None]
+    if ev is None:
+        return Segment(positions=positions)
+    valid = offs[None] < n[:, None]
+    seen = start + n
+    return Segment(
+        positions=positions,
+        valid=valid,
+        query_weights=ev.policy.query_weights(
+            positions, valid, seen if ev.protocol == "blockwise" else end
+        ),
+        seen=seen,
+        evict=ev.protocol == "blockwise",
+        policy=ev.policy,
+    )
+
+
 def step(params: Params, tokens: jax.Array, cache, seg: Segment) -> tuple[jax.Array, object]:
     """One forward call of tokens [B, T] through every layer of any cache, then the eviction point
-    if ``seg.evict`` says so (for every layer at once: an eviction never changes the outputs of the
-    step it ends), unless each layer evicted in its own attention (``seg.evict_in_layer``). Returns
-    the final-normed hidden states [B, T, D] and the cache."""
-    hidden, cache = decode_hidden(params, tokens, cache, seg)
-    if seg.evict_in_layer:
-        return hidden, cache
-    return hidden, when(seg.evict, lambda c: c.evict(seg.policy, seg.seen), cache)
+    (``step_groups`` of one group). Returns the final-normed hidden states [B, T, D] and the
+    cache."""
+    (hidden,), (cache,) = step_groups(params, ((tokens, cache, seg),))
+    return hidden, cache
+
+
+def step_groups(params: Params, groups: tuple) -> tuple[tuple, tuple]:
+    """One forward call of groups of rows, each (tokens [B, T], cache, seg), sharing the weights
+    (``kvjax.model.decoder.forward``); then each group's eviction point if its ``seg.evict`` says
+    so (for every layer at once: an eviction never changes the outputs of the step it ends), unless
+    each layer evicted in its own attention (``seg.evict_in_layer``). Returns each group's
+    final-normed hidden states and cache."""
+    hidden, caches = forward(params, groups)
+    caches = tuple(
+        cache
+        if seg.evict_in_layer
+        else when(seg.evict, lambda c, seg=seg: c.evict(seg.policy, seg.seen), cache)
+        for cache, (_, _, seg) in zip(caches, groups, strict=True)
+    )
+    return hidden, caches
 
 
 def decode_segment(

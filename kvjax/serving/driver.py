@@ -1,6 +1,9 @@
-"""Continuous batching: a thread that owns an ``Engine`` and its decode state, admits waiting
-requests into free slots between decode steps, streams each slot's new tokens to its request, and
-frees the slot on a stop id, the token limit or ``Request.cancel``.
+"""Continuous batching: a thread that owns an ``Engine`` and its state, admits waiting requests
+into its prompt rows (each reserving a free slot), feeds every prompt row a chunk per step,
+together with a decode step of the running slots (``Engine.mixed``: a running slot waits for one
+chunk at most, never a whole prompt), moves a row whose prompt is done into its slot, streams each
+slot's new tokens to its request, and frees the slot on a stop id, the token limit or
+``Request.cancel``.
 
 ``Driver.submit`` validates a request (ValueError), puts it in a bounded queue (``QueueFull`` when
 full) and returns at once; ``Driver.stop`` finishes every accepted request, then ends the thread.
@@ -91,7 +94,10 @@ class Driver:
             raise ValueError(f"queue_size={queue_size!r} must be an integer >= 1")
         self.engine = engine
         self._queue: queue.Queue[Request] = queue.Queue(queue_size)
+        # a slot holds the request it decodes, or the one a prompt row prefills for it
         self._slots: list[Request | None] = [None] * engine.slots
+        # per prompt row: None, or [request, its slot, prompt tokens fed]
+        self._rows: list[list | None] = [None] * engine.prefill_rows
         self._wake = threading.Event()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="kvjax-driver", daemon=True)
@@ -103,6 +109,7 @@ class Driver:
             "cancelled": 0,
             "error": 0,
             "steps": 0,
+            "chunks": 0,
         }
 
     def start(self) -> Driver:
@@ -155,7 +162,12 @@ class Driver:
 
     @property
     def active(self) -> int:
+        """Slots in use: decoding, or reserved by a prompt being prefilled."""
         return sum(r is not None for r in self._slots)
+
+    @property
+    def prefilling(self) -> int:
+        return sum(r is not None for r in self._rows)
 
     @property
     def waiting(self) -> int:
@@ -163,25 +175,40 @@ class Driver:
 
     def _run(self) -> None:
         try:
-            state = self.engine.init_state()
+            state, filling = self.engine.init_state()
             while True:
                 self._wake.clear()
-                for i, r in enumerate(self._slots):
-                    if r is not None and r.cancelled:
-                        self._free(i, "cancelled")
-                state = self._admit(state)
+                self._drop_cancelled()
+                filling = self._admit(filling)
                 if not self.active:
                     if self._closing and self._queue.empty():
                         return
                     self._wake.wait()
                     continue
-                state, tokens = self.engine.generate(state)
+                decoding = self.active - self.prefilling
+                if self.prefilling:
+                    rows = [None if r is None else (r[0].inputs, r[2]) for r in self._rows]
+                    chunk = self.engine.chunk(rows)
+                    if decoding:
+                        state, filling, tokens, logits = self.engine.mixed(state, filling, chunk)
+                        tokens = tokens[:, None]
+                    else:
+                        filling, logits = self.engine.fill(filling, chunk)
+                    self.counts["chunks"] += 1
+                    state = self._promote(filling, chunk, logits, state)
+                else:
+                    state, tokens = self.engine.generate(state)
+                if not decoding:
+                    continue
                 tokens, done = to_host(tokens), to_host(state.done)
                 self.counts["steps"] += 1
+                prefilling = {r[1] for r in self._rows if r is not None}
                 for i, r in enumerate(self._slots):
-                    if r is None:
+                    if r is None or i in prefilling:
                         continue
                     new = [int(t) for t in tokens[i] if t >= 0]
+                    if not new and not done[i]:
+                        continue  # promoted during this step: its tokens start next step
                     if done[i]:
                         self._free(
                             i,
@@ -195,6 +222,7 @@ class Driver:
         except BaseException as e:
             # the engine failed: fail everything accepted, accept nothing more
             self.error = e
+            self._rows = [None] * len(self._rows)
             for i, r in enumerate(self._slots):
                 if r is not None:
                     self._free(i, "error", error=e)
@@ -202,10 +230,19 @@ class Driver:
                 self._queue.get_nowait()._emit([], "error", e)
             raise
 
-    def _admit(self, state):
-        """Prefill waiting requests into free slots (a request that fails to prefill finishes with
-        its error)."""
-        while None in self._slots:
+    def _drop_cancelled(self) -> None:
+        """Free the slots (and prompt rows) of cancelled requests."""
+        for j, row in enumerate(self._rows):
+            if row is not None and row[0].cancelled:
+                self._rows[j] = None
+        for i, r in enumerate(self._slots):
+            if r is not None and r.cancelled:
+                self._free(i, "cancelled")
+
+    def _admit(self, filling):
+        """Start waiting requests in free prompt rows, each reserving a free slot (a request whose
+        context fails to load finishes with its error)."""
+        while None in self._rows and None in self._slots:
             try:
                 r = self._queue.get_nowait()
             except queue.Empty:
@@ -214,16 +251,28 @@ class Driver:
                 self.counts["cancelled"] += 1
                 r._emit([], "cancelled")
                 continue
+            j = self._rows.index(None)
             try:
-                prefix = self.engine.prefill(r.inputs, r.context)
+                filling = self.engine.begin(filling, j, r.context)
             except Exception as e:  # noqa: BLE001 - the request's own failure, reported to it
                 self.counts["error"] += 1
                 r._emit([], "error", e)
                 continue
             i = self._slots.index(None)
-            state = self.engine.insert(prefix, state, i)
-            self._slots[i] = r
+            self._slots[i], self._rows[j] = r, [r, i, 0]
             self.counts["admitted"] += 1
+        return filling
+
+    def _promote(self, filling, chunk, logits, state):
+        """After a chunk: advance each prompt row, and move a row whose prompt is done into its
+        slot."""
+        for j, row in enumerate(self._rows):
+            if row is None:
+                continue
+            row[2] += int(chunk.n[j])
+            if chunk.final[j]:
+                state = self.engine.promote(filling, j, logits, state, row[1], row[0].inputs)
+                self._rows[j] = None
         return state
 
     def _free(

@@ -1,26 +1,28 @@
 """The serving engine, in the shape of JetStream's contract: a fixed number of slots, each a row of
-one decode state with its own position, token limit, stop ids and sampling settings, and three
-jitted functions:
+one decode state with its own position, token limit, stop ids and sampling settings, and a few
+jitted functions over fixed shapes:
 
-- ``prefill(params, inputs) -> Prefix``: one prompt, padded to a bucket, prefilled at batch 1 under
-  the engine's eviction (``kvjax.runtime.decoding.feed_budget``, as ``kvjax.generate``
-  does), or into a full cache of a capacity fixed per engine;
-- ``insert(prefix, state, slot) -> state``: the prefix written into row ``slot`` (the state
-  donated);
 - ``generate(params, state) -> (state, tokens)``: ``steps`` decode steps of every slot (the state
   donated), each ``kvjax.runtime.decoding.decode_step`` (as ``kvjax.generate``) by each slot's
-  settings.
+  settings;
+- prompts are prefilled a chunk at a time in ``prefill_rows`` rows of their own (``Filling``):
+  ``fill`` feeds one chunk to each of those rows, and ``mixed`` does that in the same forward
+  pass as a decode step of every slot (``kvjax.model.decoder.forward``: one read of the weights
+  for both), so that a running slot waits for at most one chunk, never a whole prompt (vLLM's
+  chunked prefill); ``promote`` moves a row whose prompt is done into a free slot.
 
-Budget, scorer, allocation and the other eviction keywords are fixed per engine. Every shape is
-fixed by the engine (slots, buckets up to ``max_prompt``, the cache), so after ``Engine.warmup``
-nothing compiles. Decoding evicts per row after every token, so each slot's greedy tokens equal
-``kvjax.generate`` of its prompt alone.
+A chunk is the eviction protocol's block (``block_size``): under "blockwise" every chunk ends with
+its eviction point, as ``kvjax.generate`` evicts after every block; under "prefill" a row evicts
+after its last chunk; the full cache takes chunks of ``prefill_chunk`` tokens. Budget, scorer,
+allocation and the other eviction keywords are fixed per engine. Every shape is fixed by the
+engine (slots, prompt rows, chunk, the cache), so after ``Engine.warmup`` nothing compiles.
+Decoding evicts per row after every token, so each slot's greedy tokens equal ``kvjax.generate``
+of its prompt alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 import jax
@@ -29,22 +31,23 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from kvjax.cache.full import FullCache
+from kvjax.cache.full import FullCache, cache_bytes
+from kvjax.model.decoder import logits_from_hidden
 from kvjax.model.params import Params
-from kvjax.runtime.decoding import decode_step, feed_budget, feed_full
+from kvjax.model.segment import when
+from kvjax.runtime.decoding import decode_feed, decode_step
 from kvjax.runtime.inputs import (
     CAPACITY_STEP,
     check_max_new,
     check_tokens,
     pad_rows,
-    prompt_bucket,
     round_capacity,
 )
 from kvjax.runtime.jit import jit
 from kvjax.runtime.options import EvictionOptions
-from kvjax.runtime.protocol import APPEND, Eviction
+from kvjax.runtime.protocol import APPEND, Eviction, chunk_segment, step_groups
 from kvjax.runtime.sampling import Sampling
-from kvjax.sharding import auto_mesh, check_batch, constrain, on_mesh, shard
+from kvjax.sharding import auto_mesh, check_batch, constrain, data_size, on_mesh, shard
 
 MAX_STOP_IDS = 8  # stop ids per request (a padded [slots, MAX_STOP_IDS] array)
 MAX_SEED = 2**31  # seeds lie in [0, MAX_SEED)
@@ -78,7 +81,7 @@ class Inputs:
     """One request on the host, validated and padded (``Engine.inputs``).
 
     Fields:
-        tokens: [1, bucket] int32.
+        tokens: [1, n] int32, the prompt right-padded to a whole number of chunks.
         length: [1] int32.
         max_new, stop, temperature, top_k, top_p: its settings as NumPy arrays.
         seed: [1] int32, in place of the key.
@@ -173,53 +176,144 @@ def _settings(inputs: Inputs) -> Settings:
     )
 
 
-@jit(static_argnames=("ev", "capacity", "decode_spare", "impl"))
-def prefill(
-    params: Params,
-    inputs: Inputs,
-    ev: Eviction | None,
-    capacity: int,
-    decode_spare: int,
-    context=None,
-    start: jax.Array | None = None,
-    impl: str | None = None,
-) -> Prefix:
-    """Prefill one prompt (``inputs.tokens`` [1, bucket]): under ``ev`` into a budget cache with
-    ``decode_spare`` spare slots per head, or (ev=None) into a full cache of ``capacity`` slots
-    whose decode attention is ``impl``.
+@struct.dataclass
+class Filling:
+    """The prompts being prefilled, a chunk per step, in P rows of their own.
 
-    Args:
-        context: a compressed context's cache (batch 1) the prompt continues, or None.
-        start: [1] int32 the context's length (the prompt's first position).
+    Fields:
+        cache: batch P, the engine's prefill geometry (``Engine.fill_spare``; the full cache: the
+            slots' capacity).
+        lengths: [P] int32 tokens fed so far (the next position).
     """
-    key = jax.random.key(0)  # unused: the request's key comes from its seed
-    if ev is None:
-        state = feed_full(
-            params, inputs.tokens, inputs.length, key, capacity=capacity, out_width=1, impl=impl
-        )
-    else:
-        state = feed_budget(
-            params,
-            context,
-            inputs.tokens,
-            jnp.zeros(1, jnp.int32) if start is None else start,
-            inputs.length,
-            key,
-            ev=ev,
-            out_width=1,
-            decode_spare=decode_spare,
-        )
-    return Prefix(
-        cache=state.cache,
-        logits=state.logits,
-        length=state.lengths,
-        key=jax.vmap(jax.random.key)(inputs.seed),
-        settings=_settings(inputs),
+
+    cache: object
+    lengths: jax.Array
+
+    AXES = dict(lengths=(None,))
+
+
+@struct.dataclass
+class Chunk:
+    """The next chunk of every prompt row, made on the host (``Engine.chunk``).
+
+    Fields:
+        tokens: [P, m] int32 (padding past ``n``).
+        n: [P] int32 tokens of the chunk (0 for a row with no prompt).
+        end: [P] int32 the position after the row's prompt.
+        final: [P] bool the row's prompt ends with this chunk.
+    """
+
+    tokens: jax.Array
+    n: jax.Array
+    end: jax.Array
+    final: jax.Array
+
+
+def _rows_where(mask: jax.Array, new, old):
+    """The cache pytree of rows ``new`` where mask [B] and ``old`` elsewhere."""
+
+    def pick(a, b, axis):
+        shape = [1] * a.ndim
+        shape[axis] = -1
+        return jnp.where(mask.reshape(shape), a, b)
+
+    return jax.tree.map(pick, new, old, _cache_batch_axes(old))
+
+
+def _chunk_forward(params: Params, groups: tuple, chunk: Chunk, ev: Eviction | None):
+    """``step_groups`` of ``groups`` and a chunk of the filling rows (the last group); under the
+    prefill protocol each row whose prompt ends here then evicts. Returns the groups' hidden
+    states and caches, and the logits [P, V] after each row's last token of the chunk."""
+    hidden, caches = step_groups(params, groups)
+    filled = caches[-1]
+    if ev is not None and ev.protocol == "prefill":
+        seen = groups[-1][2].seen
+        evicted = when(jnp.any(chunk.final), lambda c: c.evict(ev.policy, seen), filled)
+        filled = _rows_where(chunk.final, evicted, filled)
+    last = jnp.take_along_axis(hidden[-1], jnp.maximum(chunk.n - 1, 0)[:, None, None], axis=1)
+    return hidden, caches[:-1] + (filled,), logits_from_hidden(params, last[:, 0])
+
+
+@jit(static_argnames=("ev",), donate_argnames=("filling",))
+def fill(
+    params: Params, filling: Filling, chunk: Chunk, ev: Eviction | None
+) -> tuple[Filling, jax.Array]:
+    """One chunk of every prompt row (``ev``: the engine's eviction, None for the full cache).
+    Returns the rows and the logits [P, V] after each row's last token so far."""
+    m = chunk.tokens.shape[1]
+    seg = chunk_segment(ev, filling.lengths, chunk.n, chunk.end, m)
+    _, (cache,), logits = _chunk_forward(params, ((chunk.tokens, filling.cache, seg),), chunk, ev)
+    return constrain(Filling(cache=cache, lengths=filling.lengths + chunk.n)), logits
+
+
+@jit(static_argnames=("ev", "decode_ev"), donate_argnames=("state", "filling"))
+def mixed(
+    params: Params,
+    state: Slots,
+    filling: Filling,
+    chunk: Chunk,
+    ev: Eviction | None,
+    decode_ev: Eviction | None,
+) -> tuple[Slots, Filling, jax.Array, jax.Array]:
+    """A decode step of every slot (``decode_step``, each by its settings; ``decode_ev``: the
+    engine's decoding eviction) and a chunk of every prompt row (as ``fill``) in one forward pass.
+    Returns the state, the rows, each slot's new token [S] (-1 where done) and the rows' logits
+    [P, V]."""
+    s = state.settings
+    tokens, seg, finish = decode_feed(params, state, s, s.stop, s.max_new, decode_ev)
+    fill_seg = chunk_segment(ev, filling.lengths, chunk.n, chunk.end, chunk.tokens.shape[1])
+    groups = ((tokens, state.cache, seg), (chunk.tokens, filling.cache, fill_seg))
+    (hidden, _), (cache, filled), logits = _chunk_forward(params, groups, chunk, ev)
+    state, new = finish(hidden, cache)
+    filling = Filling(cache=filled, lengths=filling.lengths + chunk.n)
+    return constrain(state), constrain(filling), new, logits
+
+
+@jit(donate_argnames=("filling",))
+def begin(filling: Filling, row: jax.Array, cache, start: jax.Array) -> Filling:
+    """The rows with row ``row`` (an int32 scalar) replaced by ``cache`` (batch 1, the rows'
+    geometry: empty, or a context's) holding ``start`` tokens."""
+    put = lambda full, one, axis: jax.lax.dynamic_update_slice_in_dim(full, one, row, axis)  # noqa: E731
+    cache = jax.tree.map(put, filling.cache, cache, _cache_batch_axes(filling.cache))
+    return constrain(Filling(cache=cache, lengths=filling.lengths.at[row].set(start)))
+
+
+@jit(static_argnames=("ev", "cfg", "spare"))
+def _fit(cache, ev: Eviction, cfg, spare: int):
+    """``ev.fit``: a context's cache in the rows' geometry, or a row in the slots'."""
+    return ev.fit(cache, cfg, spare)
+
+
+@jit(static_argnames=("ev", "cfg", "spare"), donate_argnames=("state",))
+def promote(
+    filling: Filling,
+    row: jax.Array,
+    logits: jax.Array,
+    state: Slots,
+    slot: jax.Array,
+    settings: Settings,
+    seed: jax.Array,
+    ev: Eviction | None,
+    cfg,
+    spare: int,
+) -> Slots:
+    """The state with slot ``slot`` holding prompt row ``row`` (int32 scalars): its cache row
+    fitted to the slots (``spare`` decode slots per head; the full cache as it is), its next-token
+    logits ``logits`` [V], its length, a key from ``seed`` [1] and its ``settings`` (R = 1),
+    nothing generated yet."""
+    take = lambda full, axis: jax.lax.dynamic_slice_in_dim(full, row, 1, axis)  # noqa: E731
+    cache = jax.tree.map(take, filling.cache, _cache_batch_axes(filling.cache))
+    prefix = Prefix(
+        cache=cache if ev is None else ev.fit(cache, cfg, spare),
+        logits=logits[None],
+        length=jax.lax.dynamic_slice_in_dim(filling.lengths, row, 1),
+        key=jax.vmap(jax.random.key)(seed),
+        settings=settings,
     )
+    return _insert(prefix, state, slot)
 
 
-@jit(donate_argnames=("state",))
-def insert(prefix: Prefix, state: Slots, slot: jax.Array) -> Slots:
+def _insert(prefix: Prefix, state: Slots, slot: jax.Array) -> Slots:
     """The state with row ``slot`` (an int32 scalar) replaced by the prefix: its cache row along
     each leaf's "batch" axis, its logits, length, key and settings, nothing generated yet."""
     put = lambda full, row, axis=0: (  # noqa: E731
@@ -263,16 +357,20 @@ class Engine:
     Args:
         params: the model.
         slots: rows decoded together.
-        max_prompt: longest prompt accepted (prompts are padded to ``prompt_bucket`` buckets up to
-            it).
+        max_prompt: longest prompt accepted.
         max_new_tokens: the largest token limit a request may ask for.
-        steps: decode steps per ``generate`` call.
-        mesh: a device mesh (slots split over its ``data`` axis, the params placed with
-            ``kvjax.shard``).
+        steps: decode steps per ``generate`` call (while no prompt is being prefilled).
+        mesh: a device mesh (slots and prompt rows split over its ``data`` axis, the params placed
+            with ``kvjax.shard``).
+        prefill_rows: prompts prefilled together, a chunk each per step (None: up to 4 under the
+            blockwise protocol, whose prompt rows hold a budget and a chunk, else 1, whose rows
+            hold a whole prompt; a multiple of the mesh's ``data`` axis).
+        prefill_chunk: the full cache's chunk of prompt tokens (a budget cache's chunk is its
+            eviction block, ``block_size``).
         eviction: the keywords of ``kvjax.EvictionOptions`` (budget=None: a full cache of
-            ``round_capacity(largest bucket + max_new_tokens)`` slots per row).
+            ``round_capacity(max_prompt in whole chunks + max_new_tokens)`` slots per row).
         contexts: instead of ``eviction``, the settings contexts were compressed with
-            (``kvjax.prefill``): each request then continues a stored context (``Engine.prefill``'s
+            (``kvjax.prefill``): each request then continues a stored context (``Engine.begin``'s
             ``context``), its prompt appended without eviction and its answer decoded the same way
             (``kvjax.decode(..., evict=False)``); ``max_prompt`` bounds the appended prompt. Every
             context of the same slot geometry (``Eviction.without_eviction``) fits.
@@ -291,15 +389,21 @@ class Engine:
         max_new_tokens: int = 256,
         steps: int = 1,
         mesh: Mesh | None = None,
+        prefill_rows: int | None = None,
+        prefill_chunk: int = 128,
         contexts: Eviction | None = None,
         evict: bool = False,
         **eviction,
     ):
         cfg = params.config
-        for name, value in (("slots", slots), ("steps", steps)):
+        mesh = auto_mesh(mesh)
+        for name, value in (
+            ("slots", slots),
+            ("steps", steps),
+            ("prefill_chunk", prefill_chunk),
+        ):
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        mesh = auto_mesh(mesh)
         check_batch(slots, mesh)
         max_new_tokens = check_max_new(max_new_tokens)
         if not (
@@ -359,18 +463,27 @@ class Engine:
         )
         self.ev, self.decode_ev = ev, None if ev is None else ev.decoding()
         self.full_impl = options.full_cache_impl if contexts is None else None
-        block = 1 if ev is None else ev.block_size
-        self.bucket = functools.partial(prompt_bucket, multiple=block)
-        self.buckets = tuple(sorted({self.bucket(n) for n in _bucket_probes(max_prompt)}))
-        # The full cache's slots per row (0 for a budget cache: prefills of one bucket then share a
-        # compilation across engines of any max_prompt).
-        self.capacity = round_capacity(self.buckets[-1] + max_new_tokens) if ev is None else 0
+        if prefill_rows is None:  # several where a row holds a budget and a chunk, else one
+            small = ev is not None and ev.protocol == "blockwise"
+            prefill_rows = -(-min(slots, 4 if small else 1) // data_size(mesh)) * data_size(mesh)
+        if not (isinstance(prefill_rows, int) and 1 <= prefill_rows <= slots):
+            raise ValueError(f"prefill_rows={prefill_rows!r} must be an integer in [1, {slots}]")
+        check_batch(prefill_rows, mesh)
+        self.prefill_rows = prefill_rows
+        self.chunk_size = prefill_chunk if ev is None else ev.block_size
+        longest = -(-max_prompt // self.chunk_size) * self.chunk_size  # whole chunks
+        # The full cache's slots per row (0 for a budget cache).
+        self.capacity = round_capacity(longest + max_new_tokens) if ev is None else 0
+        # a prompt row's spare slots per head: a chunk, or the whole prompt where eviction waits
+        # for its end (the prefill protocol) or never comes (a context's appended question)
+        self.fill_spare = 0 if ev is None else ev.extend_spare(longest)
         if contexts is not None and (not evict or ev.protocol == APPEND):
             # room for the longest appended prompt and the answer, not rounded
-            self.decode_spare = ev.extend_spare(self.buckets[-1]) + max_new_tokens
+            self.decode_spare = ev.extend_spare(longest) + max_new_tokens
         else:
             self.decode_spare = 0 if ev is None else ev.decode_spare(round_capacity(max_new_tokens))
         self.contexts, self.evict = contexts, evict
+        self._empty_row = None  # a prompt row's empty cache, made at first use
 
     def inputs(
         self,
@@ -414,7 +527,8 @@ class Engine:
             raise ValueError(
                 f"stop_ids={stops!r}: at most {MAX_STOP_IDS} ids in [0, {cfg.vocab_size})"
             )
-        tokens, length = pad_rows([row], self.bucket(len(row)), cfg.pad_token_id)
+        whole = -(-len(row) // self.chunk_size) * self.chunk_size
+        tokens, length = pad_rows([row], whole, cfg.pad_token_id)
         return Inputs(
             tokens=tokens,
             length=length,
@@ -478,74 +592,171 @@ class Engine:
                 f"model's context of {limit}"
             )
 
-    def prefill(self, inputs: Inputs, context=None) -> Prefix:
-        """The prefix of one request (``inputs``), continuing ``context`` (a checked
+    @classmethod
+    def for_memory(cls, params: Params, kv_memory: int, **options) -> Engine:
+        """The engine with as many slots as ``kv_memory`` bytes hold: every slot's cache and the
+        prompt rows' (``memory``) within it, the slots a multiple of the mesh's ``data`` axis.
+        ``options``: ``Engine``'s keywords but ``slots``. ValueError when not one slot fits."""
+        if "slots" in options:
+            raise ValueError("slots: an engine sized by kv_memory derives its slot count")
+        step = data_size(auto_mesh(options.get("mesh")))
+        probe = cls(params, **(options | dict(slots=4 * step, mesh=None)))
+        per_slot, rows = probe.cache_bytes(1), probe.cache_bytes(probe.prefill_rows, prompt=True)
+        slots = (kv_memory - rows) // per_slot // step * step
+        if slots < step:
+            raise ValueError(
+                f"kv_memory={kv_memory} bytes holds no slot: one takes {per_slot} and the "
+                f"{probe.prefill_rows} prompt rows {rows}"
+            )
+        return cls(params, slots=int(slots), **options)
+
+    def cache_bytes(self, rows: int, prompt: bool = False) -> int:
+        """Bytes of the caches of ``rows`` slots (or, ``prompt``, prompt rows), their positions,
+        scorer state and moments included (nothing is allocated)."""
+        spare = self.fill_spare if prompt else self.decode_spare
+        cfg, dtype = self.params.config, self.params.dtype
+        shape = jax.eval_shape(
+            lambda: _empty_cache(cfg, dtype, rows, self.ev, self.capacity, spare, self.full_impl)
+        )
+        return cache_bytes(shape)
+
+    def memory(self) -> dict:
+        """What the engine holds: slots, the tokens one keeps (per KV head under a budget, else
+        the context), and the bytes of the slots' and the prompt rows' caches."""
+        p = None if self.ev is None else self.ev.policy
+        return dict(
+            slots=self.slots,
+            tokens_per_slot=self.capacity if p is None else p.budget,
+            per_kv_head=p is not None,
+            slot_bytes=self.cache_bytes(1),
+            cache_bytes=self.cache_bytes(self.slots),
+            prompt_rows=self.prefill_rows,
+            prompt_bytes=self.cache_bytes(self.prefill_rows, prompt=True),
+        )
+
+    def chunk(self, rows: list) -> Chunk:
+        """The next chunk of each prompt row: ``rows`` [P] holds, per row, None or (inputs, fed)
+        with ``fed`` the prompt tokens already fed."""
+        m, P = self.chunk_size, self.prefill_rows
+        tokens = np.full((P, m), self.params.config.pad_token_id, np.int32)
+        n, end, final = np.zeros(P, np.int32), np.zeros(P, np.int32), np.zeros(P, bool)
+        for i, row in enumerate(rows):
+            if row is not None:
+                inputs, fed = row
+                end[i] = int(inputs.length[0])
+                n[i] = min(m, end[i] - fed)
+                tokens[i, : n[i]] = inputs.tokens[0, fed : fed + n[i]]
+                final[i] = fed + n[i] == end[i]
+        return Chunk(tokens=tokens, n=n, end=end, final=final)
+
+    def begin(self, filling: Filling, row: int, context=None) -> Filling:
+        """Prompt row ``row`` made ready for a new prompt: empty, or holding ``context`` (a checked
         ``kvjax.Context``, ``check_context``) in an engine of contexts."""
         if (context is None) != (self.contexts is None):
             raise ValueError("context: an engine of contexts needs one; another engine takes none")
+        if not 0 <= row < self.prefill_rows:
+            raise ValueError(f"row={row!r} must be in [0, {self.prefill_rows})")
+        cfg = self.params.config
         with on_mesh(self.mesh):
-            return prefill(
-                self.params,
-                inputs,
-                ev=self.ev,
-                capacity=self.capacity,
-                decode_spare=self.decode_spare,
-                context=None if context is None else context.cache,
-                start=None if context is None else jnp.asarray(context.lengths, jnp.int32),
-                impl=self.full_impl,
-            )
+            if context is not None:
+                cache = _fit(context.cache, self.ev, cfg, self.fill_spare)
+                start = int(context.lengths[0])
+            else:
+                if self._empty_row is None:
+                    self._empty_row = _empty_cache(
+                        cfg,
+                        self.params.dtype,
+                        1,
+                        self.ev,
+                        self.capacity,
+                        self.fill_spare,
+                        self.full_impl,
+                    )
+                cache, start = self._empty_row, 0
+            return begin(filling, np.int32(row), cache, np.int32(start))
 
-    def insert(self, prefix: Prefix, state: Slots, slot: int) -> Slots:
+    def fill(self, filling: Filling, chunk: Chunk) -> tuple[Filling, jax.Array]:
+        with on_mesh(self.mesh):
+            return fill(self.params, filling, chunk, ev=self.ev)
+
+    def mixed(
+        self, state: Slots, filling: Filling, chunk: Chunk
+    ) -> tuple[Slots, Filling, jax.Array, jax.Array]:
+        with on_mesh(self.mesh):
+            return mixed(self.params, state, filling, chunk, ev=self.ev, decode_ev=self.decode_ev)
+
+    def promote(
+        self, filling: Filling, row: int, logits: jax.Array, state: Slots, slot: int, inputs: Inputs
+    ) -> Slots:
+        """The state with slot ``slot`` decoding prompt row ``row``, whose prompt (``inputs``) is
+        done and whose logits after its last token are ``logits`` [P, V] [row]."""
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot={slot!r} must be in [0, {self.slots})")
         with on_mesh(self.mesh):
-            return insert(prefix, state, np.int32(slot))
+            return promote(
+                filling,
+                np.int32(row),
+                logits[row],
+                state,
+                np.int32(slot),
+                _settings(inputs),
+                inputs.seed,
+                ev=self.ev,
+                cfg=self.params.config,
+                spare=self.decode_spare,
+            )
 
     def generate(self, state: Slots) -> tuple[Slots, jax.Array]:
         with on_mesh(self.mesh):
             return generate(self.params, state, ev=self.decode_ev, steps=self.steps)
 
-    def init_state(self) -> Slots:
-        """Every slot free (done), its cache empty."""
+    def init_state(self) -> tuple[Slots, Filling]:
+        """Every slot free (done), its cache empty; and the prompt rows, empty."""
+        args = (self.params.config, self.params.dtype)
         with on_mesh(self.mesh):
-            return _init_state(
-                self.params.config,
-                self.params.dtype,
-                self.slots,
-                self.ev,
-                self.capacity,
-                self.decode_spare,
-                self.full_impl,
+            state = _init_state(
+                *args, self.slots, self.ev, self.capacity, self.decode_spare, self.full_impl
             )
+            cache = _empty_cache(
+                *args, self.prefill_rows, self.ev, self.capacity, self.fill_spare, self.full_impl
+            )
+            lengths = jnp.zeros(self.prefill_rows, jnp.int32)
+            filling = constrain(Filling(cache=cache, lengths=lengths))
+        return state, filling
 
     def warmup(self) -> None:
-        """Compile everything serving runs: the prefill of every bucket, insert and generate (on a
-        scratch state; the outputs are discarded). An engine of contexts compiles its prefills at
-        their first use (they depend on the contexts' caches)."""
-        state = self.init_state()
-        for bucket in self.buckets if self.contexts is None else ():
-            n = min(bucket, self.max_prompt)
-            state = self.insert(
-                self.prefill(self.inputs(np.zeros(n, np.int32), max_new_tokens=1)), state, 0
-            )
+        """Compile everything serving runs on a scratch state (the outputs are discarded): a chunk
+        alone and with a decode step, promotion, decoding. An engine of contexts compiles the
+        fitting of a context into a prompt row at the first context of each geometry."""
+        state, filling = self.init_state()
+        inputs = self.inputs(np.zeros(1, np.int32), max_new_tokens=1)
+        rows = [(inputs, 0)] + [None] * (self.prefill_rows - 1)
+        if self.contexts is None:
+            filling = self.begin(filling, 0)
+        filling, logits = self.fill(filling, self.chunk(rows))
+        state = self.promote(filling, 0, logits, state, 0, inputs)
+        state, filling, _, logits = self.mixed(state, filling, self.chunk(rows))
         jax.block_until_ready(self.generate(state))
 
 
-def _bucket_probes(max_prompt: int) -> list[int]:
-    """Prompt lengths that reach every bucket up to ``max_prompt``: the powers of two below it and
-    itself."""
-    return [1 << i for i in range(max_prompt.bit_length()) if 1 << i < max_prompt] + [max_prompt]
+@jit(static_argnames=("cfg", "dtype", "rows", "ev", "capacity", "spare", "impl"))
+def _empty_cache(
+    cfg, dtype, rows: int, ev: Eviction | None, capacity: int, spare: int, impl: str | None
+):
+    """An empty cache of ``rows`` rows: the full cache of ``capacity`` slots (ev=None; decode
+    attention ``impl``), else ``ev``'s budget cache with ``spare`` slots per head."""
+    return constrain(
+        FullCache.init(cfg, rows, capacity, dtype, impl)
+        if ev is None
+        else ev.empty_cache(cfg, rows, spare, dtype)
+    )
 
 
 @jit(static_argnames=("cfg", "dtype", "slots", "ev", "capacity", "spare", "impl"))
 def _init_state(
     cfg, dtype, slots: int, ev: Eviction | None, capacity: int, spare: int, impl: str | None
 ) -> Slots:
-    cache = (
-        FullCache.init(cfg, slots, capacity, dtype, impl)
-        if ev is None
-        else ev.empty_cache(cfg, slots, spare, dtype)
-    )
+    cache = _empty_cache(cfg, dtype, slots, ev, capacity, spare, impl)
     settings = Settings(
         max_new=jnp.zeros(slots, jnp.int32),
         stop=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),

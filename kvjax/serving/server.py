@@ -110,6 +110,7 @@ class _Sampling(_Strict):
     user: str | None = None
     context_id: str | None = None  # an extension: continue a stored context (/v1/contexts)
     context_evict: bool = False  # an extension: evict the question under its context's budget
+    ignore_eos: bool = False  # an extension (vLLM's): decode past the model's EOS ids
 
 
 class CompletionBody(_Sampling):
@@ -453,6 +454,7 @@ def create_app(
                 top_k=body.top_k,
                 top_p=body.top_p,
                 seed=0 if body.seed is None else body.seed,
+                stop_ids=() if body.ignore_eos else None,
             )
         except QueueFull as e:
             raise APIError(
