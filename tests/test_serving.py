@@ -85,11 +85,12 @@ def test_each_slot_equals_generate_alone(smollm2, smollm2_tokenizer):
 
 
 def test_sampling_and_full_cache_slots_equal_generate_alone(tiny_llama):
-    """Greedy and sampled requests side by side (temperature-only sampling draws what kvjax.generate draws for
-    the same seed), with eviction and with the full cache (budget=None)."""
+    """Greedy and sampled requests side by side (a seed draws what kvjax.generate draws with it, top-k and top-p
+    included), with eviction and with the full cache (budget=None)."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(4, 97, n) for n in (5, 30, 27, 12, 20)]
-    settings = [dict(), dict(temperature=0.8, seed=5), dict(), dict(temperature=0.8, seed=7), dict()]
+    settings = [dict(), dict(temperature=0.8, seed=5), dict(temperature=1.5, top_k=5, seed=3),
+                dict(temperature=0.8, seed=7), dict(temperature=1.2, top_p=0.8, seed=2)]
     for eviction in (TINY, {}):
         driver = Driver(Engine(tiny_llama, **TINY_ENGINE, **eviction)).start()
         try:

@@ -51,17 +51,16 @@ def sample(logits: jax.Array, key: jax.Array, s) -> jax.Array:
 
 
 def _draw(logits: jax.Array, key: jax.Array, s) -> jax.Array:
-    """One draw per row of logits [B, V] -> ids [B] int32 (settings and keys as ``sample``).
-
-    A ``Sampling`` fixes its candidates when compiling: it draws over the top-k logits in rank
-    order (over the vocabulary when nothing truncates). Per-row settings fix no count, so each row
-    draws over the vocabulary in vocabulary order, the tokens it does not keep masked.
-    """
+    """One draw per row of logits [B, V] -> ids [B] int32 (settings and keys as ``sample``): a
+    categorical over the vocabulary, in vocabulary order, at the temperature, the tokens that top-k
+    and top-p leave out masked. A ``Sampling`` and per-row settings draw alike, so a request served
+    with a seed gets the tokens ``kvjax.generate`` gets with it; a ``Sampling`` fixes when compiling
+    how many candidates top-k sorts."""
     fixed, V = isinstance(s, Sampling), logits.shape[-1]
     scaled = logits / (
         s.temperature if fixed else jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     )
-    if fixed and not s.top_k and s.top_p == 1:
+    if fixed and not s.top_k and s.top_p == 1:  # nothing truncated
         return _categorical(key, scaled)
     values, ids = jax.lax.top_k(scaled, min(s.top_k or V, V) if fixed else V)  # sorted descending
     keep = (
@@ -73,11 +72,8 @@ def _draw(logits: jax.Array, key: jax.Array, s) -> jax.Array:
         probs = jax.nn.softmax(jnp.where(keep, values, -jnp.inf), axis=-1)
         top_p = s.top_p if fixed else s.top_p[:, None]
         keep &= jnp.cumsum(probs, axis=-1) - probs < top_p  # keeps at least the top token
-    if fixed:
-        choice = _categorical(key, jnp.where(keep, values, -jnp.inf))
-        return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
     rows = jnp.arange(keep.shape[0])[:, None]
-    keep = jnp.zeros_like(keep).at[rows, ids].set(keep)  # in vocabulary order
+    keep = jnp.zeros(logits.shape, bool).at[rows, ids].set(keep)  # in vocabulary order
     return _categorical(key, jnp.where(keep, scaled, -jnp.inf))
 
 
