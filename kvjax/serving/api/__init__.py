@@ -1,0 +1,1 @@
+"""The OpenAI-compatible routes of ``kvjax.serving.server``, one router per resource."""
