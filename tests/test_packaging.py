@@ -37,6 +37,9 @@ def test_the_wheel_holds_the_package_with_its_kernels_and_nothing_of_the_tests(w
     for module in ("kvjax/checkpoint/registry.py", "kvjax/checkpoint/gguf_tokenizer.py", "kvjax/serving/server.py",
                    "kvjax/eval/niah.py"):
         assert module in names
+    # every package of the source tree (the setuptools list is written by hand)
+    sources = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "kvjax").rglob("__init__.py")}
+    assert {s for s in sources if f"{s}/__init__.py" not in names} == set()
     packaged = {Path(n).parts[0] for n in names}
     assert packaged == {"kvjax", wheel.name.split("-py3")[0] + ".dist-info"}, packaged  # no tests/, benchmarks/
 
