@@ -273,7 +273,9 @@ def mixed(
 def begin(filling: Filling, row: jax.Array, cache, start: jax.Array) -> Filling:
     """The rows with row ``row`` (an int32 scalar) replaced by ``cache`` (batch 1, the rows'
     geometry: empty, or a context's) holding ``start`` tokens."""
-    put = lambda full, one, axis: jax.lax.dynamic_update_slice_in_dim(full, one, row, axis)  # noqa: E731
+    def put(full, one, axis):
+        return jax.lax.dynamic_update_slice_in_dim(full, one, row, axis)
+
     cache = jax.tree.map(put, filling.cache, cache, _cache_batch_axes(filling.cache))
     return constrain(Filling(cache=cache, lengths=filling.lengths.at[row].set(start)))
 
@@ -689,7 +691,7 @@ class Engine:
         self, filling: Filling, row: int, logits: jax.Array, state: Slots, slot: int, inputs: Inputs
     ) -> Slots:
         """The state with slot ``slot`` decoding prompt row ``row``, whose prompt (``inputs``) is
-        done and whose logits after its last token are ``logits`` [P, V] [row]."""
+        done; ``logits`` [P, V]: every row's logits after its last token (``fill``, ``mixed``)."""
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot={slot!r} must be in [0, {self.slots})")
         with on_mesh(self.mesh):
