@@ -168,3 +168,33 @@ def test_library_lines_are_at_most_100_characters():
     long = [f"{path.relative_to(ROOT)}:{n}" for path in paths
             for n, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 100]
     assert not long, f"{len(long)} lines over 100 characters: {', '.join(long[:10])}"
+
+
+def test_the_caches_name_no_scorer_or_modifier():
+    """kvjax/cache/ holds storage: no base scorer, alias or modifier name (nor MomentKV's flags) appears in its
+    code as a name, an attribute or a string; the modifiers' hooks (kvjax.eviction.modifiers) hold their
+    behaviour."""
+    from kvjax.eviction import ALIASES, BASES, MODIFIERS
+
+    words = {w.replace("-", "_") for w in (*BASES, *ALIASES, *MODIFIERS)} | {"zeroth", "mi", "nc"}
+    found = []
+    for path in sorted((ROOT / "kvjax" / "cache").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and n.body
+                      and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Name):
+                names = [node.id]
+            elif isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, (ast.FunctionDef, ast.arg)):
+                names = [getattr(node, "name", None) or node.arg]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                names = [node.value.replace("-", "_")]
+            for name in names:
+                parts = set(name.lower().split("_")) | {name.lower()}
+                if hits := {w for w in words if w in parts or (len(w) > 3 and w in name.lower())}:
+                    found.append(f"{path.name}:{node.lineno}: {name} ({', '.join(sorted(hits))})")
+    assert not found, found

@@ -26,7 +26,7 @@ from kvjax.cache.attention import (
 )
 from kvjax.cache.slots_view import SlotsView
 from kvjax.eviction import Policy, eviction_keys
-from kvjax.eviction.moments import Moments, moment_informed_eviction, over_layers
+from kvjax.eviction.moments import Moments, over_layers
 from kvjax.kernels import block_attention_with_scores, decode_attention_with_scores
 from kvjax.model.config import ModelConfig
 from kvjax.model.segment import Segment, when
@@ -124,9 +124,9 @@ class BudgetCache(SlotsView):
         p = seg.policy
 
         def decode(h: BudgetCache):  # reads layer ``layer`` of the stacked k_all, v_all in place
-            return lambda weights, moments: per_shard(
+            return lambda weights, moments, *static: per_shard(
                 lambda *a: decode_attention_with_scores(
-                    *a[:-2], p.score_kind, a[-2], p.zeroth_order, layer=a[-1], impl=p.impl
+                    *a[:-2], p.score_kind, a[-2], *static, layer=a[-1], impl=p.impl
                 ),
                 (q, k_all, v_all, h.pos, seg.positions, weights, moments, layer),
                 (ATTENTION_AXES[0], (None, *KV), (None, *KV), *ATTENTION_AXES[3:], KV, ()),
@@ -159,14 +159,14 @@ class BudgetCache(SlotsView):
 
     def evict(self, p: Policy, seen: jax.Array) -> BudgetCache:
         """Keep ``p.budget`` slots per (layer, row, KV head), every layer at once (a few at a time
-        when MomentKV's eviction loop is long: ``over_layers``); seen: [B] one past the newest
+        when the modifier's choice is a long loop: ``over_layers``); seen: [B] one past the newest
         position. Only the small per-slot arrays and the moments change."""
         k, v = self.k, self.v
-        mi_steps = self.slots - p.budget if p.moment_eviction else 0
+        steps = self.slots - p.budget if p.modifier_spec.sequential_choice else 0
         small = over_layers(
             lambda a: a[0].replace(k=a[1], v=a[2])._evict_layer(p, seen).replace(k=None, v=None),
             (self.replace(k=None, v=None), k, v),
-            mi_steps,
+            steps,
         )
         return small.replace(k=k, v=v)
 
@@ -180,21 +180,12 @@ class BudgetCache(SlotsView):
             p, self.state, pos, self.k, self.v, self.order, self.stats, seen
         )
         n_drop = self.slots - b
-        if p.moment_eviction:
-            n_evict = jnp.maximum((pos >= 0).sum(-1) - b, 0)
-            evicted = moment_informed_eviction(
-                prio,
-                unprotected,
-                n_evict,
-                self.k,
-                self.v,
-                pos,
-                self.moments,
-                p.zeroth_order,
-                n_drop,
-                p.mi_batch,
-            )
-            key = jnp.where(unprotected, jnp.where(evicted, 0.0, 1.0), key)
+        n_evict = jnp.maximum((pos >= 0).sum(-1) - b, 0)
+        chosen = p.modifier_spec.choose(
+            prio, unprotected, n_evict, self.k, self.v, pos, self.moments, n_drop, p
+        )
+        if chosen is not None:  # the modifier chose: its evicted slots lowest, the rest above
+            key = jnp.where(unprotected, jnp.where(chosen, 0.0, 1.0), key)
         # in position order: ties go to the earlier position
         key = jnp.take_along_axis(key, self.order, -1)
         if n_drop <= UNROLLED_DROPS:

@@ -32,7 +32,7 @@ from kvjax.cache.attention import (
 from kvjax.cache.slots_view import SlotsView
 from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.allocations import ranks
-from kvjax.eviction.moments import Moments, moment_informed_eviction, over_layers
+from kvjax.eviction.moments import Moments, over_layers
 from kvjax.kernels.paged_attention import (
     paged_block_attention_with_scores,
     paged_decode_attention_with_scores,
@@ -269,9 +269,9 @@ class PagedCache(SlotsView):
                 pos,
                 seg.positions,
             )
-            return lambda weights, moments: per_shard(
+            return lambda weights, moments, *static: per_shard(
                 lambda *a: paged_decode_attention_with_scores(
-                    *a[:-1], p.score_kind, a[-1], p.zeroth_order, impl=p.impl
+                    *a[:-1], p.score_kind, a[-1], *static, impl=p.impl
                 ),
                 (*storage, weights, moments),
                 (*axes, KV),
@@ -379,13 +379,13 @@ class PagedCache(SlotsView):
         else:  # a decoding step's few drops need no sort
             fits, find = few
             kept, best = jax.lax.cond(fits, lambda: unsorted(find), ranked)
-        if p.moment_eviction:
-            evicted = over_layers(
-                lambda a: moment_informed_eviction(*a, p.zeroth_order, max_evict, p.mi_batch),
+        if p.modifier_spec.sequential_choice:  # the modifier chooses, a few layers at a time
+            chosen = over_layers(
+                lambda a: p.modifier_spec.choose(*a, max_evict, p),
                 (prio, unprotected, count - kept, kv[0], kv[1], self.pos, self.moments),
                 max_evict,
             )
-            keep = valid & ~evicted
+            keep = valid & ~chosen
         else:
             keep = best
         dropped = valid & ~keep

@@ -220,7 +220,7 @@ def estimate(methods: list, lengths, settings, per_length: int) -> tuple[int, fl
         modifier = split_name(m.scorer)[2]
         if m.protocol == "blockwise":
             return COST["blockwise"] * length / 1024
-        return COST["mi"] if modifier and MODIFIERS[modifier].mi else COST["answer"]
+        return COST["mi"] if modifier and MODIFIERS[modifier].sequential_choice else COST["answer"]
 
     answers, seconds = 0, COST["compile"] * len(methods)
     full = sum(m.scorer == FULL for m in methods)

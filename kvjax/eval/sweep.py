@@ -246,7 +246,7 @@ def _batches(samples: list[Sample], batch: int) -> list[list[Sample]]:
 def scorer_options(scorer: str, options: dict) -> dict:
     """The shared options that apply to ``scorer`` (``mi_batch`` only to MomentKV's eviction)."""
     modifier = split_name(scorer)[2]
-    if modifier and MODIFIERS[modifier].mi:
+    if modifier and MODIFIERS[modifier].sequential_choice:
         return options
     return {k: v for k, v in options.items() if k != "mi_batch"}
 

@@ -12,37 +12,41 @@ from kvjax.eviction.allocations import (
     floor_count,
 )
 from kvjax.eviction.base import Base
+from kvjax.eviction.keywords import POLICY_KEYWORDS, EvictionKeywords
 from kvjax.eviction.modifiers import MODIFIERS, NO_MODIFIER, Modifier
 from kvjax.eviction.names import BASES, split_name
 from kvjax.eviction.priority import AGGREGATES, POOLS
 from kvjax.kernels import IMPLS
 
 
-@dataclasses.dataclass(frozen=True)
+def _with_keywords(cls):
+    """``cls`` with a field for each of ``POLICY_KEYWORDS``, typed and defaulted as
+    ``EvictionKeywords`` declares it, after its own fields; then a frozen dataclass."""
+    declared = {f.name: f for f in dataclasses.fields(EvictionKeywords)}
+    own = dict(cls.__annotations__)
+    cls.__annotations__ = {}
+    for name in ("base", "budget"):  # the fields without a default first
+        cls.__annotations__[name] = own.pop(name)
+    for name in POLICY_KEYWORDS:
+        cls.__annotations__[name] = declared[name].type
+        setattr(cls, name, declared[name].default)
+    cls.__annotations__ |= own
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
+@_with_keywords
 class Policy:
     """Everything static about which tokens a cache keeps: the scorer, the budget, the protected
-    slots.
+    slots, and the eviction keywords of ``POLICY_KEYWORDS`` resolved (the scorer's defaults in place
+    of None; their meanings: ``kvjax.eviction.keywords.EvictionKeywords``).
 
-    Fields:
+    Fields of its own:
         base: the base scorer's name (``BASES``).
         budget: slots kept per (layer, row, KV head).
-        n_sink: first tokens never evicted.
-        window: most recent tokens never evicted.
-        obs_window: the scoring queries of "window" bases.
-        pool, kernel: 1-D pooling of the priorities along positions.
-        aggregate: how the G query heads of a KV head combine ("layer": every query head of the
-            layer, the same tokens kept in every KV head).
         modifier: the modifier's name (``MODIFIERS``; "" = none).
-        mi_batch: tokens MomentKV's moment-informed eviction removes per statistics update (1 =
-            Algorithm 1's exact rule).
-        impl: how attention with scores runs (``kvjax.kernels.IMPLS``; None = per platform).
-        allocation: how many slots each (layer, KV head) keeps (``allocations.ALLOCATIONS``).
-        floor: the fraction of the budget every head keeps at least under a shared allocation.
-        chunk: tokens of ``chunk`` consecutive positions share the mean of their priorities.
         cap: the most tokens one head keeps where the allocation's own rule does not apply: the
             context length, set when a prompt is compressed (``for_context``), for ``kvzip-head``
             and for a global allocation under a scoring pass of the scorer's own.
-        floor_mode: how the floor counts the protected tokens (``allocations.FLOOR_MODES``).
         ratio, ratio_of: a fractional budget as kvpress's compression ratio r = 1 − budget over
             a prompt of ``ratio_of`` tokens n (``group_budget``); ``budget`` is then n − ⌊n·r⌋.
 
@@ -51,20 +55,8 @@ class Policy:
 
     base: str
     budget: int
-    n_sink: int
-    window: int
-    obs_window: int
-    pool: str
-    kernel: int
-    aggregate: str
     modifier: str = ""
-    mi_batch: int = 1
-    impl: str | None = None
-    allocation: str = "uniform"
-    floor: float = 0.0
-    chunk: int = 1
     cap: int | None = None
-    floor_mode: str = "adakv"
     ratio: float | None = None
     ratio_of: int | None = None
 
@@ -80,6 +72,7 @@ class Policy:
 
     @property
     def modifier_spec(self) -> Modifier:
+        """The modifier (``kvjax.eviction.modifiers``), whose hooks the caches call."""
         return MODIFIERS[self.modifier] if self.modifier else NO_MODIFIER
 
     @property
@@ -93,23 +86,11 @@ class Policy:
     @property
     def reads_kv(self) -> bool:
         """An eviction point reads every slot's keys and values (not only its scores)."""
-        return self.moment_eviction or self.modifier_spec.reads_v or self.scorer.reads_kv
-
-    @property
-    def moment_eviction(self) -> bool:
-        return self.modifier_spec.mi
-
-    @property
-    def moment_correction(self) -> bool:
-        return self.modifier_spec.nc
-
-    @property
-    def zeroth_order(self) -> bool:
-        return self.modifier_spec.zeroth
+        return self.modifier_spec.reads_kv or self.scorer.reads_kv
 
     def moment_dim(self, head_dim: int) -> int:
-        """The K of the cache's ``Moments``: head_dim where MomentKV reads them, else 0."""
-        return head_dim if self.moment_eviction or self.moment_correction else 0
+        """The K of the cache's ``Moments`` (``Modifier.moments_dim``)."""
+        return self.modifier_spec.moments_dim(head_dim)
 
     @property
     def allocation_spec(self) -> Allocation:
@@ -177,34 +158,24 @@ class Policy:
 
 
 def make_policy(
-    scorer: str,
+    options: EvictionKeywords,
     budget: int,
-    *,
-    n_sink: int,
-    window: int | None,
-    obs_window: int,
-    pool: str | None,
-    kernel: int,
-    aggregate: str | None,
-    mi_batch: int,
-    impl: str | None,
-    allocation: str | None,
-    floor: float | None,
-    chunk: int,
-    floor_mode: str,
     ratio: float | None = None,
     ratio_of: int | None = None,
 ) -> Policy:
-    """The validated ``Policy`` of the eviction keywords (``kvjax.runtime.options.EvictionOptions``,
-    which holds their defaults), with the scorer's own settings for what is left as None: window and
-    pool the base's; aggregate ``sum`` for OBCache as in its App. B.5, else ``mean`` as kvpress (the
-    two rank identically); allocation the name's prefix, else the base's (uniform but for KVzip);
-    floor the base's, else the allocation's."""
+    """The validated ``Policy`` of eviction keywords (``options``, whose ``budget`` a caller has
+    resolved to ``budget`` slots per head, and ``ratio``, ``ratio_of`` for a fractional one), with
+    the scorer's own settings for what is left as None: window and pool the base's; aggregate
+    ``sum`` for OBCache as in its App. B.5, else ``mean`` as kvpress (the two rank identically);
+    allocation the name's prefix, else the base's (uniform but for KVzip); floor the base's, else
+    the allocation's."""
+    scorer = options.scorer
+    k = {name: getattr(options, name) for name in POLICY_KEYWORDS}  # resolved in place
     named, base, modifier = split_name(scorer)
     spec = BASES[base]
-    if allocation is not None and named is not None and allocation != named:
-        raise ValueError(f"allocation={allocation!r} contradicts scorer={scorer!r}")
-    allocation = allocation or named or spec.default_allocation
+    if k["allocation"] is not None and named is not None and k["allocation"] != named:
+        raise ValueError(f"allocation={k['allocation']!r} contradicts scorer={scorer!r}")
+    k["allocation"] = allocation = k["allocation"] or named or spec.default_allocation
     if allocation not in ALLOCATIONS:
         raise ValueError(f"allocation={allocation!r} must be one of {tuple(ALLOCATIONS)}")
     if (allocation == "heads") != (base == "kvzip-head"):
@@ -212,75 +183,52 @@ def make_policy(
             f"allocation='heads' belongs to scorer 'kvzip-head' (got allocation={allocation!r} "
             f"with scorer={scorer!r})"
         )
-    if floor is None:
+    if k["floor"] is None:
         own = spec.default_floor is not None and allocation == spec.default_allocation
-        floor = spec.default_floor if own else ALLOCATIONS[allocation].default_floor
-    if not (isinstance(floor, (int, float)) and 0 <= floor <= 1):
-        raise ValueError(f"floor={floor!r} must be a fraction of the budget in [0, 1]")
-    if floor_mode not in FLOOR_MODES:
-        raise ValueError(f"floor_mode={floor_mode!r} must be one of {FLOOR_MODES}")
-    if not (isinstance(chunk, int) and chunk >= 1):
-        raise ValueError(f"chunk={chunk!r} must be an integer >= 1")
+        k["floor"] = spec.default_floor if own else ALLOCATIONS[allocation].default_floor
+    if not (isinstance(k["floor"], (int, float)) and 0 <= k["floor"] <= 1):
+        raise ValueError(f"floor={k['floor']!r} must be a fraction of the budget in [0, 1]")
+    k["floor"] = float(k["floor"])
+    if k["floor_mode"] not in FLOOR_MODES:
+        raise ValueError(f"floor_mode={k['floor_mode']!r} must be one of {FLOOR_MODES}")
+    if not (isinstance(k["chunk"], int) and k["chunk"] >= 1):
+        raise ValueError(f"chunk={k['chunk']!r} must be an integer >= 1")
     mod = MODIFIERS[modifier] if modifier else NO_MODIFIER
-    for name, value in (
-        ("budget", budget),
-        ("obs_window", obs_window),
-        ("kernel", kernel),
-        ("mi_batch", mi_batch),
-    ):
+    for name, value in [("budget", budget)] + [
+        (n, k[n]) for n in ("obs_window", "kernel", "mi_batch")
+    ]:
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    if not (isinstance(n_sink, int) and n_sink >= 0):
-        raise ValueError(f"n_sink={n_sink!r} must be an integer >= 0")
-    if window is None:
-        window = spec.default_window(budget, obs_window)
-    if not (isinstance(window, int) and window >= 0):
-        raise ValueError(f"window={window!r} must be an integer >= 0")
-    if budget <= n_sink + window:
+    if not (isinstance(k["n_sink"], int) and k["n_sink"] >= 0):
+        raise ValueError(f"n_sink={k['n_sink']!r} must be an integer >= 0")
+    if k["window"] is None:
+        k["window"] = spec.default_window(budget, k["obs_window"])
+    if not (isinstance(k["window"], int) and k["window"] >= 0):
+        raise ValueError(f"window={k['window']!r} must be an integer >= 0")
+    if budget <= k["n_sink"] + k["window"]:
         raise ValueError(
-            f"budget={budget} must be larger than n_sink + window = {n_sink} + {window}"
+            f"budget={budget} must be larger than n_sink + window = {k['n_sink']} + {k['window']}"
         )
-    pool = spec.default_pool if pool is None else pool
-    if pool not in POOLS:
-        raise ValueError(f"pool={pool!r} must be one of {POOLS}")
-    if pool != "none" and kernel % 2 == 0:
-        raise ValueError(f"kernel={kernel} must be odd (pooling is centred on each token)")
-    aggregate = aggregate or ("mean" if mod.score_kind == "attn" else "sum")
+    k["pool"] = spec.default_pool if k["pool"] is None else k["pool"]
+    if k["pool"] not in POOLS:
+        raise ValueError(f"pool={k['pool']!r} must be one of {POOLS}")
+    if k["pool"] != "none" and k["kernel"] % 2 == 0:
+        raise ValueError(f"kernel={k['kernel']} must be odd (pooling is centred on each token)")
+    k["aggregate"] = aggregate = k["aggregate"] or ("mean" if mod.score_kind == "attn" else "sum")
     if aggregate not in AGGREGATES:
         raise ValueError(f"aggregate={aggregate!r} must be one of {AGGREGATES}")
-    if aggregate == "layer" and mod.mi:
+    mod.check(modifier, k)
+    if k["mi_batch"] > 1 and not mod.sequential_choice:
+        sequential = ", ".join("+" + m for m, s in MODIFIERS.items() if s.sequential_choice)
         raise ValueError(
-            f"aggregate='layer' cannot be combined with {modifier!r}: its moment-informed eviction "
-            "scores every KV head by its own statistics, so the heads' kept tokens diverge"
+            f"mi_batch={k['mi_batch']} only applies to MomentKV's moment-informed eviction "
+            f"(scorers ending in {sequential})"
         )
-    if mi_batch > 1 and not mod.mi:
-        raise ValueError(
-            f"mi_batch={mi_batch} only applies to MomentKV's moment-informed eviction (scorers "
-            f"ending in {', '.join('+' + m for m, s in MODIFIERS.items() if s.mi)})"
-        )
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    if k["impl"] not in IMPLS:
+        raise ValueError(f"impl={k['impl']!r} must be one of {IMPLS}")
     if aggregate == "layer" and ALLOCATIONS[allocation].shared is not None:
         raise ValueError(
             f"aggregate='layer' keeps the same tokens in every KV head, which allocation="
             f"{allocation!r} shares unevenly among them"
         )
-    return Policy(
-        base,
-        budget,
-        n_sink,
-        window,
-        obs_window,
-        pool,
-        kernel,
-        aggregate,
-        modifier,
-        mi_batch,
-        impl,
-        allocation,
-        float(floor),
-        chunk,
-        floor_mode=floor_mode,
-        ratio=ratio,
-        ratio_of=ratio_of,
-    )
+    return Policy(base=base, budget=budget, modifier=modifier, ratio=ratio, ratio_of=ratio_of, **k)

@@ -14,20 +14,15 @@ import jax.numpy as jnp
 
 from kvjax.cache.layout import Dense, EvictingCache, Paged, cache_layout
 from kvjax.eviction import Policy
+from kvjax.eviction.keywords import DECODE_ORDERS, PROTOCOLS
 from kvjax.model.decoder import forward
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment, when
 from kvjax.runtime.inputs import round_capacity
 
-PROTOCOLS = ("blockwise", "prefill")
 # internal protocol: feed tokens without any eviction point (``Eviction.without_eviction``)
 APPEND = "append"
 PAGE_SIZE = 16  # tokens per page of the paged cache, unless chosen
-# A decode step's order: "attend-first" (every layer attends over its kept tokens and the new one;
-# the step then evicts in every layer) or "evict-first" (CAOTE's Eq. 5-7, MomentKV's Algorithm 1:
-# each layer evicts as soon as its attention has scored the new token and outputs the attention
-# over the tokens it keeps).
-DECODE_ORDERS = ("attend-first", "evict-first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +87,7 @@ class Eviction:
         cache, whose S k_j of every slot, for all layers at once, held [L, B, Hk, S, K] float32
         temporaries. Not on pages (there XLA then copied the page pool in every layer), nor for the
         cheaper reads of CAOTE's values (slower layer by layer on a CPU)."""
-        return self.page_size is None and self.policy.moment_eviction
+        return self.page_size is None and self.policy.modifier_spec.sequential_choice
 
     @property
     def layout(self) -> Dense | Paged:
@@ -125,12 +120,12 @@ class Eviction:
     def without_eviction(self) -> Eviction:
         """Feeding and decoding that never evict (the cache grows): what a compressed context does
         with a question that arrives after it (KVzip's and kvpress's query-agnostic setting). Only
-        MomentKV's correction of the attention still depends on the scorer, so the policy keeps just
-        that, the budget and a context's cap (``Policy.cap``) rounded up to ``CAPACITY_STEP``
-        (which size the cache): every other scorer and nearby budgets then share one
-        compilation."""
+        the modifier's correction of the attention (MomentKV's) still depends on the scorer, so the
+        policy keeps just that, the budget and a context's cap (``Policy.cap``) rounded up to
+        ``CAPACITY_STEP`` (which size the cache): every other scorer and nearby budgets then share
+        one compilation."""
         p = self.policy
-        nc = p.modifier if p.moment_correction else ""
+        corrects = p.modifier if p.modifier_spec.corrects_attention else ""
         policy = Policy(
             "streamingllm",
             budget=round_capacity(p.budget),
@@ -140,7 +135,8 @@ class Eviction:
             pool="none",
             kernel=1,
             aggregate="mean",
-            modifier=nc,
+            floor=0.0,
+            modifier=corrects,
             impl=p.impl,
             allocation=p.allocation,
             cap=None if p.cap is None else round_capacity(p.cap),
