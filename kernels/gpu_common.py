@@ -32,9 +32,8 @@ DEFAULT_BLOCK_Q = 64  # queries per query tile
 MIN_DOT = 16  # tl.dot needs every dimension ≥ 16
 # Flash-decoding: the softmax pass's splits per (row, KV head), at least MIN_SPLITS and, when
 # rows × KV heads are few, as many as make about SPLIT_PROGRAMS programs while each covers
-# SPLIT_SLOTS slots or more. On an H200, 256 programs (batch 4 × 8 KV heads × 8 splits) streamed a
-# 32K cache at 3.6 TB/s (2026-11-26); the 8B at batch 1, 64 programs, read the 3.8 GB more of a 32K
-# cache at about 1.6 TB/s (2026-11-28; benchmarks/gpu/NOTES.md).
+# SPLIT_SLOTS slots or more (the rates that chose them: benchmarks/gpu/NOTES.md and
+# docs/performance.md, "Figures that used to live in code comments").
 MIN_SPLITS = 8
 SPLIT_PROGRAMS = 256
 SPLIT_SLOTS = 512

@@ -56,17 +56,15 @@ def set_layer_slots(
     - CUDA: one scatter whose coordinates are the layer, the row, the KV head and the slot
       (``scatter_at_layer``, as ``FullCache.write``); the layer is its slice of the result, which
       XLA:GPU reads in place. Writing the updated slice back (below) made XLA:GPU copy each layer's
-      keys and values out of the stack and back in every step (for the 8B at batch 64, budget 1024:
-      134 MB four times per layer, 10 of the step's 22.7 ms on an H200, 2026-11-28); scattering into
-      the slice of ``x`` as it was made it copy the slice for MomentKV's in-layer eviction (8.6 GB
-      per step).
+      keys and values out of the stack and back in every step, and scattering into the slice of
+      ``x`` made it copy the slice for an in-layer eviction (docs/performance.md, "Figures that
+      used to live in code comments").
     - elsewhere: the slice updated by a scatter whose batch dimensions are the row and KV-head axes
       (leading there), and written back (``dynamic_update_slice``). On CPU the scatter above holds
-      more temporaries (22.1 against 9.5 MiB per row for 4 of the 8B's layers,
-      ``benchmarks/decode_temporaries.py``); a scatter batched over the stacked array's middle
-      axes made XLA:CPU transpose and copy all of it for every layer, and reading the layer from
-      the stacked result can make XLA:CPU keep a copy of the whole stacked array for every
-      layer."""
+      more temporaries (``benchmarks/decode_temporaries.py``); a scatter batched over the stacked
+      array's middle axes made XLA:CPU transpose and copy all of it for every layer, and reading
+      the layer from the stacked result can make XLA:CPU keep a copy of the whole stacked array
+      for every layer."""
     return jax.lax.platform_dependent(
         x, layer, index, values, cuda=scatter_layer_slots, default=write_back_layer_slots
     )

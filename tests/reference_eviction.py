@@ -11,9 +11,11 @@ self-tests: :class:`Reference`, :func:`parse_scorer`, :func:`select_kept`, :func
 :func:`pool_priorities`, :func:`attention`, :func:`obcache_columns`, :func:`caote_priorities`, :func:`select_moment_informed`,
 :func:`moment_terms`, :func:`nc_correct`, :func:`full_forward`.
 
-Scorer names (the grammar of docs/eviction.md, "Modifiers"): a base (``streamingllm``, ``h2o``, ``tova``,
-``snapkv``), ``base+modifier`` for a base other than ``streamingllm``, ``streamingllm+momentkv-nc``, and the
-alias ``momentkv`` = ``snapkv+momentkv``. See :data:`SCORERS`.
+One oracle entry per base scorer (:class:`OracleBase` and its subclasses, registered in :data:`ORACLE_BASES`)
+and per modifier (:class:`OracleModifier`'s, in :data:`ORACLE_MODIFIERS`), as the engine registers its own:
+what the base's state accumulates and how it ranks, what the modifier changes. Scorer names (the grammar of
+docs/eviction.md, "Modifiers"): a base, ``base+modifier`` for each modifier the base takes, and the alias
+``momentkv`` = ``snapkv+momentkv``. See :data:`SCORERS`.
 
 Readings chosen where ``docs/eviction.md`` leaves room (see the module's tests and report):
 
@@ -47,26 +49,152 @@ import numpy as np
 from kvjax.model.params import params_to_flat
 from kvjax.model.rope import inverse_frequencies
 
-SEED_BASES = ("streamingllm", "h2o", "h2o-window", "tova", "snapkv")
-NEW_BASES = ("expected-attention",)  # bases added after the seed grammar below; they take no modifier
-BASES = SEED_BASES + NEW_BASES
 EA_FUTURE = 512  # Expected Attention: future positions its mean rotation averages over (kvpress's default)
-OBCACHE = ("obcache-value", "obcache-key", "obcache-joint")
-CAOTE = ("caote", "fastcaote")
-MOMENTKV = ("momentkv", "momentkv-mi", "momentkv-nc", "momentkv-zeroth")
-MODIFIERS = OBCACHE + CAOTE + MOMENTKV
-MI_MODIFIERS = ("momentkv", "momentkv-mi", "momentkv-zeroth")  # moment-informed eviction
-NC_MODIFIERS = ("momentkv", "momentkv-nc", "momentkv-zeroth")  # normalization-corrected inference
-ALIASES = {"momentkv": "snapkv+momentkv"}
-# Every valid scorer name of the seed grammar (the NEW_BASES are valid too: parse_scorer).
-SCORERS = (SEED_BASES + tuple(f"{b}+{m}" for b in ("h2o", "h2o-window", "tova", "snapkv") for m in MODIFIERS)
-           + ("streamingllm+momentkv-nc",) + tuple(ALIASES))
 PROTOCOLS = ("blockwise", "prefill")
 POOLS = ("max", "avg", "none")
 AGGREGATES = ("sum", "mean", "max", "layer")
 ALLOCATIONS = ("uniform", "pyramidkv", "adakv", "global")
 NEAR_TIE_RTOL = 1e-6
 S_TILDE_CLAMP = 1e-6  # NC: entries of S̃ of magnitude below this are set to 0 (App. C.2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# One oracle entry per base scorer and per modifier (docs/eviction.md), registered below: ORACLE_BASES,
+# ORACLE_MODIFIERS. Their math functions follow further down.
+# ----------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class OracleBase:
+    """A base scorer: which prompt queries score (``queries``: "none", "all", "last" of the span, "window": its
+    last ``obs_window``; decoding queries always score unless "none"), whether a step's column replaces the state
+    (``replace``) or adds to it, whether the state resets at every eviction point (``resets``), whether its
+    aggregated priorities are pooled along positions (``pools``), the modifiers it takes. Its priority: the
+    aggregated state (pooled if ``pools``)."""
+
+    name: str
+    queries: str
+    replace: bool = False
+    resets: bool = False
+    pools: bool = False
+    modifiers: tuple[str, ...] = ()
+
+    def priorities(self, positions, states, protected, *, pool, kernel, aggregate, ref=None, layer=0, kh=0):
+        """Priorities of the unprotected tokens (in position order); ``ref``, ``layer``, ``kh``: the
+        :class:`Reference` it runs in (for bases that read more than the state)."""
+        unprotected = np.flatnonzero(~np.asarray(protected, bool))
+        prio = aggregate_states(np.asarray(states, np.float64)[unprotected].reshape(len(unprotected), -1),
+                                aggregate)
+        return pool_priorities(prio, pool, kernel) if self.pools else prio
+
+    def observe(self, ref, layer: int, x: np.ndarray, positions: np.ndarray) -> None:
+        """Statistics of its own from a step's hidden states x [T, D] (none by default)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ByPosition(OracleBase):
+    """StreamingLLM: the later position first."""
+
+    def priorities(self, positions, states, protected, **_):
+        return np.asarray(positions, np.int64)[~np.asarray(protected, bool)].astype(np.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpectedAttentionOracle(OracleBase):
+    """Expected Attention: statistics of the queries before RoPE past the sinks; :func:`expected_attention_priorities`."""
+
+    def observe(self, ref, layer, x, positions):
+        raw = qkv(ref.cfg, ref.w, layer, x, np.zeros_like(positions), ref.inv_freq)[0]
+        ref.raw_queries[layer] += [raw[t] for t, p in enumerate(positions) if p >= ref.n_sink]
+
+    def priorities(self, positions, states, protected, *, aggregate, ref=None, layer=0, kh=0, **_):
+        slots = ref.cache[layer][kh]
+        raw = np.asarray(ref.raw_queries[layer]).reshape(-1, ref.cfg.n_heads, ref.cfg.head_dim)
+        return expected_attention_priorities(
+            positions, np.stack([s.key for s in slots]), np.stack([s.value for s in slots]),
+            raw[:, kh * ref.G: (kh + 1) * ref.G], protected, seen=ref.seen, n_sink=ref.n_sink,
+            inv_freq=ref.inv_freq, aggregate=aggregate)
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleModifier:
+    """A modifier: what it changes in its base. ``OracleModifier()`` changes nothing."""
+
+    name: str = ""
+    moment_informed: bool = False  # its eviction is Algorithm 1's loop (select_moment_informed)
+
+    def column(self, A: np.ndarray, z: np.ndarray, values: np.ndarray, o: np.ndarray) -> np.ndarray:
+        """The per-slot column [N] a step's scoring queries add (A, z [n, N]; values [N, K]; o [n, K])."""
+        return A.sum(axis=0)
+
+    def priorities(self, base: OracleBase, positions, states, values, protected, **opts) -> np.ndarray:
+        """Priorities of the unprotected tokens: the base's."""
+        return base.priorities(positions, states, protected, **opts)
+
+    def correct(self, q: np.ndarray, o: np.ndarray, log_z: np.ndarray, moments) -> np.ndarray:
+        """The attention output the layer uses (o [T, K] of queries q, log-normaliser log_z [T])."""
+        return o
+
+    @property
+    def wraps_priority(self) -> bool:
+        return type(self).priorities is not OracleModifier.priorities
+
+
+@dataclasses.dataclass(frozen=True)
+class OBCacheOracle(OracleModifier):
+    """OBCache: its saliency (:func:`obcache_columns`) replaces the attention column; summed over the heads."""
+
+    def column(self, A, z, values, o):
+        return obcache_columns(self.name.removeprefix("obcache-"), A, z, values, o)
+
+
+@dataclasses.dataclass(frozen=True)
+class CAOTEOracle(OracleModifier):
+    """CAOTE / FastCAOTE: :func:`caote_priorities` over the base's state."""
+
+    fast: bool = False
+
+    def priorities(self, base, positions, states, values, protected, *, pool, kernel, aggregate, **_):
+        return caote_priorities(states, values, protected, base=base.name, fast=self.fast, pool=pool,
+                                kernel=kernel, aggregate=aggregate)
+
+
+@dataclasses.dataclass(frozen=True)
+class MomentKVOracle(OracleModifier):
+    """MomentKV: moment-informed eviction (``moment_informed``) and the normalization-corrected output (``nc``),
+    zeroth order when ``zeroth``."""
+
+    nc: bool = False
+    zeroth: bool = False
+
+    def correct(self, q, o, log_z, moments):
+        return nc_correct(q, o, log_z, moments, zeroth=self.zeroth) if self.nc else o
+
+
+ORACLE_MODIFIERS = {m.name: m for m in (
+    OBCacheOracle("obcache-value"), OBCacheOracle("obcache-key"), OBCacheOracle("obcache-joint"),
+    CAOTEOracle("caote"), CAOTEOracle("fastcaote", fast=True),
+    MomentKVOracle("momentkv", moment_informed=True, nc=True), MomentKVOracle("momentkv-mi", moment_informed=True),
+    MomentKVOracle("momentkv-nc", nc=True), MomentKVOracle("momentkv-zeroth", moment_informed=True, nc=True,
+                                                           zeroth=True),
+)}
+MODIFIERS = tuple(ORACLE_MODIFIERS)
+OBCACHE = tuple(m for m, s in ORACLE_MODIFIERS.items() if isinstance(s, OBCacheOracle))
+CAOTE = tuple(m for m, s in ORACLE_MODIFIERS.items() if isinstance(s, CAOTEOracle))
+MOMENTKV = tuple(m for m, s in ORACLE_MODIFIERS.items() if isinstance(s, MomentKVOracle))
+ORACLE_BASES = {b.name: b for b in (
+    ByPosition("streamingllm", "none", modifiers=("momentkv-nc",)),
+    OracleBase("h2o", "all", modifiers=MODIFIERS),
+    OracleBase("h2o-window", "window", modifiers=MODIFIERS),
+    OracleBase("tova", "last", replace=True, resets=True, modifiers=MODIFIERS),
+    OracleBase("snapkv", "window", resets=True, pools=True, modifiers=MODIFIERS),
+    ExpectedAttentionOracle("expected-attention", "none"),
+)}
+BASES = tuple(ORACLE_BASES)
+NEW_BASES = ("expected-attention",)  # bases added after the seed grammar of SCORERS; valid names too
+ALIASES = {"momentkv": "snapkv+momentkv"}
+# Every scorer name of the seed grammar: its bases, each base+modifier a base takes, the aliases.
+SCORERS = (tuple(b for b in BASES if b not in NEW_BASES)
+           + tuple(f"{b}+{m}" for b, spec in ORACLE_BASES.items() for m in spec.modifiers) + tuple(ALIASES))
 
 
 def parse_scorer(name: str) -> tuple[str, str | None]:
@@ -80,7 +208,7 @@ def parse_scorer(name: str) -> tuple[str, str | None]:
 
 def default_aggregate(scorer: str) -> str:
     """``sum`` for the OBCache modifiers (OBCache App. B.5), ``mean`` otherwise."""
-    return "sum" if parse_scorer(scorer)[1] in OBCACHE else "mean"
+    return "sum" if isinstance(ORACLE_MODIFIERS.get(parse_scorer(scorer)[1]), OBCacheOracle) else "mean"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -294,14 +422,7 @@ def protected_mask(positions, *, seen: int, n_sink: int, window: int) -> np.ndar
 def base_priorities(positions, states, protected, *, base: str, pool: str = "max", kernel: int = 7,
                     aggregate: str = "mean") -> np.ndarray:
     """Priorities of the unprotected tokens (in position order) under a base scorer (step 4 of the doc)."""
-    positions = np.asarray(positions, np.int64)
-    unprotected = np.flatnonzero(~np.asarray(protected, bool))
-    if base == "streamingllm":
-        return positions[unprotected].astype(np.float64)
-    prio = aggregate_states(np.asarray(states, np.float64)[unprotected].reshape(len(unprotected), -1), aggregate)
-    if base == "snapkv":
-        prio = pool_priorities(prio, pool, kernel)
-    return prio
+    return ORACLE_BASES[base].priorities(positions, states, protected, pool=pool, kernel=kernel, aggregate=aggregate)
 
 
 def expected_attention_priorities(positions, keys, values, queries, protected, *, seen: int, n_sink: int,
@@ -359,7 +480,7 @@ def caote_priorities(states, values, protected, *, base: str, fast: bool, pool: 
     c = np.zeros((len(unprotected), G))
     for g in range(G):
         s = states[:, g].copy()
-        if base == "snapkv":
+        if ORACLE_BASES[base].pools:
             s[unprotected] = pool_priorities(s[unprotected], pool, kernel)
         s = np.maximum(s, 0.0)
         total = s.sum()
@@ -576,11 +697,8 @@ class Reference:
         self.w = numpy_params(params)
         self.inv_freq = np.asarray(inverse_frequencies(cfg), np.float64)
         self.scorer, self.base, self.modifier = scorer, base, modifier
-        self.obcache = modifier.removeprefix("obcache-") if modifier in OBCACHE else None  # value/key/joint
-        self.caote = modifier in CAOTE
-        self.moment_informed = modifier in MI_MODIFIERS
-        self.normalization_corrected = modifier in NC_MODIFIERS
-        self.zeroth = modifier == "momentkv-zeroth"
+        # its oracle entries: what the base and the modifier do (ORACLE_BASES, ORACLE_MODIFIERS)
+        self.b, self.m = ORACLE_BASES[base], ORACLE_MODIFIERS.get(modifier, OracleModifier())
         self.budget, self.protocol, self.block_size = budget, protocol, block_size
         self.n_sink, self.window, self.obs_window = n_sink, window, obs_window
         self.pool, self.kernel, self.aggregate = pool, kernel, aggregate
@@ -623,9 +741,7 @@ class Reference:
         x = w["embed"][tokens]
         for layer in range(cfg.n_layers):
             q, k, v = qkv(cfg, w, layer, x, positions, self.inv_freq)
-            if self.base == "expected-attention":  # its statistics: the queries before RoPE past the sinks
-                raw = qkv(cfg, w, layer, x, np.zeros_like(positions), self.inv_freq)[0]
-                self.raw_queries[layer] += [raw[t] for t, p in enumerate(positions) if p >= self.n_sink]
+            self.b.observe(self, layer, x, positions)
             for t, p in enumerate(positions):
                 self.history[layer]["q"][int(p)] = q[t].copy()
                 self.history[layer]["k"][int(p)] = k[t].copy()
@@ -645,21 +761,12 @@ class Reference:
                     h = kh * G + g
                     # 2. attend (MomentKV NC corrects the output the layer uses, not the scores below)
                     z, A, o, log_z = attention(q[:, h], keys, vals, visible)
-                    if self.normalization_corrected:
-                        attn[:, h] = nc_correct(q[:, h], o, log_z, moments, zeroth=self.zeroth)
-                    else:
-                        attn[:, h] = o
+                    attn[:, h] = self.m.correct(q[:, h], o, log_z, moments)
                     # 3. score update
-                    if scoring.any() and self.base not in ("streamingllm", "expected-attention"):
-                        if self.obcache:
-                            col = obcache_columns(self.obcache, A[scoring], z[scoring], vals, o[scoring])
-                        else:
-                            col = A[scoring].sum(axis=0)  # [N]
+                    if scoring.any() and self.b.queries != "none":
+                        col = self.m.column(A[scoring], z[scoring], vals, o[scoring])  # [N]
                         for j, s in enumerate(slots):
-                            if self.base == "tova":
-                                s.state[g] = col[j]
-                            else:  # h2o, h2o-window, snapkv
-                                s.state[g] += col[j]
+                            s.state[g] = col[j] if self.b.replace else s.state[g] + col[j]
             if evict_point and evict_first:  # 4. evict this layer now, then attend again over what it keeps
                 self._evict_all([layer])
                 attn = self._attend_kept(layer, q, positions)
@@ -683,8 +790,7 @@ class Reference:
             for g in range(self.G):
                 h = kh * self.G + g
                 _, _, o, log_z = attention(q[:, h], keys, vals, visible)
-                attn[:, h] = nc_correct(q[:, h], o, log_z, moments, zeroth=self.zeroth) \
-                    if self.normalization_corrected else o
+                attn[:, h] = self.m.correct(q[:, h], o, log_z, moments)
         return attn
 
     def _priorities(self, layer: int, kh: int, aggregate: str) -> np.ndarray:
@@ -692,24 +798,16 @@ class Reference:
         positions = [s.position for s in slots]
         states = np.stack([s.state for s in slots])
         protected = protected_mask(positions, seen=self.seen, n_sink=self.n_sink, window=self.window)
-        opts = dict(pool=self.pool, kernel=self.kernel, aggregate=aggregate)
-        if self.base == "expected-attention":
-            raw = np.asarray(self.raw_queries[layer]).reshape(-1, self.cfg.n_heads, self.cfg.head_dim)
-            return expected_attention_priorities(
-                positions, np.stack([s.key for s in slots]), np.stack([s.value for s in slots]),
-                raw[:, kh * self.G: (kh + 1) * self.G], protected, seen=self.seen, n_sink=self.n_sink,
-                inv_freq=self.inv_freq, aggregate=aggregate)
-        if self.caote:
-            return caote_priorities(states, np.stack([s.value for s in slots]), protected, base=self.base,
-                                    fast=self.modifier == "fastcaote", **opts)
-        return base_priorities(positions, states, protected, base=self.base, **opts)
+        return self.m.priorities(self.b, positions, states, np.stack([s.value for s in slots]), protected,
+                                 pool=self.pool, kernel=self.kernel, aggregate=aggregate, ref=self, layer=layer,
+                                 kh=kh)
 
     def _layer_priorities(self, layer: int) -> np.ndarray:
         """aggregate="layer": the mean over the KV heads of each head's group-mean priorities (the mean over
         every query head of the layer), given to every head; their kept positions must coincide."""
         heads = [[s.position for s in slots] for slots in self.cache[layer]]
         assert all(h == heads[0] for h in heads), "aggregate='layer' keeps the same tokens in every KV head"
-        if self.base == "snapkv" and not self.caote:  # pooling is applied to the layer mean, not per head
+        if self.b.pools and not self.m.wraps_priority:  # pooling is applied to the layer mean, not per head
             mean = np.mean([np.stack([s.state for s in slots]) for slots in self.cache[layer]], axis=0)
             protected = protected_mask(heads[0], seen=self.seen, n_sink=self.n_sink, window=self.window)
             return base_priorities(heads[0], mean, protected, base=self.base, pool=self.pool, kernel=self.kernel,
@@ -782,10 +880,10 @@ class Reference:
             protected = protected_mask(positions, seen=self.seen, n_sink=self.n_sink, window=self.window)
             if prio is None:
                 prio = self._priorities(layer, kh, self.aggregate)
-            if self.moment_informed:
+            if self.m.moment_informed:
                 d = select_moment_informed(positions, np.stack([s.key for s in slots]),
                                            np.stack([s.value for s in slots]), protected, prio, count,
-                                           self.moments(layer, kh), zeroth=self.zeroth)
+                                           self.moments(layer, kh), zeroth=self.m.zeroth)
                 keep, order, near, exact = d.keep, d.evicted, d.near_ties, d.exact_ties
             else:
                 d = keep_highest(positions, protected, prio, count)
@@ -805,7 +903,7 @@ class Reference:
                                    "kept": [s.position for s in kept], "evicted": [positions[j] for j in order],
                                    "near_tie": near > 0, "near_ties": near})
             self.cache[layer][kh] = slots = kept
-        if self.base in ("tova", "snapkv"):  # the reset happens at every eviction point, also one removing nothing
+        if self.b.resets:  # the reset happens at every eviction point, also one removing nothing
             for s in slots:
                 s.state[:] = 0.0
 
@@ -814,14 +912,11 @@ class Reference:
         return [[sorted(s.position for s in slots) for slots in layer] for layer in self.cache]
 
     def _prompt_scoring(self, positions: np.ndarray, block_end: int, prompt_len: int) -> np.ndarray:
-        if self.base in ("streamingllm", "expected-attention"):
-            return np.zeros(len(positions), bool)
-        if self.base == "h2o":
-            return np.ones(len(positions), bool)
+        """Which of a prompt block's queries score (the base's ``queries``), the span ending at the block's end
+        (blockwise) or the prompt's (prefill); a window capped by the block / prompt."""
         end = block_end if self.protocol == "blockwise" else prompt_len
-        if self.base == "tova":
-            return positions == end - 1
-        return positions >= end - self.obs_window  # snapkv, h2o-window; W capped by the block / prompt
+        return {"none": np.zeros(len(positions), bool), "all": np.ones(len(positions), bool),
+                "last": positions == end - 1, "window": positions >= end - self.obs_window}[self.b.queries]
 
     def run(self, prompt, max_new_tokens: int) -> dict:
         prompt = [int(t) for t in prompt]
@@ -885,7 +980,7 @@ def run_reference(params, prompt, max_new_tokens, *, scorer, budget, protocol, b
 
 KVZIP_TRAIL = 8  # tokens of the previous chunk quoted before a later chunk
 KVZIP_MODIFIERS = CAOTE + MOMENTKV
-# Every KVzip name: [allocation+]kvzip[+modifier] (adakv when no allocation is named); kvzip-head.
+# Every KVzip name: [allocation+]kvzip[+modifier] (global when no allocation is named); kvzip-head.
 KVZIP_SCORERS = (("kvzip", "kvzip-head") + tuple(f"kvzip+{m}" for m in KVZIP_MODIFIERS)
                  + tuple(f"{a}+kvzip" + (f"+{m}" if m else "") for a in ALLOCATIONS
                          for m in ("",) + KVZIP_MODIFIERS))
@@ -896,12 +991,12 @@ KVZIP_TIE_RTOL = 1e-4
 
 def parse_kvzip_scorer(name: str) -> tuple[str, str, str | None]:
     """``(allocation, base, modifier)`` of a KVzip name: ``("heads", "kvzip-head", None)`` or, for
-    ``[allocation+]kvzip[+modifier]``, allocation ``adakv`` when none is named."""
+    ``[allocation+]kvzip[+modifier]``, allocation ``global`` when none is named."""
     if name not in KVZIP_SCORERS:
         raise ValueError(f"scorer={name!r}; expected one of {KVZIP_SCORERS}")
     if name == "kvzip-head":
         return "heads", "kvzip-head", None
-    allocation, rest = ("adakv", name) if name.startswith("kvzip") else name.split("+", 1)
+    allocation, rest = ("global", name) if name.startswith("kvzip") else name.split("+", 1)
     return allocation, "kvzip", rest.partition("+")[2] or None
 
 

@@ -151,10 +151,11 @@ def test_contexts_shorter_than_a_chunk_are_fed_at_their_length(model, monkeypatc
 
 
 def test_compression_keeps_the_top_scores_over_each_layers_heads(model):
-    """kvzip's default: each layer keeps n_kv_heads × budget tokens, the top scores over its heads (no floor),
-    the first n_sink protected; then the question and the answer are appended, nothing evicted."""
+    """kvzip layer-wise (adakv+kvzip, kvpress's KVzipPress(layerwise=True)): each layer keeps n_kv_heads × budget
+    tokens, the top scores over its heads (no floor), the first n_sink protected; then the question and the
+    answer are appended, nothing evicted."""
     context = np.random.default_rng(3).integers(10, 97, 40).astype(np.int32)
-    compressed = kvjax.prefill(model, context, budget=12, scorer="kvzip", repeat_prompt=PROMPT, n_sink=2)
+    compressed = kvjax.prefill(model, context, budget=12, scorer="adakv+kvzip", repeat_prompt=PROMPT, n_sink=2)
     scores = numpy_kvzip(model, context, 2048)  # one chunk of the paper's size
     kept = np.asarray(compressed.cache.sorted_pos)[:, 0]  # [L, Hk, C]
     cfg, uneven = model.config, False
@@ -169,10 +170,24 @@ def test_compression_keeps_the_top_scores_over_each_layers_heads(model):
             assert sorted(p for p in kept[layer, h] if p >= 0) == sorted([0, 1] + best.tolist())
     assert uneven
     question = np.arange(10, 16, dtype=np.int32)  # decode (evict=True) appends, as the reference
-    ref = run_kvzip_reference(model, context, 4, scorer="kvzip", budget=12, question=question,
+    ref = run_kvzip_reference(model, context, 4, scorer="adakv+kvzip", budget=12, question=question,
                               repeat_prompt=PROMPT, n_sink=2)
     answer = kvjax.decode(model, compressed, question, 4, stop_ids=())
     np.testing.assert_array_equal(answer, ref["tokens"])
+
+
+def test_the_default_is_one_threshold_over_every_layer_and_head(model):
+    """kvzip's default allocation is global (kvpress's default KVzipPress(), chosen on docs/results.md's
+    evaluation): the kept positions of global+kvzip, and a layer's heads keep other counts than under
+    adakv+kvzip."""
+    context = np.random.default_rng(3).integers(10, 97, 40).astype(np.int32)
+    kept = {scorer: np.asarray(kvjax.prefill(model, context, budget=12, scorer=scorer, repeat_prompt=PROMPT,
+                                             n_sink=2).cache.sorted_pos)[:, 0]
+            for scorer in ("kvzip", "global+kvzip", "adakv+kvzip")}
+    counts = {s: (k >= 0).sum(-1) for s, k in kept.items()}  # [L, Hk]
+    np.testing.assert_array_equal(kept["kvzip"], kept["global+kvzip"])
+    assert counts["kvzip"].sum() == counts["adakv+kvzip"].sum() == 12 * counts["kvzip"].size
+    assert not np.array_equal(counts["kvzip"].sum(-1), counts["adakv+kvzip"].sum(-1))  # layers keep unevenly
 
 
 def test_head_level_mode_keeps_whole_heads(model, tmp_path):

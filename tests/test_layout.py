@@ -198,3 +198,43 @@ def test_the_caches_name_no_scorer_or_modifier():
                 if hits := {w for w in words if w in parts or (len(w) > 3 and w in name.lower())}:
                     found.append(f"{path.name}:{node.lineno}: {name} ({', '.join(sorted(hits))})")
     assert not found, found
+
+def test_every_base_and_modifier_has_its_oracle_entry():
+    """A base scorer is one module, one registration line (kvjax.eviction.names.BASES) and one oracle entry
+    (tests/reference_eviction.py's ORACLE_BASES, with the same scoring queries, state folding, reset, pooling and
+    modifiers), and a modifier one module and one oracle entry (ORACLE_MODIFIERS); KVzip's bases have their own
+    oracle (KVzipReference)."""
+    from reference_eviction import MODIFIERS, ORACLE_BASES, ORACLE_MODIFIERS
+
+    from kvjax.eviction import BASES
+    from kvjax.eviction import MODIFIERS as ENGINE_MODIFIERS
+
+    assert set(BASES) - {"kvzip", "kvzip-head"} == set(ORACLE_BASES)
+    assert set(ENGINE_MODIFIERS) == set(ORACLE_MODIFIERS) == set(MODIFIERS)
+    for name, oracle in ORACLE_BASES.items():
+        base = BASES[name]
+        assert (oracle.queries, oracle.replace, oracle.resets) == (base.queries, base.replace,
+                                                                  base.reset_after_evict), name
+        assert oracle.pools == (base.default_pool != "none"), name
+        assert set(oracle.modifiers) == set(base.modifiers) & set(ENGINE_MODIFIERS), name
+
+def test_every_cache_is_a_cache():
+    """The full, recording, dense and paged caches (and the evaluation's recorder) all meet the one protocol the
+    model's layers use (kvjax.cache.layout.Cache: attend and kv); the budget caches the evicting one."""
+    import jax
+
+    import kvjax
+    from kvjax.cache.full import FullCache
+    from kvjax.cache.layout import Cache, EvictingCache
+    from kvjax.eval.fidelity import OutputRecorder
+    from kvjax.runtime.options import eviction_from
+    from kvjax.runtime.prefilled import RecordingCache
+
+    cfg = kvjax.ModelConfig(arch="llama", vocab_size=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8,
+                            d_ff=16, max_seq_len=64)
+    full = FullCache.init(cfg, 1, 8, jax.numpy.float32)
+    budget = [eviction_from(budget=8, scorer=s, window=2).empty_cache(cfg, 1, 1, jax.numpy.float32)
+              for s in ("snapkv", "adakv")]
+    for cache in (full, RecordingCache(full=full, q=None), OutputRecorder(inner=full, outs=None), *budget):
+        assert isinstance(cache, Cache), type(cache)
+    assert all(isinstance(c, EvictingCache) for c in budget) and not isinstance(full, EvictingCache)

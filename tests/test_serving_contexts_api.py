@@ -30,7 +30,7 @@ DOCUMENT = (
     "day the old bell cracked in the cold."
 )
 QUESTIONS = ["What was the password?", "How many passengers?", "Name the ferry.", "What cracked?"]
-CONTEXTS = dict(budget=32, scorer="kvzip")  # the server's default contexts: paged (adakv)
+CONTEXTS = dict(budget=32, scorer="kvzip")  # the server's default contexts: paged (global)
 MAX_NEW = 8
 
 
@@ -56,7 +56,8 @@ def tiny():
 
 
 def alone(params, context, question) -> list[int]:
-    return [int(t) for t in kvjax.decode(params, context, question, MAX_NEW, evict=False)]
+    """kvjax.decode of the context alone, stopping at no id (as the slots are asked: stop_ids=())."""
+    return [int(t) for t in kvjax.decode(params, context, question, MAX_NEW, evict=False, stop_ids=())]
 
 
 def through_slots(params, eviction, seed, question_lengths, evict):
@@ -356,7 +357,7 @@ def test_context_errors_over_http(tiny, smollm2_tokenizer, tmp_path):
             served.client.completions.create(
                 model="tiny", prompt="hi", max_tokens=2, extra_body={"context_evict": True}
             )
-        snapkv = post(document=DOCUMENT, scorer="snapkv", allocation="adakv", obs_window=8)
+        snapkv = post(document=DOCUMENT, scorer="snapkv", allocation="global", obs_window=8)
         assert snapkv.status_code == 201, snapkv.text
         assert served.ask(snapkv.json()["id"], "hi")  # the slots without eviction take it
         with pytest.raises(openai.BadRequestError, match="no slots that evict"):

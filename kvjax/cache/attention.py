@@ -1,9 +1,10 @@
-"""The attention path both budget caches share: a step's attention with per-slot scores (the
-cache's kernels over its storage), the modifier's correction of it, and the scorer's state and
-statistics update.
+"""The attention path both budget caches share (``attend_scored``): a step's attention with
+per-slot scores (the cache's kernels over its storage), the modifier's correction of it, the
+scorer's state and statistics update, and the eviction inside the layer.
 
-Each cache passes its kernels as two functions over its own storage, so that kernel dispatch, the
-correction and the scorer's bookkeeping exist once.
+Each cache writes the new tokens into its storage and passes its kernels as two functions over it,
+so that kernel dispatch, the correction, the scorer's bookkeeping and the in-layer eviction exist
+once.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+
+from kvjax.model.segment import when
 
 # The leading logical axes of the attention kernels' arguments (q, k, v, slot_pos, query_pos,
 # query_weights) and outputs (out, lse, col), for running them per shard.
@@ -49,6 +52,33 @@ def fold_scores(policy, seg, q: jax.Array, state: jax.Array, stats, col: jax.Arr
     if col is not None:  # new slots start from zero: empty slots hold a zero state
         state = policy.scorer.update_state(state, col, seg.query_weights.sum(-1) > 0)
     return state, policy.scorer.observe(stats, q, seg.positions, seg.valid, policy)
+
+
+def attend_scored(cache, q: jax.Array, seg, decode, block: Kernel, evict_layer):
+    """The rest of a layer's step once ``cache`` (its ``LAYER_FIELDS`` the layer's) holds the new
+    tokens: the output [B, T, H, K] of queries q and the cache with the scorer's state and
+    statistics folded in, evicted here when ``seg.evict_in_layer`` says so (then, under
+    ``seg.attend_kept``, the output is the attention over the tokens it keeps).
+
+    Args:
+        decode(c) -> Kernel: the cache's decode kernel over the storage of cache ``c``.
+        block: its block kernel over ``cache``'s storage.
+        evict_layer(c): the cache ``c`` after this layer's eviction point.
+    """
+    p = seg.policy
+    out, col = scored_attention(p, seg, q, block, decode(cache), cache.moments)
+    state, stats = fold_scores(p, seg, q, cache.state, cache.stats, col)
+    cache = cache.replace(state=state, stats=stats)
+    if seg.evict_in_layer and seg.attend_kept:
+
+        def evict_first(args):
+            c = evict_layer(args[0])
+            return c, kept_attention(p, decode(c), c.moments)
+
+        cache, out = when(seg.evict, evict_first, (cache, out))
+    elif seg.evict_in_layer:
+        cache = when(seg.evict, evict_layer, cache)
+    return out, cache
 
 
 def kept_attention(policy, decode: Kernel, moments) -> jax.Array:

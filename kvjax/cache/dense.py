@@ -16,20 +16,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache.attention import (
-    ATTENTION_AXES,
-    ATTENTION_OUT_AXES,
-    KV,
-    fold_scores,
-    kept_attention,
-    scored_attention,
-)
+from kvjax.cache.attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV, attend_scored
 from kvjax.cache.slots_view import SlotsView
 from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.moments import Moments, over_layers
 from kvjax.kernels import block_attention_with_scores, decode_attention_with_scores
 from kvjax.model.config import ModelConfig
-from kvjax.model.segment import Segment, when
+from kvjax.model.segment import Segment
 from kvjax.sharding import per_shard
 from kvjax.slots import inverse_permutation, set_layer_slots, set_slots, true_first
 
@@ -143,18 +136,9 @@ class BudgetCache(SlotsView):
             B,
             Hk,
         )
-        out, col = scored_attention(p, seg, q, block, decode(here), here.moments)
-        state, stats = fold_scores(p, seg, q, here.state, here.stats, col)
-        here = here.replace(state=state, stats=stats)
-        if seg.evict_in_layer and seg.attend_kept:
-
-            def evict_first(args):
-                h = args[0]._evict_layer(p, seg.seen)
-                return h, kept_attention(p, decode(h), h.moments)
-
-            here, out = when(seg.evict, evict_first, (here, out))
-        elif seg.evict_in_layer:
-            here = when(seg.evict, lambda h: h._evict_layer(p, seg.seen), here)
+        out, here = attend_scored(
+            here, q, seg, decode, block, lambda h: h._evict_layer(p, seg.seen)
+        )
         return out, here.replace(k=k_all, v=v_all)
 
     def evict(self, p: Policy, seen: jax.Array) -> BudgetCache:

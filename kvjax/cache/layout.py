@@ -1,5 +1,6 @@
-"""The budget caches' one interface (``EvictingCache``) and the layout that makes one from the
-eviction settings: ``Dense`` (``BudgetCache``, one block of slots per head) under a uniform
+"""The caches' interfaces (``Cache``: what the model's layers use of any cache, the full and the
+recording ones included; ``EvictingCache``: a budget cache) and the layout that makes a budget cache
+from the eviction settings: ``Dense`` (``BudgetCache``, one block of slots per head) under a uniform
 allocation, ``Paged`` (``PagedCache``, pages from a pool per row) when heads keep different counts.
 Callers ask the layout for an empty cache, a refit, or a compressed full cache, and never branch on
 which it is."""
@@ -7,7 +8,7 @@ which it is."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,22 @@ from kvjax.cache.paged import PagedCache, pool_pages
 from kvjax.eviction.moments import Moments
 
 
-class EvictingCache(Protocol):
+@runtime_checkable
+class Cache(Protocol):
+    """What the model's layers use of any cache: ``attend(layer, q, k, v, seg)`` writes a layer's
+    new keys and values and returns its attention output and the cache (``kvjax.model.decoder``);
+    ``kv`` its keys and values."""
+
+    @property
+    def kv(self) -> tuple[jax.Array, jax.Array]: ...
+
+    def attend(
+        self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, seg
+    ) -> tuple[jax.Array, Cache]: ...
+
+
+@runtime_checkable
+class EvictingCache(Cache, Protocol):
     """What the engine, the model's layers and the serving slots use of a budget cache. ``attend``
     gets the fields named in ``LAYER_FIELDS`` as its layer's slice (``kvjax.model.layer_fields``).
 

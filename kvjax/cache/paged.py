@@ -21,14 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache.attention import (
-    ATTENTION_AXES,
-    ATTENTION_OUT_AXES,
-    KV,
-    fold_scores,
-    kept_attention,
-    scored_attention,
-)
+from kvjax.cache.attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV, attend_scored
 from kvjax.cache.slots_view import SlotsView
 from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.allocations import ranks
@@ -40,7 +33,7 @@ from kvjax.kernels.paged_attention import (
 from kvjax.kernels.paged_attention.reference import gather_pages
 from kvjax.model.config import ModelConfig
 from kvjax.model.layer_fields import join_layers, split_layers
-from kvjax.model.segment import Segment, when
+from kvjax.model.segment import Segment
 from kvjax.sharding import per_shard
 from kvjax.slots import per_row, set_slots, true_first
 
@@ -259,16 +252,8 @@ class PagedCache(SlotsView):
         # pools: per row
         axes = (ATTENTION_AXES[0], ("batch",), ("batch",), KV, KV, *ATTENTION_AXES[3:])
 
-        def decode(c: PagedCache, pos: jax.Array):
-            storage = (
-                q,
-                c.k_pages,
-                c.v_pages,
-                c.table,
-                c.n_pages,
-                pos,
-                seg.positions,
-            )
+        def decode(c: PagedCache):
+            storage = (q, c.k_pages, c.v_pages, c.table, c.n_pages, c.pos, seg.positions)
             return lambda weights, moments, *static: per_shard(
                 lambda *a: paged_decode_attention_with_scores(
                     *a[:-1], p.score_kind, a[-1], *static, impl=p.impl
@@ -288,18 +273,10 @@ class PagedCache(SlotsView):
             B,
             Hk,
         )
-        cache = cache.replace(k_pages=k_pages, v_pages=v_pages)
-        out, col = scored_attention(p, seg, q, block, decode(cache, pos), cache.moments)
-        state, stats = fold_scores(p, seg, q, cache.state, cache.stats, col)
-        cache = cache.replace(pos=pos, state=state, stats=stats)
-        if seg.evict_in_layer:
-
-            def evict_first(args):
-                c = args[0]._evict_layer(p, seg.seen, layer)
-                return c, kept_attention(p, decode(c, c.pos), c.moments)
-
-            cache, out = when(seg.evict, evict_first, (cache, out))
-        return out, cache
+        cache = cache.replace(k_pages=k_pages, v_pages=v_pages, pos=pos)
+        return attend_scored(
+            cache, q, seg, decode, block, lambda c: c._evict_layer(p, seg.seen, layer)
+        )
 
     def evict(
         self,

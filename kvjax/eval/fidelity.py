@@ -26,10 +26,14 @@ from kvjax.runtime.protocol import Eviction
 @struct.dataclass
 class OutputRecorder:
     """Wraps any cache and keeps every layer's attention output of the last ``T`` fed tokens: outs
-    [L, B, T, H, K]."""
+    [L, B, T, H, K]; a ``kvjax.cache.layout.Cache``."""
 
     inner: object
     outs: jax.Array
+
+    @property
+    def kv(self) -> tuple[jax.Array, jax.Array]:
+        return self.inner.kv
 
     def attend(self, layer, q, k, v, seg):
         out, inner = attend_stacked(self.inner, layer, q, k, v, seg)

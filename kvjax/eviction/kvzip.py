@@ -104,11 +104,13 @@ class KVzip(Base):
     name = "kvzip"
     description = (
         "KVzip: the most attention a token receives while the model repeats the context (a "
-        "scoring pass after the prefill; needs `repeat_prompt`); top scores over each layer's KV "
-        "heads"
+        "scoring pass after the prefill; needs `repeat_prompt`); top scores over every layer and "
+        "KV head (kvpress's `KVzipPress()`; `adakv+kvzip`: over each layer's KV heads)"
     )
     replace = True
     scoring_pass = "kvzip"
-    default_allocation = "adakv"
+    # kvpress's default, one threshold over every layer and KV head: at least as good as each
+    # layer's heads sharing their budget in every cell of docs/results.md ("KVzip's global mode")
+    default_allocation = "global"
     default_floor = 0.0
     modifiers = ("caote", "fastcaote", "momentkv", "momentkv-mi", "momentkv-nc", "momentkv-zeroth")

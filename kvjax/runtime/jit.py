@@ -3,10 +3,11 @@
 On CUDA GPUs, no Triton GEMM fusions (``xla_gpu_enable_triton_gemm=False``): XLA:GPU then
 multiplies with cuBLAS, and its dynamic-slice fusion lets cuBLAS read a layer's weights in place
 inside the stacked arrays that the layer scan slices, where a Triton GEMM fusion is handed a copy
-of the slice (every weight read, written and read again per decoding step: the 8B model's batch-1
-step at 3.3x its byte floor). Read from XLA:GPU's compile of the 8B decoding step for an H200, made
-on a CPU without a device (``benchmarks/gpu/aot.py``): the copy's buffer is one layer's weights
-(436 MB) with Triton GEMM fusions, and absent without them.
+of the slice (every weight read, written and read again per decoding step). Read from XLA:GPU's
+compile of the 8B decoding step for an H200, made on a CPU without a device
+(``benchmarks/gpu/aot.py``): the copy's buffer is one layer's weights with Triton GEMM fusions,
+and absent without them (the figures: docs/performance.md, "Figures that used to live in code
+comments").
 """
 
 from __future__ import annotations

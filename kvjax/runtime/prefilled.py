@@ -48,12 +48,17 @@ from kvjax.sharding import auto_mesh, check_batch, constrain, on_mesh, shard
 
 @struct.dataclass
 class RecordingCache:
-    """A full cache that also keeps every layer's queries q: [L, B, P, H, K] (after RoPE)."""
+    """A full cache that also keeps every layer's queries q: [L, B, P, H, K] (after RoPE); a
+    ``kvjax.cache.layout.Cache``."""
 
     full: FullCache
     q: jax.Array
 
     AXES = dict(q=("layers", "batch", "positions", "heads", "head_dim"))
+
+    @property
+    def kv(self) -> tuple[jax.Array, jax.Array]:
+        return self.full.kv
 
     def attend(self, layer, q, k, v, seg):
         out, full = self.full.attend(layer, q, k, v, seg)
