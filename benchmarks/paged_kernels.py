@@ -1,31 +1,33 @@
-"""Paged kernels of ``kvjax.kernels.paged_attention``: the cache bytes a pass reads, paged versus gathered.
+"""Paged kernels of ``kvjax.kernels.paged_attention``: the cache bytes a pass reads, paged versus
+gathered.
 
-    .venv/bin/python benchmarks/paged_kernels.py                  # instant: computed from the shapes
+    .venv/bin/python benchmarks/paged_kernels.py  # instant: computed from the shapes
     .venv/bin/python benchmarks/paged_kernels.py --page-size 32 --dtype float32
 
 CPU times of the reference and of interpreted kernels say nothing about a TPU or GPU (and none was
-available), so this prints what the kernels' design decides instead: the K and V bytes one pass over the
-cache reads for a whole model (every layer, one sequence), when per-head budgets differ.
+available), so this prints what the kernels' design decides instead: the K and V bytes one pass over
+the cache reads for a whole model (every layer, one sequence), when per-head budgets differ.
 
 * paged: the kernels read the used pages only, n_pages·P slots per (layer, KV head);
-* gathered: gathering each head's pages into the dense [Hk, M·P, K] layout first (what the reference does,
-  and what the dense kernels would need) reads M pages per head — M, the page-table width, is the largest
-  head's page count over all layers, since one static shape serves every layer (a scan over layers) — writes
-  that copy, and the dense kernel reads it again: 3·M·P slots per head.
+* gathered: gathering each head's pages into the dense [Hk, M·P, K] layout first (what the reference
+  does, and what the dense kernels would need) reads M pages per head — M, the page-table width, is
+  the largest head's page count over all layers, since one static shape serves every layer (a scan
+  over layers) — writes that copy, and the dense kernel reads it again: 3·M·P slots per head.
 
-Cache memory follows the same numbers: the paged pool holds the used pages, a dense cache holds M·P slots
-for every (layer, KV head) — and one pass of the dense kernels over it reads all of them.
+Cache memory follows the same numbers: the paged pool holds the used pages, a dense cache holds M·P
+slots for every (layer, KV head) — and one pass of the dense kernels over it reads all of them.
 
-Allocations, all with the same total (average budget × layers × KV heads), in pages of P tokens (a head
-keeps at least one page):
+Allocations, all with the same total (average budget × layers × KV heads), in pages of P tokens (a
+head keeps at least one page):
 
 * uniform: every head the average budget;
-* adakv: per layer, the heads' shares of the layer's total skewed (log-normal, σ = 1, seeded) — AdaKV;
+* adakv: per layer, the heads' shares of the layer's total skewed (log-normal, σ = 1, seeded) —
+  AdaKV;
 * pyramid: the layers' totals decreasing linearly from 1.8× to 0.2× the average — PyramidKV;
 * global: shares of the model's total skewed over all (layer, head) pairs (log-normal, σ = 1).
 
-The slot positions ([M·P] int32 per head; the TPU kernels fetch them up to the last used key block) and
-the page tables are not counted: ≤ 4 bytes per slot against 2·K·itemsize bytes of K and V.
+The slot positions ([M·P] int32 per head; the TPU kernels fetch them up to the last used key block)
+and the page tables are not counted: ≤ 4 bytes per slot against 2·K·itemsize bytes of K and V.
 """
 
 from __future__ import annotations
@@ -73,11 +75,16 @@ def main():
     args = parser.parse_args()
     P, s = args.page_size, 2 if args.dtype == "bfloat16" else 4
 
-    print(f"K and V bytes of one pass over the cache, whole model, one sequence; pages of {P} tokens, "
-          f"{args.dtype}. Computed from the shapes (no device timing).\n")
-    print("| model | allocation | average budget | table width M (pages) | pages used / L·Hk·M | "
-          "paged: pool = pass reads (MiB) | dense cache of width M = pass reads (MiB) | "
-          "gathered: gather + copy + pass (MiB) | gathered / paged |")
+    print(
+        f"K and V bytes of one pass over the cache, whole model, one sequence; pages of {P} "
+        "tokens, "
+        f"{args.dtype}. Computed from the shapes (no device timing).\n"
+    )
+    print(
+        "| model | allocation | average budget | table width M (pages) | pages used / L·Hk·M | "
+        "paged: pool = pass reads (MiB) | dense cache of width M = pass reads (MiB) | "
+        "gathered: gather + copy + pass (MiB) | gathered / paged |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for model, (layers, heads, head_dim) in MODELS.items():
         slot_bytes = 2 * head_dim * s  # K and V of one slot
@@ -87,8 +94,12 @@ def main():
                 width = int(n.max())
                 used = int(n.sum()) * P * slot_bytes
                 dense = layers * heads * width * P * slot_bytes
-                print(f"| {model} | {kind} | {budget} | {width} | {n.sum() / (layers * heads * width):.2f} | "
-                      f"{mib(used)} | {mib(dense)} | {mib(3 * dense)} | {3 * dense / used:.1f} |")
+                print(
+                    f"| {model} | {kind} | {budget} | {width} | "
+                    f"{n.sum() / (layers * heads * width):.2f} | "
+                    f"{mib(used)} | {mib(dense)} | {mib(3 * dense)} | {3 * dense / used:.1f} |"
+                )
+
 
 if __name__ == "__main__":
     main()

@@ -1,17 +1,18 @@
 """The full cache's causal prompt attention on this CPU in several chunk shapes: what
-``kvjax.kernels.causal_attention`` picks on CPU, against one product per 256 queries (its form before,
-and still on TPU and for float32 on GPU).
+``kvjax.kernels.causal_attention`` picks on CPU, against one product per 256 queries (its form
+before, and still on TPU and for float32 on GPU).
 
     .venv/bin/python benchmarks/prefill_attention.py            # about 9 minutes on 2 cores
     .venv/bin/python benchmarks/prefill_attention.py --lengths 1024 4096 --model-lengths 1024
 
 A shape is (span, tile): the queries of a span share one static key length (keys 0 … end of span); a
-span's queries go through the product ``tile`` at a time in a ``lax.map`` ("-": the whole span in one
-product). Two tables: one layer's attention alone (SmolLM2-135M's heads: 3 KV heads of 3 query heads, head
-dim 64; float32, one row, random inputs), and SmolLM2-135M-Instruct's whole prefill of one prompt (random
-ids, float32) with each shape in place of the CPU's choice. The second decides: there the products of
-unrolled spans run side by side with the rest of the layer, which one layer's attention alone does not
-show. "first s" is the first call (compilation included), then the best of the next ``--repeats`` calls.
+span's queries go through the product ``tile`` at a time in a ``lax.map`` ("-": the whole span in
+one product). Two tables: one layer's attention alone (SmolLM2-135M's heads: 3 KV heads of 3 query
+heads, head dim 64; float32, one row, random inputs), and SmolLM2-135M-Instruct's whole prefill of
+one prompt (random ids, float32) with each shape in place of the CPU's choice. The second decides:
+there the products of unrolled spans run side by side with the rest of the layer, which one layer's
+attention alone does not show. "first s" is the first call (compilation included), then the best of
+the next ``--repeats`` calls.
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ import kvjax
 from kvjax.runtime.decoding import Generation
 from kvjax.runtime.sampling import Sampling
 
-SHAPES = [(PREFILL_CHUNK, None), (CPU_SHORT_SPAN, None), (64, None), (CPU_SPAN, CPU_TILE), (CPU_SPAN, 128)]
+SHAPES = [
+    (PREFILL_CHUNK, None),
+    (CPU_SHORT_SPAN, None),
+    (64, None),
+    (CPU_SPAN, CPU_TILE),
+    (CPU_SPAN, 128),
+]
 
 
 def measure(T: int, span: int, tile: int | None, repeats: int) -> tuple[float, float]:
@@ -67,21 +74,35 @@ def chosen(T: int) -> tuple[int, int | None]:
 
 def row(T, span, tile, first, best, base) -> str:
     mark = "yes" if (span, tile) == chosen(T) else ""
-    return f"| {T} | {span} | {tile or '-'} | {first:.2f} | {best:.3f} | {base / best:.2f}x | {mark} |"
+    return (
+        f"| {T} | {span} | {tile or '-'} | {first:.2f} | {best:.3f} | {base / best:.2f}x | {mark} |"
+    )
 
 
-HEAD = ["| tokens | span | tile | first s | best s | vs one product per 256 | kvjax's CPU choice |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+HEAD = [
+    "| tokens | span | tile | first s | best s | vs one product per 256 | kvjax's CPU choice |",
+    "| ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="one layer")
-    parser.add_argument("--model-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="whole prefill")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="one layer"
+    )
+    parser.add_argument(
+        "--model-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="whole prefill"
+    )
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, float32; first call, then the best of "
-          f"{args.repeats}", end="\n\n")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}, float32; first call, then the "
+        "best of "
+        f"{args.repeats}",
+        end="\n\n",
+    )
     print("One layer's causal attention (SmolLM2's heads):", end="\n\n")
     print("\n".join(HEAD))
     for T in args.lengths:
@@ -93,17 +114,26 @@ def main() -> None:
             print(row(T, span, tile, first, best, base), flush=True)
     params = kvjax.load("smollm2-135m-instruct")
     rng = np.random.default_rng(0)
-    print("\nSmolLM2-135M-Instruct's prefill of one prompt, each shape in place of the CPU's choice:", end="\n\n")
+    print(
+        "\nSmolLM2-135M-Instruct's prefill of one prompt, each shape in place of the CPU's choice:",
+        end="\n\n",
+    )
     print("\n".join(HEAD))
     for T in args.model_lengths:
         prompt = rng.integers(0, params.config.vocab_size, T).astype(np.int32)
         base = None
         for span, tile in SHAPES:
             print(f"[model {T}] span {span} tile {tile}", file=sys.stderr, flush=True)
-            prompt_attention.cpu_causal_attention = functools.partial(chunked_causal_attention, span=span, tile=tile)
+            prompt_attention.cpu_causal_attention = functools.partial(
+                chunked_causal_attention, span=span, tile=tile
+            )
             jax.clear_caches()  # the jitted prefill traced with the previous shape
             first, best = timed(
-                lambda: Generation.from_prompts(params, [prompt], 2, Sampling(), seed=0, stop_ids=(), ev=None).state,
+                lambda: (
+                    Generation.from_prompts(
+                        params, [prompt], 2, Sampling(), seed=0, stop_ids=(), ev=None
+                    ).state
+                ),
                 args.repeats,
             )
             base = base or best

@@ -7,17 +7,19 @@ import numpy as np
 import pytest
 from helpers import QUICK_COMPILE
 
-# Tests compile over a thousand small programs and run most on tiny shapes, where XLA:CPU's compile costs far more
-# than its code saves (helpers.QUICK_COMPILE). On this 2-core machine: the backend's optimisation off, 25 min 21 s ->
-# 19 min 0 s for the suite; then the older fusion emitters, 26 min 4 s -> 17 min 40 s (2026-11-28, --durations=0),
-# though SmolLM2's generations run slower (one test measured alone: 87 s against 75 s). Float32 results differ in
-# their last bits (up to 1.0e-5 on a tiny model's logits of 7). The notebooks and the installed package run with
-# the user's flags (helpers.xla_flags). Read when JAX's backend starts.
+# Tests compile over a thousand small programs and run most on tiny shapes, where XLA:CPU's compile
+# costs far more than its code saves (helpers.QUICK_COMPILE). On this 2-core machine: the backend's
+# optimisation off, 25 min 21 s -> 19 min 0 s for the suite; then the older fusion emitters, 26 min
+# 4 s -> 17 min 40 s (2026-11-28, --durations=0), though SmolLM2's generations run slower (one test
+# measured alone: 87 s against 75 s). Float32 results differ in their last bits (up to 1.0e-5 on a
+# tiny model's logits of 7). The notebooks and the installed package run with the user's flags
+# (helpers.xla_flags). Read when JAX's backend starts.
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *QUICK_COMPILE]).strip()
 
 SMOLLM2 = "smollm2-135m-instruct"
-# The CLI turns JAX's persistent compilation cache on (kvjax.runtime.compilation_cache); tests that call it in-process
-# must not write to the user's cache nor count its hits as compilations. test_compilation_cache turns it on.
+# The CLI turns JAX's persistent compilation cache on (kvjax.runtime.compilation_cache); tests that
+# call it in-process must not write to the user's cache nor count its hits as compilations.
+# test_compilation_cache turns it on.
 os.environ["KVJAX_COMPILATION_CACHE"] = "off"
 
 
@@ -25,17 +27,34 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="also run tests marked slow")
 
 
-# The files that take longest (measured in the full run, longest first), run first: ``pytest -n 2 --dist loadfile``
-# hands files to its workers in this order, and a long file started last would leave one worker idle at the end.
-LONGEST_FIRST = ("test_notebooks.py", "test_sharding.py", "test_engine_vs_reference.py", "test_serving.py",
-                 "test_output_aware_smollm2.py", "test_ask_chat.py", "test_eval.py", "test_engine.py",
-                 "test_packaging.py", "test_paged_kernels.py", "test_prefilled.py", "test_gpu_script.py",
-                 "test_kernels.py", "test_serving_contexts_api.py", "test_smollm2.py", "test_generate.py")
+# The files that take longest (measured in the full run, longest first), run first:
+# ``pytest -n 2 --dist loadfile`` hands files to its workers in this order, and a long file started
+# last would leave one worker idle at the end.
+LONGEST_FIRST = (
+    "test_notebooks.py",
+    "test_sharding.py",
+    "test_engine_vs_reference.py",
+    "test_serving.py",
+    "test_output_aware_smollm2.py",
+    "test_ask_chat.py",
+    "test_eval.py",
+    "test_engine.py",
+    "test_packaging.py",
+    "test_paged_kernels.py",
+    "test_prefilled.py",
+    "test_gpu_script.py",
+    "test_kernels.py",
+    "test_serving_contexts_api.py",
+    "test_smollm2.py",
+    "test_generate.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    items.sort(
+        key=lambda item: rank.get(item.path.name, len(rank))
+    )  # stable: the rest keep their order
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow real-model evaluation: pass --runslow")
@@ -77,9 +96,21 @@ def checkpoint_root(tmp_path, monkeypatch):
 def tiny_llama():
     import kvjax
 
-    cfg = kvjax.ModelConfig(arch="llama", vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                            head_dim=8, d_ff=48, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-5,
-                            eos_token_ids=(3,), pad_token_id=0)
+    cfg = kvjax.ModelConfig(
+        arch="llama",
+        vocab_size=97,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        d_ff=48,
+        max_seq_len=512,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        eos_token_ids=(3,),
+        pad_token_id=0,
+    )
     return kvjax.init_params(cfg, jax.random.key(0), scale=0.3)
 
 
@@ -99,12 +130,22 @@ def prompt():
 
 @pytest.fixture(scope="module")
 def no_eviction(params, prompt):
-    """The NumPy reference with no eviction at all, whole prompt in one block, ``helpers.N`` new tokens."""
+    """The NumPy reference with no eviction at all, whole prompt in one block, ``helpers.N`` new
+    tokens."""
     from helpers import N, P
     from reference_eviction import run_reference
 
-    return run_reference(params, prompt, N, scorer="h2o", budget=None, protocol="blockwise", block_size=P,
-                         n_sink=0, window=0)
+    return run_reference(
+        params,
+        prompt,
+        N,
+        scorer="h2o",
+        budget=None,
+        protocol="blockwise",
+        block_size=P,
+        n_sink=0,
+        window=0,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -114,7 +155,9 @@ def tiny_head_scores(tiny_llama, tmp_path_factory):
 
     cfg = tiny_llama.config
     path = str(tmp_path_factory.mktemp("kvzip") / "heads.json")
-    save_head_scores(path, np.linspace(0, 1, cfg.n_layers * cfg.n_kv_heads).reshape(cfg.n_layers, -1), cfg)
+    save_head_scores(
+        path, np.linspace(0, 1, cfg.n_layers * cfg.n_kv_heads).reshape(cfg.n_layers, -1), cfg
+    )
     return path
 
 
@@ -144,8 +187,9 @@ def count_compiles():
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drop each module's compiled programs: hundreds of live XLA:CPU executables in one process exhaust
-    the process's memory mappings (a segfault inside XLA's compiler was seen without this)."""
+    """Drop each module's compiled programs: hundreds of live XLA:CPU executables in one process
+    exhaust the process's memory mappings (a segfault inside XLA's compiler was seen without this).
+    """
     yield
     jax.clear_caches()
 
@@ -155,7 +199,19 @@ def tiny_smollm2_vocab(smollm2_tokenizer):
     """A random two-layer Llama over SmolLM2's vocabulary: real prompts, fast runs."""
     import kvjax
 
-    cfg = kvjax.ModelConfig(arch="llama", vocab_size=len(smollm2_tokenizer), d_model=32, n_layers=2, n_heads=4,
-                            n_kv_heads=2, head_dim=8, d_ff=48, max_seq_len=2048, norm_eps=1e-5,
-                            tie_embeddings=True, eos_token_ids=(2,), pad_token_id=0)
+    cfg = kvjax.ModelConfig(
+        arch="llama",
+        vocab_size=len(smollm2_tokenizer),
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        d_ff=48,
+        max_seq_len=2048,
+        norm_eps=1e-5,
+        tie_embeddings=True,
+        eos_token_ids=(2,),
+        pad_token_id=0,
+    )
     return kvjax.init_params(cfg, jax.random.key(1), scale=0.3)

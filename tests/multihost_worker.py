@@ -1,5 +1,6 @@
-"""One process of a two-process run under ``jax.distributed`` (run by tests/test_sharding.py): each process holds
-2 CPU devices, the mesh (data=2, model=2) spans both, and process 0 prints the generated tokens as JSON.
+"""One process of a two-process run under ``jax.distributed`` (run by tests/test_sharding.py): each
+process holds 2 CPU devices, the mesh (data=2, model=2) spans both, and process 0 prints the
+generated tokens as JSON.
 
     python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT
 """
@@ -8,13 +9,17 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = (
+    f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+)
 
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 process, processes, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=processes, process_id=process)
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}", num_processes=processes, process_id=process
+)
 
 from multihost_model import PROMPTS, SETTINGS, model  # noqa: E402
 
@@ -22,8 +27,17 @@ import kvjax  # noqa: E402
 
 mesh = kvjax.make_mesh("data=2,model=2")
 params = kvjax.shard(model(), mesh)
-out = {name: [row.tolist() for row in kvjax.generate(params, PROMPTS, 6, stop_ids=(), mesh=mesh, **options)]
-       for name, options in SETTINGS.items()}
+out = {
+    name: [
+        row.tolist()
+        for row in kvjax.generate(params, PROMPTS, 6, stop_ids=(), mesh=mesh, **options)
+    ]
+    for name, options in SETTINGS.items()
+}
 if process == 0:
-    print(json.dumps({"devices": jax.device_count(), "local": jax.local_device_count(), "tokens": out}))
+    print(
+        json.dumps(
+            {"devices": jax.device_count(), "local": jax.local_device_count(), "tokens": out}
+        )
+    )
 jax.distributed.shutdown()

@@ -10,10 +10,31 @@ def test_help_lists_every_option(capsys):
         main(["generate", "--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--model", "--chat", "--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p",
-                   "--seed", "--dtype", "--budget", "--scorer", "--protocol", "--block-size", "--n-sink",
-                   "--window", "--obs-window", "--pool", "--kernel", "--aggregate", "--mi-batch", "--impl", "--evict-every",
-                   "--no-decode-evict"):
+    for option in (
+        "--model",
+        "--chat",
+        "--prompt",
+        "--max-new-tokens",
+        "--temperature",
+        "--top-k",
+        "--top-p",
+        "--seed",
+        "--dtype",
+        "--budget",
+        "--scorer",
+        "--protocol",
+        "--block-size",
+        "--n-sink",
+        "--window",
+        "--obs-window",
+        "--pool",
+        "--kernel",
+        "--aggregate",
+        "--mi-batch",
+        "--impl",
+        "--evict-every",
+        "--no-decode-evict",
+    ):
         assert option in text
 
 
@@ -23,8 +44,26 @@ def test_bad_budget_is_a_clear_error_before_loading(capsys):
 
 
 def test_unknown_scorer_lists_the_valid_names_before_loading(capsys):
-    assert main(["generate", "--model", "no-such-model", "--chat", "hi", "--budget", "64", "--scorer", "magic"]) == 2
-    assert "scorer='magic' is unknown; valid scorers: expected-attention, h2o, h2o+caote" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                "no-such-model",
+                "--chat",
+                "hi",
+                "--budget",
+                "64",
+                "--scorer",
+                "magic",
+            ]
+        )
+        == 2
+    )
+    assert (
+        "scorer='magic' is unknown; valid scorers: expected-attention, h2o, h2o+caote"
+        in capsys.readouterr().err
+    )
 
 
 def test_unknown_model_is_a_clear_error(capsys):
@@ -33,8 +72,20 @@ def test_unknown_model_is_a_clear_error(capsys):
 
 
 @pytest.mark.smollm2
-@pytest.mark.parametrize("extra", [[], ["--budget", "64", "--scorer", "h2o"],
-                                   ["--budget", "64", "--scorer", "snapkv+obcache-joint", "--obs-window", "8"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--budget", "64", "--scorer", "h2o"],
+        ["--budget", "64", "--scorer", "snapkv+obcache-joint", "--obs-window", "8"],
+    ],
+)
 def test_chat_streams_the_answer(capsys, extra):
-    assert main(["generate", "--chat", "What is the capital of France?", "--max-new-tokens", "16"] + extra) == 0
+    assert (
+        main(
+            ["generate", "--chat", "What is the capital of France?", "--max-new-tokens", "16"]
+            + extra
+        )
+        == 0
+    )
     assert "Paris" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """The JAX eviction engine against the independent NumPy reference (tests/reference_eviction.py):
-exactly the same kept positions per (layer, row, KV head) after every block and decode step, logits to
-1e-4, and the moment statistics; with GQA, a right-padded batch, and eviction every token or every k."""
+exactly the same kept positions per (layer, row, KV head) after every block and decode step, logits
+to 1e-4, and the moment statistics; with GQA, a right-padded batch, and eviction every token or
+every k."""
 
 import itertools
 
@@ -31,9 +32,10 @@ _finished = itertools.count(1)
 
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
-    """Drop the compiled programs after every RELEASE_EVERY tests: this file compiles several hundred, and a
-    process that kept them all aborted inside XLA's compiler near its end (momentkv-adakv, after ~70 tests);
-    releasing after every test instead recompiled the programs the tests share (+215 s over the file)."""
+    """Drop the compiled programs after every RELEASE_EVERY tests: this file compiles several
+    hundred, and a process that kept them all aborted inside XLA's compiler near its end
+    (momentkv-adakv, after ~70 tests); releasing after every test instead recompiled the programs
+    the tests share (+215 s over the file)."""
     yield
     if next(_finished) % RELEASE_EVERY == 0:
         jax.clear_caches()
@@ -41,9 +43,21 @@ def _release_compiled_programs():
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = kvjax.ModelConfig(arch="qwen2", vocab_size=89, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
-                            head_dim=8, d_ff=64, max_seq_len=512, norm_eps=1e-5, qkv_bias=True,
-                            eos_token_ids=(3,), pad_token_id=0)
+    cfg = kvjax.ModelConfig(
+        arch="qwen2",
+        vocab_size=89,
+        d_model=48,
+        n_layers=2,
+        n_heads=6,
+        n_kv_heads=2,
+        head_dim=8,
+        d_ff=64,
+        max_seq_len=512,
+        norm_eps=1e-5,
+        qkv_bias=True,
+        eos_token_ids=(3,),
+        pad_token_id=0,
+    )
     return kvjax.init_params(cfg, jax.random.key(3), scale=0.4)
 
 
@@ -74,44 +88,76 @@ MODIFIER_CASES = [
 ]
 
 
-# aggregate="layer": one mean over every query head of the layer, the same tokens kept in every KV head (the
-# reference asserts the heads' positions coincide before each shared decision).
+# aggregate="layer": one mean over every query head of the layer, the same tokens kept in every KV
+# head (the reference asserts the heads' positions coincide before each shared decision).
 LAYER_CASES = [
     dict(scorer="tova", n_sink=0, window=1, aggregate="layer"),
-    dict(scorer="snapkv", n_sink=2, window=4, obs_window=4, pool="max", kernel=3, aggregate="layer"),
-    dict(scorer="snapkv+caote", n_sink=2, window=4, obs_window=4, pool="avg", kernel=3, aggregate="layer"),
+    dict(
+        scorer="snapkv", n_sink=2, window=4, obs_window=4, pool="max", kernel=3, aggregate="layer"
+    ),
+    dict(
+        scorer="snapkv+caote",
+        n_sink=2,
+        window=4,
+        obs_window=4,
+        pool="avg",
+        kernel=3,
+        aggregate="layer",
+    ),
     dict(scorer="h2o+obcache-key", n_sink=2, window=3, aggregate="layer"),
 ]
 
 
 def distinct_prompts():
-    """Prompts without repeated tokens: equal tokens have equal layer-0 values, which makes exact ties."""
+    """Prompts without repeated tokens: equal tokens have equal layer-0 values, which makes exact
+    ties."""
     return prompts_of(LENGTHS, vocab=89)
 
 
 def pytest_generate_tests(metafunc):
-    """The products of cases, protocols, eviction periods and allocations with --runslow; by default a covering
-    that compiles about half the programs: each dense case under both protocols and both eviction periods (two
-    of the four pairs, every pair across the cases), each modifier under one protocol, alternating (MomentKV
-    under both), each (base, allocation) pair under one protocol, alternating."""
+    """The products of cases, protocols, eviction periods and allocations with --runslow; by default
+    a covering that compiles about half the programs: each dense case under both protocols and both
+    eviction periods (two of the four pairs, every pair across the cases), each modifier under one
+    protocol, alternating (MomentKV under both), each (base, allocation) pair under one protocol,
+    alternating."""
     full = metafunc.config.getoption("--runslow")
     name = metafunc.function.__name__
     if name == "test_engine_matches_reference":
         runs = [("blockwise", 1), ("blockwise", 3), ("prefill", 1), ("prefill", 3)]
-        params = [(case, *run) for i, case in enumerate(CASES)
-                  for j, run in enumerate(runs) if full or j in (i % 2, 2 + (i + 1) % 2)]
-        metafunc.parametrize("case, protocol, evict_every", params,
-                             ids=["-".join(str(v) for v in (*c.values(), p, e)) for c, p, e in params])
+        params = [
+            (case, *run)
+            for i, case in enumerate(CASES)
+            for j, run in enumerate(runs)
+            if full or j in (i % 2, 2 + (i + 1) % 2)
+        ]
+        metafunc.parametrize(
+            "case, protocol, evict_every",
+            params,
+            ids=["-".join(str(v) for v in (*c.values(), p, e)) for c, p, e in params],
+        )
     elif name == "test_output_aware_engine_matches_reference":
-        params = [(case, protocol) for i, case in enumerate(MODIFIER_CASES) for j, protocol in enumerate(PROTOCOLS)
-                  if full or case["scorer"] == "momentkv" or (i + j) % 2 == 0]
-        metafunc.parametrize("case, protocol", params, ids=[f"{c['scorer']}-{p}" for c, p in params])
+        params = [
+            (case, protocol)
+            for i, case in enumerate(MODIFIER_CASES)
+            for j, protocol in enumerate(PROTOCOLS)
+            if full or case["scorer"] == "momentkv" or (i + j) % 2 == 0
+        ]
+        metafunc.parametrize(
+            "case, protocol", params, ids=[f"{c['scorer']}-{p}" for c, p in params]
+        )
     elif name == "test_allocations_match_reference":
-        params = [(case, allocation, protocol) for i, case in enumerate(ALLOCATION_CASES)
-                  for j, allocation in enumerate(ALLOCATIONS) for k, protocol in enumerate(PROTOCOLS)
-                  if full or (i + j + k) % 2 == 0]
-        metafunc.parametrize("case, allocation, protocol", params,
-                             ids=[f"{c['scorer']}-{a}-{p}" for c, a, p in params])
+        params = [
+            (case, allocation, protocol)
+            for i, case in enumerate(ALLOCATION_CASES)
+            for j, allocation in enumerate(ALLOCATIONS)
+            for k, protocol in enumerate(PROTOCOLS)
+            if full or (i + j + k) % 2 == 0
+        ]
+        metafunc.parametrize(
+            "case, allocation, protocol",
+            params,
+            ids=[f"{c['scorer']}-{a}-{p}" for c, a, p in params],
+        )
 
 
 def test_engine_matches_reference(model, case, protocol, evict_every):
@@ -122,11 +168,15 @@ def test_output_aware_engine_matches_reference(model, case, protocol):
     check_against_reference(model, case, protocol, 2, distinct_prompts())
 
 
-@pytest.mark.parametrize("case", [c for c in MODIFIER_CASES if c["scorer"] in ("momentkv", "h2o+momentkv-zeroth")],
-                         ids=lambda c: c["scorer"])
+@pytest.mark.parametrize(
+    "case",
+    [c for c in MODIFIER_CASES if c["scorer"] in ("momentkv", "h2o+momentkv-zeroth")],
+    ids=lambda c: c["scorer"],
+)
 def test_moment_informed_eviction_of_one_token_per_decode_step_matches_reference(model, case):
-    """evict_every=1: a decoding step evicts one token per (row, KV head), which moment_informed_eviction scores
-    from every candidate's vectors at once (no screening loop); first- and zeroth-order residuals."""
+    """evict_every=1: a decoding step evicts one token per (row, KV head), which
+    moment_informed_eviction scores from every candidate's vectors at once (no screening loop);
+    first- and zeroth-order residuals."""
     check_against_reference(model, case, "prefill", 1, distinct_prompts())
 
 
@@ -136,9 +186,9 @@ def test_layer_aggregate_matches_reference(model, case, protocol):
     check_against_reference(model, case, protocol, 2, distinct_prompts())
 
 
-# Every allocation with each base (pyramidkv's β = 20 needs no protected slots to leave its last layer any room
-# at this size: layer budgets 39, 20, 1 over three layers), on the paged cache; uniform on pages too, which
-# must keep exactly what the dense cache keeps.
+# Every allocation with each base (pyramidkv's β = 20 needs no protected slots to leave its last
+# layer any room at this size: layer budgets 39, 20, 1 over three layers), on the paged cache;
+# uniform on pages too, which must keep exactly what the dense cache keeps.
 ALLOCATION_CASES = [
     dict(scorer="streamingllm", n_sink=2, window=0),
     dict(scorer="h2o", n_sink=2, window=3),
@@ -152,54 +202,100 @@ PYRAMID = dict(n_sink=0, window=0, budget=20)
 
 @pytest.fixture(scope="module")
 def model3():
-    cfg = kvjax.ModelConfig(arch="llama", vocab_size=89, d_model=48, n_layers=3, n_heads=6, n_kv_heads=2,
-                            head_dim=8, d_ff=64, max_seq_len=512, norm_eps=1e-5, eos_token_ids=(3,), pad_token_id=0)
+    cfg = kvjax.ModelConfig(
+        arch="llama",
+        vocab_size=89,
+        d_model=48,
+        n_layers=3,
+        n_heads=6,
+        n_kv_heads=2,
+        head_dim=8,
+        d_ff=64,
+        max_seq_len=512,
+        norm_eps=1e-5,
+        eos_token_ids=(3,),
+        pad_token_id=0,
+    )
     return kvjax.init_params(cfg, jax.random.key(5), scale=0.4)
 
 
 def test_allocations_match_reference(model3, case, allocation, protocol):
     case = case | (PYRAMID if allocation == "pyramidkv" else {})
-    check_against_reference(model3, case | dict(allocation=allocation, page_size=4), protocol, 2, distinct_prompts())
+    check_against_reference(
+        model3, case | dict(allocation=allocation, page_size=4), protocol, 2, distinct_prompts()
+    )
 
 
 @pytest.mark.parametrize("allocation", ["adakv", "global"])
-@pytest.mark.parametrize("case", [dict(scorer="momentkv", n_sink=1, window=4, obs_window=4, pool="max", kernel=3),
-                                  dict(scorer="h2o+caote", n_sink=2, window=3)], ids=lambda c: c["scorer"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(scorer="momentkv", n_sink=1, window=4, obs_window=4, pool="max", kernel=3),
+        dict(scorer="h2o+caote", n_sink=2, window=3),
+    ],
+    ids=lambda c: c["scorer"],
+)
 def test_shared_allocations_with_modifiers_match_reference(model3, case, allocation):
-    check_against_reference(model3, case | dict(allocation=allocation, page_size=4), "prefill", 2,
-                            distinct_prompts())
+    check_against_reference(
+        model3, case | dict(allocation=allocation, page_size=4), "prefill", 2, distinct_prompts()
+    )
 
 
-@pytest.mark.parametrize("case", [ALLOCATION_CASES[1] | dict(allocation="adakv"),
-                                  ALLOCATION_CASES[3] | dict(allocation="adakv"),
-                                  dict(scorer="momentkv", n_sink=1, window=4, obs_window=4, pool="max", kernel=3,
-                                       allocation="adakv"),
-                                  ALLOCATION_CASES[3] | PYRAMID | dict(allocation="pyramidkv")],
-                         ids=lambda c: f"{c['allocation']}-{c['scorer']}")
+@pytest.mark.parametrize(
+    "case",
+    [
+        ALLOCATION_CASES[1] | dict(allocation="adakv"),
+        ALLOCATION_CASES[3] | dict(allocation="adakv"),
+        dict(
+            scorer="momentkv",
+            n_sink=1,
+            window=4,
+            obs_window=4,
+            pool="max",
+            kernel=3,
+            allocation="adakv",
+        ),
+        ALLOCATION_CASES[3] | PYRAMID | dict(allocation="pyramidkv"),
+    ],
+    ids=lambda c: f"{c['allocation']}-{c['scorer']}",
+)
 def test_evicting_every_decoding_step_matches_reference(model3, case):
-    """evict_every=1: each decoding step drops one slot per KV head (AdaKV: over the layer's heads), found by
-    min-reductions (``Allocation.few_dropped``) instead of the ranking's sorts."""
+    """evict_every=1: each decoding step drops one slot per KV head (AdaKV: over the layer's heads),
+    found by min-reductions (``Allocation.few_dropped``) instead of the ranking's sorts."""
     check_against_reference(model3, case | dict(page_size=4), "prefill", 1, distinct_prompts())
 
 
-@pytest.mark.parametrize("case", [dict(scorer="snapkv", n_sink=2, window=4, obs_window=4, pool="max", kernel=3),
-                                  dict(scorer="h2o", n_sink=2, window=3, allocation="adakv", page_size=4)],
-                         ids=lambda c: c.get("allocation", "uniform"))
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(scorer="snapkv", n_sink=2, window=4, obs_window=4, pool="max", kernel=3),
+        dict(scorer="h2o", n_sink=2, window=3, allocation="adakv", page_size=4),
+    ],
+    ids=lambda c: c.get("allocation", "uniform"),
+)
 def test_chunk_selection_matches_reference(model3, case):
     check_against_reference(model3, case | dict(chunk=3), "prefill", 2, distinct_prompts())
 
 
-# float32 logits against float64 (the kept tokens are compared exactly above): 2e-4 absolute, plus 1e-4 relative.
-# XLA:CPU's summation order follows the host's vector units: an Intel Xeon measured 1.04e-4 on a logit of 2.84,
-# an AMD EPYC (2026-11-28) 1.35e-4 on one of 0.046 (adakv-snapkv, evicting at every step)
+# float32 logits against float64 (the kept tokens are compared exactly above): 2e-4 absolute, plus
+# 1e-4 relative. XLA:CPU's summation order follows the host's vector units: an Intel Xeon measured
+# 1.04e-4 on a logit of 2.84, an AMD EPYC (2026-11-28) 1.35e-4 on one of 0.046 (adakv-snapkv,
+# evicting at every step)
 LOGITS = dict(atol=2e-4, rtol=1e-4)
 
 
 def check_against_reference(model, case, protocol, evict_every, prompts):
-    settings = dict(budget=BUDGET, protocol=protocol, block_size=BLOCK, evict_every=evict_every) | case
-    refs = [run_reference(model, p, NEW_TOKENS, **{k: v for k, v in settings.items() if k != "page_size"})
-            for p in prompts]
-    # Exact agreement is only well posed without float-noise near ties (exact ties follow the tie rule).
+    settings = (
+        dict(budget=BUDGET, protocol=protocol, block_size=BLOCK, evict_every=evict_every) | case
+    )
+    refs = [
+        run_reference(
+            model, p, NEW_TOKENS, **{k: v for k, v in settings.items() if k != "page_size"}
+        )
+        for p in prompts
+    ]
+    # Exact agreement is only well posed without float-noise near ties (exact ties follow the tie
+    # rule).
     assert [r["near_ties"] - r["exact_ties"] for r in refs] == [0, 0]
 
     ev = eviction_from(**settings)
@@ -213,16 +309,25 @@ def check_against_reference(model, case, protocol, evict_every, prompts):
         pos, logits = np.asarray(gen.state.cache.pos), np.asarray(gen.state.logits)
         for row, ref in enumerate(refs):
             assert int(new[row][0]) == ref["tokens"][step]
-            assert kept(pos, row) == ref["kept_after_steps"][step], f"row {row} after decode step {step + 1}"
+            assert kept(pos, row) == ref["kept_after_steps"][step], (
+                f"row {row} after decode step {step + 1}"
+            )
             np.testing.assert_allclose(logits[row], ref["step_logits"][step], **LOGITS)
     moments = gen.state.cache.moments
-    assert moments.summed == ("momentkv" in settings["scorer"])  # only MomentKV reads (and keeps) the sums
+    assert moments.summed == (
+        "momentkv" in settings["scorer"]
+    )  # only MomentKV reads (and keeps) the sums
     for row, ref in enumerate(refs):
         np.testing.assert_array_equal(np.asarray(moments.count[:, row]), ref["moments"]["count"])
-        for name in ("k_sum", "v_sum", "vk_sum") if moments.summed else ():  # float32: relative to the largest
+        # float32: relative to the largest
+        for name in ("k_sum", "v_sum", "vk_sum") if moments.summed else ():
             expected = ref["moments"][name]
-            np.testing.assert_allclose(np.asarray(getattr(moments, name)[:, row]), expected,
-                                       atol=1e-5 * max(1.0, np.abs(expected).max()), rtol=1e-4)
+            np.testing.assert_allclose(
+                np.asarray(getattr(moments, name)[:, row]),
+                expected,
+                atol=1e-5 * max(1.0, np.abs(expected).max()),
+                rtol=1e-4,
+            )
     assert sum(r["moments"]["count"].sum() for r in refs) > 0  # evictions did happen
     return refs
 
@@ -236,11 +341,19 @@ def test_blockwise_matches_reference_after_every_block(model, case):
     ev = eviction_from(**settings)
     cache, fed = None, 0
     for block, expected in enumerate(ref["kept_after_blocks"]):
-        chunk = prompt[fed: fed + BLOCK]
+        chunk = prompt[fed : fed + BLOCK]
         padded, lengths = pad_rows([chunk], BLOCK, 0)
-        state = feed_budget(model, cache, jnp.asarray(padded), jnp.array([fed], jnp.int32),
-                                     jnp.asarray(lengths), jax.random.key(0), ev=ev, out_width=round_capacity(1),
-                                     decode_spare=1)
+        state = feed_budget(
+            model,
+            cache,
+            jnp.asarray(padded),
+            jnp.array([fed], jnp.int32),
+            jnp.asarray(lengths),
+            jax.random.key(0),
+            ev=ev,
+            out_width=round_capacity(1),
+            decode_spare=1,
+        )
         cache, fed = state.cache, fed + len(chunk)
         assert kept(np.asarray(cache.pos), 0) == expected, f"after block {block}"
     np.testing.assert_allclose(np.asarray(state.logits[0]), ref["prefill_logits"], **LOGITS)

@@ -64,8 +64,10 @@ def test_shape_mismatch_lists_every_tensor(hf_dir, checkpoint_root):
     message = str(err.value)
     assert "(9 problems)" in message  # gate, up and down of each of the 3 layers, in one error
     for layer in range(3):
-        assert f"model.layers.{layer}.mlp.down_proj.weight -> layers.w_down: expected (104, 64), found (96, 64)" \
-            in message
+        assert (
+            f"model.layers.{layer}.mlp.down_proj.weight -> layers.w_down: expected (104, 64), "
+            "found (96, 64)" in message
+        )
 
 
 def test_missing_tensor_is_reported(hf_dir, checkpoint_root, tmp_path):
@@ -74,14 +76,18 @@ def test_missing_tensor_is_reported(hf_dir, checkpoint_root, tmp_path):
     from kvjax.checkpoint.hf_dir import _read_tensor, read_safetensors_index
 
     index = read_safetensors_index(str(hf_dir / "model.safetensors"))
-    tensors = {k: _read_tensor(*v) for k, v in index.items() if k != "model.layers.1.self_attn.k_proj.weight"}
+    tensors = {
+        k: _read_tensor(*v)
+        for k, v in index.items()
+        if k != "model.layers.1.self_attn.k_proj.weight"
+    }
     stn.save_file(tensors, str(hf_dir / "model.safetensors"))
     with pytest.raises(kvjax.CheckpointError, match=r"layers.wk: missing layers \[1\]"):
         kvjax.load(str(hf_dir))
 
 
-# Orbax reading a damaged file fails inside tensorstore, whose threads then print tracebacks ("Event loop is
-# closed") after the error: a damaged file must be found before Orbax reads it.
+# Orbax reading a damaged file fails inside tensorstore, whose threads then print tracebacks ("Event
+# loop is closed") after the error: a damaged file must be found before Orbax reads it.
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 def test_converted_checkpoint_damage(hf_dir, checkpoint_root):
     kvjax.load(str(hf_dir))
@@ -91,7 +97,9 @@ def test_converted_checkpoint_damage(hf_dir, checkpoint_root):
     cfg = json.loads((ckpt / store.CONFIG_FILE).read_text())
     cfg["d_model"] = 48
     (ckpt / store.CONFIG_FILE).write_text(json.dumps(cfg))
-    with pytest.raises(kvjax.CheckpointError, match=r"embed: expected \(211, 48\), found \(211, 64\)"):
+    with pytest.raises(
+        kvjax.CheckpointError, match=r"embed: expected \(211, 48\), found \(211, 64\)"
+    ):
         kvjax.load(str(ckpt))
     cfg["d_model"] = 64
     (ckpt / store.CONFIG_FILE).write_text(json.dumps(cfg))
@@ -99,11 +107,16 @@ def test_converted_checkpoint_damage(hf_dir, checkpoint_root):
     data = sorted(f for f in (ckpt / "params").rglob("*") if f.is_file() and f.parent.name == "d")
     intact = data[0].read_bytes()
     data[0].write_bytes(bytes([intact[0] ^ 1]) + intact[1:])  # the same size
-    with pytest.raises(kvjax.CheckpointError, match=rf"params is corrupt: params/.*{data[0].name} changed since it "
-                                                    rf"was written \(its CRC-32 differs\); delete .* to convert again"):
+    with pytest.raises(
+        kvjax.CheckpointError,
+        match=rf"params is corrupt: params/.*{data[0].name} changed since it "
+        rf"was written \(its CRC-32 differs\); delete .* to convert again",
+    ):
         kvjax.load(str(ckpt))
     data[0].write_bytes(b"\0" * 10)
-    with pytest.raises(kvjax.CheckpointError, match=rf"{data[0].name} holds 10 bytes, {len(intact)} when written"):
+    with pytest.raises(
+        kvjax.CheckpointError, match=rf"{data[0].name} holds 10 bytes, {len(intact)} when written"
+    ):
         kvjax.load(str(ckpt))
     data[0].unlink()
     with pytest.raises(kvjax.CheckpointError, match=rf"{data[0].name} is missing"):
@@ -113,7 +126,9 @@ def test_converted_checkpoint_damage(hf_dir, checkpoint_root):
     (ckpt / store.FILES_FILE).write_text(listing[:20])
     with pytest.raises(kvjax.CheckpointError, match="params is corrupt: files.json is unreadable"):
         kvjax.load(str(ckpt))
-    (ckpt / store.FILES_FILE).unlink()  # converted before kvjax recorded its files: nothing to check
+    (
+        ckpt / store.FILES_FILE
+    ).unlink()  # converted before kvjax recorded its files: nothing to check
     kvjax.load(str(ckpt))
 
     (ckpt / store.CONFIG_FILE).write_text("{broken")
@@ -121,15 +136,22 @@ def test_converted_checkpoint_damage(hf_dir, checkpoint_root):
         kvjax.load(str(ckpt))
 
 
-def test_a_checkpoint_with_separate_qkv_projections_is_refused_with_the_reason(hf_dir, checkpoint_root, tmp_path):
+def test_a_checkpoint_with_separate_qkv_projections_is_refused_with_the_reason(
+    hf_dir, checkpoint_root, tmp_path
+):
     from kvjax.model.params import params_to_flat, split_qkv
 
     params = kvjax.load(str(hf_dir))
     flat = params_to_flat(params)
     flat["layers.wq"], flat["layers.wk"], flat["layers.wv"] = split_qkv(flat.pop("layers.wqkv"))
-    store.write_checkpoint(str(tmp_path / "old"), params.config, flat)  # as kvjax converted before wqkv
-    with pytest.raises(kvjax.CheckpointError, match=r"(?s)layers.wqkv: expected .* missing.*layers.wq: unexpected "
-                                                    r".*stored apart: an older kvjax converted it"):
+    store.write_checkpoint(
+        str(tmp_path / "old"), params.config, flat
+    )  # as kvjax converted before wqkv
+    with pytest.raises(
+        kvjax.CheckpointError,
+        match=r"(?s)layers.wqkv: expected .* missing.*layers.wq: unexpected "
+        r".*stored apart: an older kvjax converted it",
+    ):
         kvjax.load(str(tmp_path / "old"))
 
 
@@ -141,7 +163,9 @@ def test_conversion_is_atomic(hf_dir, checkpoint_root, monkeypatch):
     monkeypatch.setattr(kvjax.ModelConfig, "to_json", fail)
     with pytest.raises(RuntimeError, match="disk full"):
         kvjax.load(str(hf_dir))
-    assert list(checkpoint_root.iterdir()) == []  # neither a partial checkpoint nor a temporary directory
+    assert (
+        list(checkpoint_root.iterdir()) == []
+    )  # neither a partial checkpoint nor a temporary directory
     monkeypatch.undo()
     assert kvjax.load(str(hf_dir)).config.n_layers == 3
 
@@ -154,44 +178,60 @@ def test_reconverts_when_source_changes(hf_dir, checkpoint_root):
     assert not np.array_equal(np.asarray(a.embed), np.asarray(b.embed))
 
 
-@pytest.mark.parametrize("tokens, error, match", [
-    ([], ValueError, r"tokens\[0\] is empty"),
-    (np.zeros((0, 5), np.int32), ValueError, "tokens is an empty batch"),
-    (np.array([], np.int32), ValueError, r"tokens\[0\] is empty"),
-    ([[1, 2], []], ValueError, r"tokens\[1\] is empty"),
-    (np.array([1.0, 2.0]), TypeError, "tokens must hold integer token ids, got dtype float64"),
-    (np.array([1, 200]), ValueError, r"tokens\[0\] holds ids outside \[0, 97\)"),
-    (np.zeros((1, 2, 3), np.int32), ValueError, "tokens must be 1-D"),
-])
+@pytest.mark.parametrize(
+    "tokens, error, match",
+    [
+        ([], ValueError, r"tokens\[0\] is empty"),
+        (np.zeros((0, 5), np.int32), ValueError, "tokens is an empty batch"),
+        (np.array([], np.int32), ValueError, r"tokens\[0\] is empty"),
+        ([[1, 2], []], ValueError, r"tokens\[1\] is empty"),
+        (np.array([1.0, 2.0]), TypeError, "tokens must hold integer token ids, got dtype float64"),
+        (np.array([1, 200]), ValueError, r"tokens\[0\] holds ids outside \[0, 97\)"),
+        (np.zeros((1, 2, 3), np.int32), ValueError, "tokens must be 1-D"),
+    ],
+)
 def test_bad_tokens(tiny_llama, tokens, error, match):
     with pytest.raises(error, match=match):
         kvjax.generate(tiny_llama, tokens, max_new_tokens=2)
 
 
 def test_prompt_beyond_context(tiny_llama):
-    with pytest.raises(ValueError, match="prompt length 500 \\+ max_new_tokens 20 exceeds the model's context of 512"):
+    with pytest.raises(
+        ValueError,
+        match="prompt length 500 \\+ max_new_tokens 20 exceeds the model's context of 512",
+    ):
         kvjax.generate(tiny_llama, np.ones(500, np.int32), max_new_tokens=20)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         kvjax.generate(tiny_llama, np.ones(5, np.int32), max_new_tokens=0)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(temperature=-1.0), "temperature=-1.0"), (dict(top_k=-2), "top_k=-2"), (dict(top_p=0.0), "top_p=0.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-1.0), "temperature=-1.0"),
+        (dict(top_k=-2), "top_k=-2"),
+        (dict(top_p=0.0), "top_p=0.0"),
+    ],
+)
 def test_bad_sampling(tiny_llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
         kvjax.generate(tiny_llama, np.ones(5, np.int32), max_new_tokens=2, **kwargs)
 
 
 def test_moments_without_sums_are_refused_by_momentkv(tiny_llama):
-    """A cache filled under SnapKV keeps only the count of its evicted tokens; decoding it under MomentKV, which
-    reads their sums, is refused by name instead of starting from empty statistics."""
+    """A cache filled under SnapKV keeps only the count of its evicted tokens; decoding it under
+    MomentKV, which reads their sums, is refused by name instead of starting from empty statistics.
+    """
     from kvjax.runtime.options import eviction_from
 
     def cache(scorer):
-        return kvjax.prefill(tiny_llama, [np.arange(4, 40, dtype=np.int32)], budget=20, scorer=scorer, window=4).cache
+        return kvjax.prefill(
+            tiny_llama, [np.arange(4, 40, dtype=np.int32)], budget=20, scorer=scorer, window=4
+        ).cache
 
     momentkv = eviction_from(budget=20, scorer="momentkv", window=4)
-    with pytest.raises(ValueError, match="scorer='snapkv\\+momentkv' reads the moments of the evicted tokens"):
+    with pytest.raises(
+        ValueError, match="scorer='snapkv\\+momentkv' reads the moments of the evicted tokens"
+    ):
         momentkv.fit(cache("snapkv"), tiny_llama.config, 1)
     assert momentkv.fit(cache("momentkv"), tiny_llama.config, 1).moments.summed

@@ -1,9 +1,11 @@
-"""kvjax's ``expected-attention`` against NVIDIA kvpress's ``ExpectedAttentionPress``: the context positions each
-(layer, KV head) of SmolLM2 keeps under the prefill protocol, as kvpress 0.5.5 recorded them on the same token
-ids (``benchmarks/kvpress_baseline/record_expected_attention_kept.py``, in its own environment, float32 on
-CPU). Samples: the first 1,000 tokens of the ``pydoc`` haystack and the first 700 of ``licenses``
-(``" ".join(kvjax.eval.haystack.sentences(name))``, no special tokens), budgets 64 and 256. Positions in
-``tests/data/kvpress_expected_attention_kept.json.gz``: one hexadecimal bit mask per (layer, KV head)."""
+"""kvjax's ``expected-attention`` against NVIDIA kvpress's ``ExpectedAttentionPress``: the context
+positions each (layer, KV head) of SmolLM2 keeps under the prefill protocol, as kvpress 0.5.5
+recorded them on the same token ids
+(``benchmarks/kvpress_baseline/record_expected_attention_kept.py``, in its own environment, float32
+on CPU). Samples: the first 1,000 tokens of the ``pydoc`` haystack and the first 700 of ``licenses``
+(``" ".join(kvjax.eval.haystack.sentences(name))``, no special tokens), budgets 64 and 256.
+Positions in ``tests/data/kvpress_expected_attention_kept.json.gz``: one hexadecimal bit mask per
+(layer, KV head)."""
 
 import gzip
 import json
@@ -22,8 +24,9 @@ NEAR_TIES = 1  # positions of 5,760 that float32 rounding moves (licenses, budge
 
 @pytest.mark.parametrize("sample", sorted({r["sample"] for r in RECORDS}))
 def test_kept_positions_equal_kvpress(smollm2, sample):
-    """kvpress's defaults are kvjax's: 4 sinks, no window, 512 future positions, the mean over the query
-    heads; every (layer, KV head) keeps ``budget`` positions, kvpress's but for at most NEAR_TIES."""
+    """kvpress's defaults are kvjax's: 4 sinks, no window, 512 future positions, the mean over the
+    query heads; every (layer, KV head) keeps ``budget`` positions, kvpress's but for at most
+    NEAR_TIES."""
     records = [r for r in RECORDS if r["sample"] == sample]
     prefilled = kvjax.prefill_full(smollm2, records[0]["context"])
     for record in records:

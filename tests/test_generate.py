@@ -1,4 +1,5 @@
-"""Full-cache generation: decode equals a full forward, batching/padding, stopping, sampling, no recompiles."""
+"""Full-cache generation: decode equals a full forward, batching/padding, stopping, sampling, no
+recompiles."""
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,9 @@ def test_batch_with_padding_equals_each_row_alone(tiny_llama):
 def test_batch_rows_stop_independently(tiny_llama):
     prompts = [random_prompt(n, 10 + n) for n in (6, 9, 14)]
     free = kvjax.generate(tiny_llama, prompts, max_new_tokens=10, stop_ids=())
-    stop = int(free[1][3])  # row 1 stops after its 4th token; others stop at their first occurrence, if any
+    stop = int(
+        free[1][3]
+    )  # row 1 stops after its 4th token; others stop at their first occurrence, if any
     stopped = kvjax.generate(tiny_llama, prompts, max_new_tokens=10, stop_ids=(stop,))
     for full, got in zip(free, stopped):
         hits = np.flatnonzero(full == stop)
@@ -55,24 +58,34 @@ def test_batch_rows_stop_independently(tiny_llama):
 
 
 def test_two_dimensional_batch_returns_list(tiny_llama):
-    out = kvjax.generate(tiny_llama, np.stack([random_prompt(8, 1), random_prompt(8, 2)]), max_new_tokens=3,
-                         stop_ids=())
+    out = kvjax.generate(
+        tiny_llama,
+        np.stack([random_prompt(8, 1), random_prompt(8, 2)]),
+        max_new_tokens=3,
+        stop_ids=(),
+    )
     assert isinstance(out, list) and [len(o) for o in out] == [3, 3]
 
 
 def test_stream_yields_the_generated_tokens(tiny_llama):
     prompt = random_prompt(13, 3)
-    chunks = list(kvjax.generate_stream(tiny_llama, prompt, max_new_tokens=10, every=3, stop_ids=()))
+    chunks = list(
+        kvjax.generate_stream(tiny_llama, prompt, max_new_tokens=10, every=3, stop_ids=())
+    )
     assert len(chunks) == 4
-    np.testing.assert_array_equal(np.concatenate([c[0] for c in chunks]),
-                                  kvjax.generate(tiny_llama, prompt, max_new_tokens=10, stop_ids=()))
+    np.testing.assert_array_equal(
+        np.concatenate([c[0] for c in chunks]),
+        kvjax.generate(tiny_llama, prompt, max_new_tokens=10, stop_ids=()),
+    )
 
 
 def test_same_bucket_does_not_recompile(tiny_llama, count_compiles):
     kvjax.generate(tiny_llama, random_prompt(20, 0), max_new_tokens=8)
     kvjax.generate(tiny_llama, random_prompt(20, 0), max_new_tokens=8, temperature=0.7, seed=1)
     with count_compiles() as compiles:
-        kvjax.generate(tiny_llama, random_prompt(25, 1), max_new_tokens=8)  # same bucket (32), other prompt
+        kvjax.generate(
+            tiny_llama, random_prompt(25, 1), max_new_tokens=8
+        )  # same bucket (32), other prompt
         kvjax.generate(tiny_llama, random_prompt(31, 2), max_new_tokens=20)  # same cache capacity
         kvjax.generate(tiny_llama, random_prompt(17, 3), max_new_tokens=5, temperature=0.7, seed=5)
     assert compiles["n"] == 0
@@ -92,32 +105,43 @@ def test_sampling_seeded_and_greedy_limits(tiny_llama):
     assert not np.array_equal(a, kvjax.generate(tiny_llama, prompt, seed=8, **hot))
 
 
-@pytest.mark.parametrize("sampling, expected", [
-    (Sampling(temperature=1.0), [0.5, 0.3, 0.2, 0.0]),
-    (Sampling(temperature=1.0, top_k=2), [0.625, 0.375, 0.0, 0.0]),
-    (Sampling(temperature=1.0, top_p=0.6), [0.625, 0.375, 0.0, 0.0]),
-    (Sampling(temperature=1.0, top_p=0.4), [1.0, 0.0, 0.0, 0.0]),
-])
+@pytest.mark.parametrize(
+    "sampling, expected",
+    [
+        (Sampling(temperature=1.0), [0.5, 0.3, 0.2, 0.0]),
+        (Sampling(temperature=1.0, top_k=2), [0.625, 0.375, 0.0, 0.0]),
+        (Sampling(temperature=1.0, top_p=0.6), [0.625, 0.375, 0.0, 0.0]),
+        (Sampling(temperature=1.0, top_p=0.4), [1.0, 0.0, 0.0, 0.0]),
+    ],
+)
 def test_sampling_frequencies(sampling, expected):
     probs = np.array([0.5, 0.3, 0.2, 0.0])
     logits = jnp.log(jnp.asarray(np.tile(probs, (20000, 1)), jnp.float32))
-    counts = np.bincount(np.asarray(sample(logits, jax.random.key(0), sampling)), minlength=4) / 20000
+    counts = (
+        np.bincount(np.asarray(sample(logits, jax.random.key(0), sampling)), minlength=4) / 20000
+    )
     np.testing.assert_allclose(counts, expected, atol=0.015)
 
 
 @pytest.mark.smollm2
 def test_smollm2_batch_of_chats_equals_alone(smollm2, smollm2_tokenizer):
-    chats = [kvjax.chat_tokens(smollm2_tokenizer, q) for q in ("What is 2+2?", "Name a large animal.")]
+    chats = [
+        kvjax.chat_tokens(smollm2_tokenizer, q) for q in ("What is 2+2?", "Name a large animal.")
+    ]
     batch = kvjax.generate(smollm2, chats, max_new_tokens=12)
     for ids, row in zip(chats, batch):
-        np.testing.assert_array_equal(row, kvjax.generate(smollm2, np.array(ids), max_new_tokens=12))
+        np.testing.assert_array_equal(
+            row, kvjax.generate(smollm2, np.array(ids), max_new_tokens=12)
+        )
 
 
 def test_bfloat16_batch_generates(tiny_llama):
     from kvjax.model.params import cast_params
 
     prompts = [random_prompt(7, 1), random_prompt(12, 2)]
-    out = kvjax.generate(cast_params(tiny_llama, "bfloat16"), prompts, max_new_tokens=4, stop_ids=())
+    out = kvjax.generate(
+        cast_params(tiny_llama, "bfloat16"), prompts, max_new_tokens=4, stop_ids=()
+    )
     assert [len(o) for o in out] == [4, 4]
 
 
@@ -173,19 +197,25 @@ def test_unstacked_layers_forward_and_round_trip(tiny_llama):
 
 
 def test_full_cache_impl_chooses_the_decode_attention(tiny_llama):
-    """budget=None with impl: the full cache's decode steps run XLA ("xla") or the kernels under the interpreter
-    ("pallas" on CPU); the tokens are the default's. An unknown impl names the choices."""
+    """budget=None with impl: the full cache's decode steps run XLA ("xla") or the kernels under the
+    interpreter ("pallas" on CPU); the tokens are the default's. An unknown impl names the choices.
+    """
     prompts = [random_prompt(n, seed) for seed, n in enumerate([9, 30])]
     default = kvjax.generate(tiny_llama, prompts, 6, stop_ids=())
     for impl in ("xla", "pallas"):
-        for a, b in zip(default, kvjax.generate(tiny_llama, prompts, 6, stop_ids=(), impl=impl), strict=True):
+        for a, b in zip(
+            default, kvjax.generate(tiny_llama, prompts, 6, stop_ids=(), impl=impl), strict=True
+        ):
             np.testing.assert_array_equal(a, b)
         gen = _generation(tiny_llama, prompts, 6, Sampling(), 0, (), {"impl": impl}, None)
         assert gen.state.cache.impl == impl
-        assert Engine(tiny_llama, slots=2, max_prompt=32, impl=impl).init_state().cache.impl == impl
+        state, _ = Engine(tiny_llama, slots=2, max_prompt=32, impl=impl).init_state()
+        assert state.cache.impl == impl
     cache = FullCache.init(tiny_llama.config, 1, 16, jnp.float32, "pallas")
     q, kv = jnp.ones((1, 1, 4, 8)), jnp.ones((1, 1, 2, 8))
     seg = Segment(positions=jnp.full((1, 1), 3, jnp.int32), from_start=False)
-    assert "pallas_call" in str(jax.make_jaxpr(lambda c: c.attend(jnp.int32(1), q, kv, kv, seg))(cache))
+    assert "pallas_call" in str(
+        jax.make_jaxpr(lambda c: c.attend(jnp.int32(1), q, kv, kv, seg))(cache)
+    )
     with pytest.raises(ValueError, match="impl='triton' must be one of"):
         kvjax.generate(tiny_llama, prompts, 6, impl="triton")

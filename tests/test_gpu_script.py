@@ -1,5 +1,6 @@
-"""The GPU script (benchmarks/gpu/run.py) works before any device minute is spent on it: ``--smoke`` runs every part
-on CPU with tiny shapes (the Pallas GPU kernels under the interpreter), and its report combines runs."""
+"""The GPU script (benchmarks/gpu/run.py) works before any device minute is spent on it: ``--smoke``
+runs every part on CPU with tiny shapes (the Pallas GPU kernels under the interpreter), and its
+report combines runs."""
 
 import json
 import subprocess
@@ -15,8 +16,21 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     """Every part but "server" (six servers started: test_smoke_server_part, slow)."""
     parts = "kernels,layers,model,serve,peer"
-    done = subprocess.run([sys.executable, str(GPU_SCRIPT / "run.py"), "--smoke", "--parts", parts, "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(GPU_SCRIPT / "run.py"),
+            "--smoke",
+            "--parts",
+            parts,
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     merged = json.loads((tmp_path / "results.json").read_text())
     parts = merged["parts"]
@@ -27,7 +41,8 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
         assert not failed, (table, failed[:3])
     kernels_part, VARIANTS = gpu_script("kernels_part"), gpu_script("layers_part").VARIANTS
     checks = parts["kernel_checks"]
-    # every kernel (dense, paged, MomentKV-corrected) and the full cache's prompt attention (XLA's on a CPU)
+    # every kernel (dense, paged, MomentKV-corrected) and the full cache's prompt attention (XLA's
+    # on a CPU)
     assert {r["op"] for r in checks} == {*kernels_part.OPS, kernels_part.PROMPT}
     assert {r.get("attention") for r in checks if r["op"] == kernels_part.PROMPT} == {"xla"}
     assert all(r["ok"] and r["max_err"] < 1e-2 for r in checks)
@@ -36,62 +51,137 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert {r["cache"] for r in decode if r.get("largest_batch")} == {"full", "snapkv 64"}
     assert {r["cache"] for r in decode} >= {"full", "snapkv 64", "momentkv 64", "adakv 64"}
     assert all(r["ms_per_step"] > 0 and r["floor_ms"] > 0 for r in decode)
-    assert {r["impl"] for r in decode} == {"default"} and {r["impl"] for r in parts["prefill"]} == {"default", "xla"}
+    assert {r["impl"] for r in decode} == {"default"} and {r["impl"] for r in parts["prefill"]} == {
+        "default",
+        "xla",
+    }
     full = {r["impl"]: r for r in parts["prefill"] if r["cache"] == "full"}
     assert {r["prompt_attention"] for r in full.values()} == {"xla"}  # no cuDNN on a CPU
     assert max(full["xla"]["vs_default"].values()) < 1e-6  # the same computation here
     profiled = {(r["cache"], r["impl"], r["batch"]): r["profile"] for r in decode if "profile" in r}
-    assert set(profiled) == {("full", "default", 1), ("full", "default", 2), ("snapkv 64", "default", 2),
-                             ("momentkv 64", "default", 2), ("adakv 64", "default", 2)}
-    assert all("error" not in p and p["ms_per_step"] > 0 and p["ops_per_step"] >= 1 and p["top"]
-               for p in profiled.values()), profiled
-    adakv = profiled["adakv 64", "default", 2]["kinds"]  # the kinds told apart; evicting one token per head, AdaKV's
-    assert adakv["matmul"] > 0 and adakv["cache write"] > 0 and "sort" not in adakv, adakv  # step sorts nothing
+    assert set(profiled) == {
+        ("full", "default", 1),
+        ("full", "default", 2),
+        ("snapkv 64", "default", 2),
+        ("momentkv 64", "default", 2),
+        ("adakv 64", "default", 2),
+    }
+    assert all(
+        "error" not in p and p["ms_per_step"] > 0 and p["ops_per_step"] >= 1 and p["top"]
+        for p in profiled.values()
+    ), profiled
+    adakv = profiled["adakv 64", "default", 2][
+        "kinds"
+    ]  # the kinds told apart; evicting one token per head, AdaKV's
+    assert adakv["matmul"] > 0 and adakv["cache write"] > 0 and "sort" not in adakv, (
+        adakv
+    )  # step sorts nothing
     assert {r["slots"] for r in parts["serve"]} == {1, 4}
-    assert {r["variant"] for r in parts["layers"]} == set(VARIANTS) and {r["batch"] for r in parts["layers"]} == {1}
+    assert {r["variant"] for r in parts["layers"]} == set(VARIANTS) and {
+        r["batch"] for r in parts["layers"]
+    } == {1}
     assert sorted(p.name for p in (tmp_path / "hlo").iterdir()) == [
-        "scan+Triton-GEMMs.txt", "scan+cuBLAS.txt", "scan.txt", "unstacked+cache-per-layer.txt",
-        "unstacked.txt"]
-    assert all("matches XLA's" in merged["meta"][part]["decode_attention"] for part in ("layers", "model"))
+        "scan+Triton-GEMMs.txt",
+        "scan+cuBLAS.txt",
+        "scan.txt",
+        "unstacked+cache-per-layer.txt",
+        "unstacked.txt",
+    ]
+    assert all(
+        "matches XLA's" in merged["meta"][part]["decode_attention"] for part in ("layers", "model")
+    )
     peer = parts["peer"]
-    assert "error" not in peer and peer["decode"] and not [r for r in peer["decode"] if "error" in r]
+    assert (
+        "error" not in peer and peer["decode"] and not [r for r in peer["decode"] if "error" in r]
+    )
     report = (tmp_path / "results.md").read_text()
-    assert "### Targets" in report and report.strip() == done.stdout.strip()  # the table is printed last
+    assert (
+        "### Targets" in report and report.strip() == done.stdout.strip()
+    )  # the table is printed last
 
 
 @pytest.mark.slow
 def test_smoke_server_part(tmp_path):
-    """The server part on the CPU: each case's server started, benchmarked over HTTP and stopped; a row per case
-    with the benchmark's figures and the server's capacity, the busy cases beside their raw decode."""
-    done = subprocess.run([sys.executable, str(GPU_SCRIPT / "run.py"), "--smoke", "--parts", "server", "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    """The server part on the CPU: each case's server started, benchmarked over HTTP and stopped; a
+    row per case with the benchmark's figures and the server's capacity, the busy cases beside their
+    raw decode."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(GPU_SCRIPT / "run.py"),
+            "--smoke",
+            "--parts",
+            "server",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads((tmp_path / "results.json").read_text())["parts"]["server"]
-    assert [r["case"] for r in rows] == ["busy", "call4b", "long-full", "long-snapkv", "documents", "documents-whole"]
-    assert all("error" not in r and r["exit"] == 0 and r["completed"] == 8 and "slots" in r["capacity"] for r in rows)
-    assert all(r["raw_decode_tokens_per_s"] > 0 for r in rows[:2]) and rows[4]["context_seconds"] > 0
+    assert [r["case"] for r in rows] == [
+        "busy",
+        "call4b",
+        "long-full",
+        "long-snapkv",
+        "documents",
+        "documents-whole",
+    ]
+    assert all(
+        "error" not in r and r["exit"] == 0 and r["completed"] == 8 and "slots" in r["capacity"]
+        for r in rows
+    )
+    assert (
+        all(r["raw_decode_tokens_per_s"] > 0 for r in rows[:2]) and rows[4]["context_seconds"] > 0
+    )
     assert "### Server over HTTP" in done.stdout and "server (busy)" in done.stdout
 
 
 def test_kernel_ops_checks_only_the_ops_named_and_refuses_an_unknown_one(tmp_path):
-    run = [sys.executable, str(GPU_SCRIPT / "run.py"), "--smoke", "--parts", "kernels", "--no-kernel-timings"]
-    done = subprocess.run([*run, "--kernel-ops", "prompt,decode", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    run = [
+        sys.executable,
+        str(GPU_SCRIPT / "run.py"),
+        "--smoke",
+        "--parts",
+        "kernels",
+        "--no-kernel-timings",
+    ]
+    done = subprocess.run(
+        [*run, "--kernel-ops", "prompt,decode", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     checks = json.loads((tmp_path / "results.json").read_text())["parts"]["kernel_checks"]
     assert {r["op"] for r in checks} == {"prompt", "decode"} and all(r["ok"] for r in checks)
-    bad = subprocess.run([*run, "--kernel-ops", "decode,flash", "--out", str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [*run, "--kernel-ops", "decode,flash", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--kernel-ops: unknown ['flash']" in bad.stderr
 
 
 def test_report_combines_runs_and_keeps_only_what_no_run_reached():
     combine = gpu_script("report").combine
     label = {"cache": "full", "impl": "default", "context": 4096, "batch": 1}
-    first = {"meta": {"model": {}}, "parts": {
-        "decode": [{**label, "error": "not run: the part's deadline passed"},
-                   {**label, "batch": 8, "error": "not run: the part's deadline passed"}],
-        "peer": {"decode": []}}}
+    first = {
+        "meta": {"model": {}},
+        "parts": {
+            "decode": [
+                {**label, "error": "not run: the part's deadline passed"},
+                {**label, "batch": 8, "error": "not run: the part's deadline passed"},
+            ],
+            "peer": {"decode": []},
+        },
+    }
     second = {"meta": {"model": {}}, "parts": {"decode": [{**label, "ms_per_step": 15.0}]}}
     merged = combine([first, second], ["a", "b"])
     rows = merged["parts"]["decode"]
@@ -100,8 +190,9 @@ def test_report_combines_runs_and_keeps_only_what_no_run_reached():
 
 
 def test_moved_bytes_counts_what_a_layer_scan_slices_out_once_per_trip():
-    """The layers part's count of bytes written by slicing: XLA on CPU copies each layer's weight out of the stacked
-    array before its product (once per trip of the loop), and slices nothing from weights passed one per layer."""
+    """The layers part's count of bytes written by slicing: XLA on CPU copies each layer's weight
+    out of the stacked array before its product (once per trip of the loop), and slices nothing from
+    weights passed one per layer."""
     import jax
     import jax.numpy as jnp
 
@@ -116,17 +207,21 @@ def test_moved_bytes_counts_what_a_layer_scan_slices_out_once_per_trip():
 
 
 def test_moved_bytes_reads_xla_gpus_asynchronous_slice_copies():
-    """On XLA:GPU's compile of the 8B decoding step (``benchmarks/gpu/aot.py --caches full --batches 1 --hlo``, full
-    cache, batch 1; jax 0.11.2), the Triton GEMM fusions' copies of each layer's weights are asynchronous
-    ``fusion-start``s: wq, wo and the three MLP matrices of every layer (wk and wv are read in place); with kvjax's
-    options (cuBLAS) nothing is copied."""
+    """On XLA:GPU's compile of the 8B decoding step
+    (``benchmarks/gpu/aot.py --caches full --batches 1 --hlo``, full cache, batch 1; jax 0.11.2),
+    the Triton GEMM fusions' copies of each layer's weights are asynchronous ``fusion-start``s: wq,
+    wo and the three MLP matrices of every layer (wk and wv are read in place); with kvjax's options
+    (cuBLAS) nothing is copied."""
     import gzip
 
     moved_bytes = gpu_script("layers_part").moved_bytes
     cfg = gpu_script("model_part").LLAMA_8B
     d, hd, f = cfg.d_model, cfg.head_dim, cfg.d_ff
     per_layer = 2 * (2 * d * cfg.n_heads * hd + 3 * d * f)
-    read = lambda name: gzip.decompress((Path(__file__).parent / "data" / name).read_bytes()).decode()  # noqa: E731
+
+    def read(name):
+        return gzip.decompress((Path(__file__).parent / "data" / name).read_bytes()).decode()
+
     triton = read("xla_gpu_8b_decode_triton_gemms.hlo.gz")
     assert "fusion-start" in triton
     assert 0 <= moved_bytes(triton) - cfg.n_layers * per_layer < 1000  # and a few indices
@@ -134,22 +229,26 @@ def test_moved_bytes_reads_xla_gpus_asynchronous_slice_copies():
 
 
 def test_moved_bytes_reads_slices_whose_fusion_wraps_the_layer_index():
-    """XLA:GPU's compile of SnapKV 1024's decoding step at batch 64 before 2026-11-28 (``set_layer_slots`` wrote
-    each layer's updated slice back; ``aot.py --caches "snapkv 1024" --batches 64 --hlo``): each layer's keys
-    and values [1, 64, 8, 1025, 128] are sliced out by fusions that also wrap the layer index (scalar compare,
-    add, select). The card's profile put 5.2 ms per step in them; they count, 32 layers × 2 × 134 MB."""
+    """XLA:GPU's compile of SnapKV 1024's decoding step at batch 64 before 2026-11-28
+    (``set_layer_slots`` wrote each layer's updated slice back;
+    ``aot.py --caches "snapkv 1024" --batches 64 --hlo``): each layer's keys and values [1, 64, 8,
+    1025, 128] are sliced out by fusions that also wrap the layer index (scalar compare, add,
+    select). The card's profile put 5.2 ms per step in them; they count, 32 layers × 2 × 134 MB."""
     import gzip
 
     moved_bytes = gpu_script("layers_part").moved_bytes
-    text = gzip.decompress((Path(__file__).parent / "data" / "xla_gpu_8b_decode_snapkv1024_b64_write_back.hlo.gz")
-                           .read_bytes()).decode()
+    text = gzip.decompress(
+        (
+            Path(__file__).parent / "data" / "xla_gpu_8b_decode_snapkv1024_b64_write_back.hlo.gz"
+        ).read_bytes()
+    ).decode()
     per_layer = 2 * 64 * 8 * 1025 * 128 * 2
     assert 32 * per_layer <= moved_bytes(text) < 32 * per_layer + 10**9
 
 
 def test_a_failing_decode_kernel_sends_every_row_to_xla(monkeypatch):
-    """common.decode_attention: a decode kernel that raises, or that is off XLA's output, makes the parts run XLA's
-    attention, and says why."""
+    """common.decode_attention: a decode kernel that raises, or that is off XLA's output, makes the
+    parts run XLA's attention, and says why."""
     import kvjax.kernels
 
     decode_attention = gpu_script("common").decode_attention

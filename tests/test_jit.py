@@ -1,5 +1,6 @@
-"""kvjax.runtime.jit: every jitted program of kvjax compiles with its backend's XLA options (on a GPU: no Triton
-GEMM fusions, which copy each layer's weights out of the stacked arrays; benchmarks/gpu/aot.py)."""
+"""kvjax.runtime.jit: every jitted program of kvjax compiles with its backend's XLA options (on a
+GPU: no Triton GEMM fusions, which copy each layer's weights out of the stacked arrays;
+benchmarks/gpu/aot.py)."""
 
 from pathlib import Path
 
@@ -13,8 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_each_backend_compiles_with_its_own_options(monkeypatch):
-    """An option only the "gpu" entry names is passed to XLA when the default backend is a GPU, not on CPU (the
-    option is one XLA rejects, so that reaching the compiler shows)."""
+    """An option only the "gpu" entry names is passed to XLA when the default backend is a GPU, not
+    on CPU (the option is one XLA rejects, so that reaching the compiler shows)."""
     monkeypatch.setitem(jit_module.OPTIONS, "gpu", {"xla_no_such_option": True})
     double = jit_module.jit(lambda x: 2 * x)
     assert double(jnp.ones(2)).tolist() == [2.0, 2.0]
@@ -25,10 +26,10 @@ def test_each_backend_compiles_with_its_own_options(monkeypatch):
 
 
 def test_called_inside_another_trace_it_is_the_plain_jit(monkeypatch):
-    """JAX refuses compiler options on a jit staged into another trace (``eval_shape``, an outer ``jit``, a
-    scan's body): there the function is the plain ``jax.jit`` and the outer program's options apply (the GPU
-    run of 2026-11-28 failed on this; reproduced here with a CPU entry). The option is one XLA rejects, so
-    that the top-level call shows it still reaches the compiler."""
+    """JAX refuses compiler options on a jit staged into another trace (``eval_shape``, an outer
+    ``jit``, a scan's body): there the function is the plain ``jax.jit`` and the outer program's
+    options apply (the GPU run of 2026-11-28 failed on this; reproduced here with a CPU entry). The
+    option is one XLA rejects, so that the top-level call shows it still reaches the compiler."""
     monkeypatch.setitem(jit_module.OPTIONS, "cpu", {"xla_no_such_option": True})
     double = jit_module.jit(lambda x: 2 * x)
     x = jnp.arange(3.0)
@@ -45,6 +46,10 @@ def test_on_a_gpu_triton_gemm_fusions_are_off():
 
 def test_no_module_jits_around_kvjax_jit():
     """A plain ``jax.jit`` in the library would compile its program without the options."""
-    plain = [str(p.relative_to(ROOT)) for top in ("kvjax", "kernels") for p in (ROOT / top).rglob("*.py")
-             if "jax.jit" in p.read_text() and p != ROOT / "kvjax" / "runtime" / "jit.py"]
+    plain = [
+        str(p.relative_to(ROOT))
+        for top in ("kvjax", "kernels")
+        for p in (ROOT / top).rglob("*.py")
+        if "jax.jit" in p.read_text() and p != ROOT / "kvjax" / "runtime" / "jit.py"
+    ]
     assert plain == []

@@ -1,6 +1,6 @@
-"""The whole SmolLM2 model with the Pallas kernels (``impl="pallas"``: the TPU kernels under the Pallas
-interpreter on CPU) generates the XLA path's tokens, with a budget small enough that the chat prompt is
-evicted block by block and every decode step evicts; and ``impl`` is validated."""
+"""The whole SmolLM2 model with the Pallas kernels (``impl="pallas"``: the TPU kernels under the
+Pallas interpreter on CPU) generates the XLA path's tokens, with a budget small enough that the chat
+prompt is evicted block by block and every decode step evicts; and ``impl`` is validated."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,9 @@ import pytest
 import kvjax
 
 PROMPT = "Name the three primary colours and say which two of them make green when mixed."
-EVICTION = dict(budget=32, block_size=16, obs_window=8)  # window 8 + 4 sinks: 20 slots scored per step
+EVICTION = dict(
+    budget=32, block_size=16, obs_window=8
+)  # window 8 + 4 sinks: 20 slots scored per step
 
 
 @pytest.mark.smollm2
@@ -20,10 +22,14 @@ def test_pallas_generation_equals_xla(smollm2, smollm2_tokenizer, scorer):
     pallas = kvjax.generate(smollm2, ids, 4, scorer=scorer, impl="pallas", **EVICTION)
     np.testing.assert_array_equal(pallas, xla)
     # the kernels did run: the compressed context's logits are close to XLA's, not the same bits
-    logits = {impl: np.asarray(kvjax.prefill(smollm2, ids, scorer=scorer, impl=impl, **EVICTION).logits)
-              for impl in ("xla", "pallas")}
+    logits = {
+        impl: np.asarray(kvjax.prefill(smollm2, ids, scorer=scorer, impl=impl, **EVICTION).logits)
+        for impl in ("xla", "pallas")
+    }
     assert not np.array_equal(logits["pallas"], logits["xla"])
-    np.testing.assert_allclose(logits["pallas"], logits["xla"], atol=1e-3 * np.abs(logits["xla"]).max())
+    np.testing.assert_allclose(
+        logits["pallas"], logits["xla"], atol=1e-3 * np.abs(logits["xla"]).max()
+    )
 
 
 def test_impl_is_validated(tiny_llama):

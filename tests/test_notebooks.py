@@ -1,8 +1,10 @@
-"""Every notebook in notebooks/ runs top to bottom on CPU under nbclient (a Jupyter kernel, as Colab runs it).
+"""Every notebook in notebooks/ runs top to bottom on CPU under nbclient (a Jupyter kernel, as Colab
+runs it).
 
-Cells tagged ``skip-execution`` are Colab's setup (pip installs, ``git clone``, ``%cd`` into the clone: they need
-network or Colab's paths) and may hold nothing else; nbclient skips them and runs every other cell in order in
-one kernel started at the repository root, and the printed output must hold the notebook's line in ``EXPECTED``.
+Cells tagged ``skip-execution`` are Colab's setup (pip installs, ``git clone``, ``%cd`` into the
+clone: they need network or Colab's paths) and may hold nothing else; nbclient skips them and runs
+every other cell in order in one kernel started at the repository root, and the printed output must
+hold the notebook's line in ``EXPECTED``.
 """
 
 from pathlib import Path
@@ -18,12 +20,17 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 TIMEOUT = 600  # seconds per cell
 SKIP = "skip-execution"  # nbclient's default skip_cells_with_tag
 # A line each notebook's output must hold: the model answered what it was asked.
-EXPECTED = {"quickstart_tpu.ipynb": "Paris", "serving_tpu.ipynb": "Paris",
-            "eviction_methods.ipynb": "needle answered with the full cache: True"}
+EXPECTED = {
+    "quickstart_tpu.ipynb": "Paris",
+    "serving_tpu.ipynb": "Paris",
+    "eviction_methods.ipynb": "needle answered with the full cache: True",
+}
 
 
 def printed(cell) -> str:
-    return "".join(out.get("text", "") for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+    return "".join(
+        out.get("text", "") for out in cell.get("outputs", []) if out.get("output_type") == "stream"
+    )
 
 
 @pytest.mark.smollm2
@@ -35,19 +42,34 @@ def test_notebook_runs_on_cpu(path, monkeypatch):
     code_cells = [c for c in notebook.cells if c.cell_type == "code"]
     assert code_cells, f"{path.name} has no code cells"
     stored = [i for i, c in enumerate(code_cells) if c.outputs or c.execution_count is not None]
-    assert not stored, f"{path.name}: code cells {stored} store outputs or execution counts; clear them"
+    assert not stored, (
+        f"{path.name}: code cells {stored} store outputs or execution counts; clear them"
+    )
     for cell in code_cells:
-        if SKIP in cell.metadata.get("tags", []):  # only Colab's shell and magic lines may go unexecuted
-            assert all(line.lstrip().startswith(("!", "%")) for line in cell.source.splitlines() if line.strip()), \
-                f"{path.name}: a {SKIP} cell holds Python code:\n{cell.source}"
+        # only Colab's shell and magic lines may go unexecuted
+        if SKIP in cell.metadata.get("tags", []):
+            assert all(
+                line.lstrip().startswith(("!", "%"))
+                for line in cell.source.splitlines()
+                if line.strip()
+            ), f"{path.name}: a {SKIP} cell holds Python code:\n{cell.source}"
 
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the kernel inherits the environment
-    monkeypatch.setenv("XLA_FLAGS", xla_flags(optimized=True)["XLA_FLAGS"])  # as a user's kernel compiles
-    client = NotebookClient(notebook, timeout=TIMEOUT, kernel_name="python3", skip_cells_with_tag=SKIP,
-                            resources={"metadata": {"path": str(ROOT)}})
+    monkeypatch.setenv(
+        "XLA_FLAGS", xla_flags(optimized=True)["XLA_FLAGS"]
+    )  # as a user's kernel compiles
+    client = NotebookClient(
+        notebook,
+        timeout=TIMEOUT,
+        kernel_name="python3",
+        skip_cells_with_tag=SKIP,
+        resources={"metadata": {"path": str(ROOT)}},
+    )
     try:
         client.execute()
     except (CellExecutionError, CellTimeoutError) as e:
         pytest.fail(f"{path.name}: {e}")
     output = "".join(printed(c) for c in notebook.cells if c.cell_type == "code")
-    assert EXPECTED[path.name] in output, f"{path.name}: no {EXPECTED[path.name]!r} in the output\n{output[-5000:]}"
+    assert EXPECTED[path.name] in output, (
+        f"{path.name}: no {EXPECTED[path.name]!r} in the output\n{output[-5000:]}"
+    )

@@ -1,6 +1,7 @@
-"""Output-aware scorers checked against what their formulas approximate: OBCache against the second-order
-Taylor expansion (jax.hessian) and the exact error of removing a token, CAOTE against the exact change of
-the attention output, MomentKV's correction against plain attention and the full cache."""
+"""Output-aware scorers checked against what their formulas approximate: OBCache against the
+second-order Taylor expansion (jax.hessian) and the exact error of removing a token, CAOTE against
+the exact change of the attention output, MomentKV's correction against plain attention and the full
+cache."""
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,8 @@ def outputs(q, k, v, mask):
 
 
 def taylor_error(q, k, v, mask, slot, kind):
-    """½ f''(0) per query head, f(t) = Σ_i ‖o_i(t) − o_i(0)‖² with the slot's value/key/both scaled by 1 − t."""
+    """½ f''(0) per query head, f(t) = Σ_i ‖o_i(t) − o_i(0)‖² with the slot's value/key/both scaled
+    by 1 − t."""
     e = jnp.zeros((S, 1)).at[slot].set(1.0)
     base = outputs(q, k, v, mask)
 
@@ -47,7 +49,9 @@ def taylor_error(q, k, v, mask, slot, kind):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_obcache_closed_forms_equal_the_second_order_taylor_expansion(kind, seed):
     q, k, v, mask = random_head(seed)
-    col = attention_with_scores(q, k, v, mask, jnp.ones((1, W)), f"obcache-{kind}")[2][0, 0]  # [G, S]
+    col = attention_with_scores(q, k, v, mask, jnp.ones((1, W)), f"obcache-{kind}")[2][
+        0, 0
+    ]  # [G, S]
     expected = jnp.stack([taylor_error(q, k, v, mask, slot, kind) for slot in range(S)], axis=-1)
     np.testing.assert_allclose(np.asarray(col), np.asarray(expected), rtol=1e-4, atol=1e-5)
 
@@ -58,13 +62,18 @@ def spearman(a, b):
 
 
 def test_obcache_ranks_tokens_closer_to_the_exact_removal_error_than_attention():
-    """Exact error of evicting a token: recompute the window's attention without it (softmax renormalised)."""
+    """Exact error of evicting a token: recompute the window's attention without it (softmax
+    renormalised)."""
     rho = {name: [] for name in ("attn", "obcache-value", "obcache-key", "obcache-joint")}
     for seed in range(12):
         q, k, v, mask = random_head(seed, scale=1.5)
         base = outputs(q, k, v, mask)
-        exact = np.array([float(jnp.sum((outputs(q, k, v, mask & (jnp.arange(S) != j)) - base) ** 2))
-                          for j in range(S)])
+        exact = np.array(
+            [
+                float(jnp.sum((outputs(q, k, v, mask & (jnp.arange(S) != j)) - base) ** 2))
+                for j in range(S)
+            ]
+        )
         for name in rho:
             col = attention_with_scores(q, k, v, mask, jnp.ones((1, W)), name)[2][0, 0].sum(0)
             rho[name].append(spearman(np.asarray(col), exact))
@@ -81,12 +90,21 @@ def test_caote_equals_the_exact_output_change_for_one_query(fast):
     _, _, attn = attention_with_scores(q, k, v, mask, jnp.ones((1, 1)))
     score = caote(attn, v, jnp.ones((1, 1, S), bool), fast=fast)[0, 0]  # [G, S]
     base = outputs(q, k, v, mask)[0]  # [G, K]
-    exact = np.stack([np.linalg.norm(np.asarray(outputs(q, k, v, mask & (jnp.arange(S) != j))[0] - base), axis=-1)
-                      for j in range(S)], axis=-1)
+    exact = np.stack(
+        [
+            np.linalg.norm(
+                np.asarray(outputs(q, k, v, mask & (jnp.arange(S) != j))[0] - base), axis=-1
+            )
+            for j in range(S)
+        ],
+        axis=-1,
+    )
     if fast:  # FastCAOTE swaps the output for the mean value: exact only in that replacement
         mean_v = np.asarray(v[0, 0]).mean(0)
         a = np.asarray(attn[0, 0])
-        exact = a / (1 - a) * np.linalg.norm(mean_v[None, None] - np.asarray(v[0, 0])[None], axis=-1)
+        exact = (
+            a / (1 - a) * np.linalg.norm(mean_v[None, None] - np.asarray(v[0, 0])[None], axis=-1)
+        )
     np.testing.assert_allclose(np.asarray(score), exact, rtol=1e-5, atol=1e-6)
 
 
@@ -94,13 +112,16 @@ def test_correction_with_nothing_evicted_is_plain_attention():
     q, k, v, mask = random_head(4)
     out, lse, _ = attention_with_scores(q, k, v, mask)
     empty = moments_of(jnp.zeros((1, 1, 0, K)), jnp.zeros((1, 1, 0, K)))
-    np.testing.assert_array_equal(np.asarray(corrected_attention(out, lse, q.reshape(1, W, G, K), empty, False)),
-                                  np.asarray(out))
+    np.testing.assert_array_equal(
+        np.asarray(corrected_attention(out, lse, q.reshape(1, W, G, K), empty, False)),
+        np.asarray(out),
+    )
 
 
 def test_correction_is_exact_when_the_evicted_keys_coincide():
-    """With all evicted keys equal (zero centred spread) Jensen's bound is tight and the moment estimate is
-    the evicted tokens' exact mean value, so the correction recovers the full attention output."""
+    """With all evicted keys equal (zero centred spread) Jensen's bound is tight and the moment
+    estimate is the evicted tokens' exact mean value, so the correction recovers the full attention
+    output."""
     q, k, v, mask = random_head(5)
     k = k.at[:, :, :8].set(k[:, :, :1])
     full = attention_with_scores(q, k, v, mask)[0]
@@ -122,16 +143,31 @@ def test_correction_stays_finite_with_large_logits(zeroth):
 
 
 def test_every_scorer_name_runs_end_to_end(tiny_llama, tiny_head_scores, request):
-    """Names through kvjax.generate under the block-wise protocol: each modifier once by default (every base and
-    alias runs through kvjax.generate on SmolLM2: tests/test_output_aware_smollm2.py), every name with
-    --runslow (the prefill protocol: tests/test_prefilled.py, through kvjax.prefill and kvjax.decode; the
-    combinations against the NumPy reference in tests/test_engine_vs_reference.py)."""
+    """Names through kvjax.generate under the block-wise protocol: each modifier once by default
+    (every base and alias runs through kvjax.generate on SmolLM2:
+    tests/test_output_aware_smollm2.py), every name with --runslow (the prefill protocol:
+    tests/test_prefilled.py, through kvjax.prefill and kvjax.decode; the combinations against the
+    NumPy reference in tests/test_engine_vs_reference.py)."""
     prompt = np.random.default_rng(0).integers(4, 97, 60).astype(np.int32)
-    names = SCORERS if request.config.getoption("--runslow") else [n for n in covering(SCORERS) if split_name(n)[2]]
+    names = (
+        SCORERS
+        if request.config.getoption("--runslow")
+        else [n for n in covering(SCORERS) if split_name(n)[2]]
+    )
     for name in names:
         protocol = "prefill" if own_pass(name) else "blockwise"
-        out = kvjax.generate(tiny_llama, prompt, max_new_tokens=4, budget=24, scorer=name, protocol=protocol,
-                             block_size=16, obs_window=8, stop_ids=(), **scorer_requirements(name, tiny_head_scores))
+        out = kvjax.generate(
+            tiny_llama,
+            prompt,
+            max_new_tokens=4,
+            budget=24,
+            scorer=name,
+            protocol=protocol,
+            block_size=16,
+            obs_window=8,
+            stop_ids=(),
+            **scorer_requirements(name, tiny_head_scores),
+        )
         assert len(out) == 4, (name, protocol)
 
 
@@ -143,11 +179,16 @@ def test_unknown_or_invalid_combinations_list_the_valid_names(tiny_llama):
 
 @pytest.mark.parametrize("kind", ["key", "joint"])
 def test_obcache_stays_accurate_when_a_query_attends_to_one_token(kind):
-    """Where one token takes nearly all of a query's attention its value is the output (o ≈ v), and the
-    expanded ‖v‖² − 2 v·o + ‖o‖² loses every digit in float32; the scores must still match float64."""
+    """Where one token takes nearly all of a query's attention its value is the output (o ≈ v), and
+    the expanded ‖v‖² − 2 v·o + ‖o‖² loses every digit in float32; the scores must still match
+    float64."""
     q, k, v, mask = random_head(7)
-    k = k.at[0, 0, 5].set(q[0, -1, 0] * 4.0)  # the last query of head 0 puts almost all its weight on slot 5
-    col = attention_with_scores(q, k, v, mask, jnp.ones((1, W)), f"obcache-{kind}")[2][0, 0]  # [G, S]
+    k = k.at[0, 0, 5].set(
+        q[0, -1, 0] * 4.0
+    )  # the last query of head 0 puts almost all its weight on slot 5
+    col = attention_with_scores(q, k, v, mask, jnp.ones((1, W)), f"obcache-{kind}")[2][
+        0, 0
+    ]  # [G, S]
     q64, k64, v64 = (np.asarray(x, np.float64) for x in (q[0], k[0, 0], v[0, 0]))
     expected = np.zeros((G, S))
     for t in range(W):
@@ -161,11 +202,16 @@ def test_obcache_stays_accurate_when_a_query_attends_to_one_token(kind):
             expected[g] += az**2 * np.sum((v64 - o) ** 2, -1)
             if kind == "joint":
                 expected[g] += a**2 * np.sum(v64**2, -1) + 2 * a * az * np.sum(v64 * (v64 - o), -1)
-    assert np.max(np.asarray(attention_with_scores(q, k, v, mask, jnp.ones((1, W)))[2][0, 0, 0])) > 0.99
+    assert (
+        np.max(np.asarray(attention_with_scores(q, k, v, mask, jnp.ones((1, W)))[2][0, 0, 0]))
+        > 0.99
+    )
     np.testing.assert_allclose(np.asarray(col), expected, rtol=1e-3, atol=1e-7)
 
 
-def batched_eviction_reference(priority, candidates, n_evict, k, v, pos, count, k_sum, v_sum, vk_sum, batch):
+def batched_eviction_reference(
+    priority, candidates, n_evict, k, v, pos, count, k_sum, v_sum, vk_sum, batch
+):
     """NumPy float64: per step, evict the ``batch`` candidates of lowest priority·‖r‖ (ties: earlier
     position) under the current statistics, then add them all."""
     evicted = np.zeros(len(priority), bool)
@@ -178,17 +224,25 @@ def batched_eviction_reference(priority, candidates, n_evict, k, v, pos, count, 
             resid = v
         score = np.where(candidates & ~evicted, priority * np.linalg.norm(resid, axis=1), np.inf)
         order = sorted(range(len(score)), key=lambda j: (score[j], pos[j]))
-        chosen = [j for j in order if candidates[j] and not evicted[j]][: min(batch, n_evict - evicted.sum())]
+        chosen = [j for j in order if candidates[j] and not evicted[j]][
+            : min(batch, n_evict - evicted.sum())
+        ]
         for j in chosen:
             evicted[j] = True
-            count, k_sum, v_sum, vk_sum = count + 1, k_sum + k[j], v_sum + v[j], vk_sum + np.outer(v[j], k[j])
+            count, k_sum, v_sum, vk_sum = (
+                count + 1,
+                k_sum + k[j],
+                v_sum + v[j],
+                vk_sum + np.outer(v[j], k[j]),
+            )
     return evicted
 
 
 def test_moment_eviction_scores_a_rounding_apart_tie():
-    """Two equal tokens under equal priorities tie; read at other slots their scores can round apart (here the
-    later one is made lower by 2e-7 relative, and float32 keeps it lower). The exact loop calls that a tie and
-    evicts the earlier position, as the float64 reference does on the equal tokens."""
+    """Two equal tokens under equal priorities tie; read at other slots their scores can round apart
+    (here the later one is made lower by 2e-7 relative, and float32 keeps it lower). The exact loop
+    calls that a tie and evicts the earlier position, as the float64 reference does on the equal
+    tokens."""
     from kvjax.eviction.moments import Moments, moment_informed_eviction
 
     r = np.random.default_rng(7)
@@ -201,16 +255,23 @@ def test_moment_eviction_scores_a_rounding_apart_tie():
     v32 = jnp.asarray(v, jnp.float32)
     norms = np.asarray(jnp.linalg.norm(v32[0, 0], axis=-1))
     assert norms[4] < norms[1]  # without the tie rule the later position would go
-    args = (jnp.asarray(priority, jnp.float32), jnp.ones((1, 1, N), bool), jnp.array([[1]]),
-            jnp.asarray(k, jnp.float32), v32, jnp.asarray(pos))
+    args = (
+        jnp.asarray(priority, jnp.float32),
+        jnp.ones((1, 1, N), bool),
+        jnp.array([[1]]),
+        jnp.asarray(k, jnp.float32),
+        v32,
+        jnp.asarray(pos),
+    )
     got = np.asarray(moment_informed_eviction(*args, Moments.zeros((1, 1), K), False, 1))[0, 0]
     np.testing.assert_array_equal(np.flatnonzero(got), [1])
 
 
 def test_moment_eviction_finds_a_copy_of_the_evicted_token():
-    """With one token evicted, a copy of its value is predicted exactly (v̄ = v_e, S̃ = 0: r = 0) and goes next.
-    The scalars' cancelling sum leaves rounding noise on its score above the other candidates' scores (priority
-    1e-5): screened by that sum rather than its lower bound (``FLOOR`` = 0), the copy is missed."""
+    """With one token evicted, a copy of its value is predicted exactly (v̄ = v_e, S̃ = 0: r = 0)
+    and goes next. The scalars' cancelling sum leaves rounding noise on its score above the other
+    candidates' scores (priority 1e-5): screened by that sum rather than its lower bound (``FLOOR``
+    = 0), the copy is missed."""
     from kvjax.eviction.moments import moment_informed_eviction
 
     r = np.random.default_rng(11)
@@ -220,13 +281,32 @@ def test_moment_eviction_finds_a_copy_of_the_evicted_token():
     k[0, 0, 6] = r.normal(size=K) * 3.0  # another position: another key
     priority = np.full((1, 1, N), 1e-5)
     priority[0, 0, 6] = 1.0
-    moments = moments_of(jnp.asarray(k[:, :, :1], jnp.float32), jnp.asarray(v[:, :, :1], jnp.float32))
+    moments = moments_of(
+        jnp.asarray(k[:, :, :1], jnp.float32), jnp.asarray(v[:, :, :1], jnp.float32)
+    )
     candidates = np.arange(N) > 0
-    args = (jnp.asarray(priority, jnp.float32), jnp.asarray(candidates)[None, None], jnp.array([[1]]),
-            jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), jnp.arange(N, dtype=jnp.int32)[None, None])
+    args = (
+        jnp.asarray(priority, jnp.float32),
+        jnp.asarray(candidates)[None, None],
+        jnp.array([[1]]),
+        jnp.asarray(k, jnp.float32),
+        jnp.asarray(v, jnp.float32),
+        jnp.arange(N, dtype=jnp.int32)[None, None],
+    )
     got = np.asarray(moment_informed_eviction(*args, moments, False, 1))[0, 0]
-    want = batched_eviction_reference(priority[0, 0], candidates, 1, k[0, 0], v[0, 0], np.arange(N), 1.0,
-                                      k[0, 0, 0], v[0, 0, 0], np.outer(v[0, 0, 0], k[0, 0, 0]), 1)
+    want = batched_eviction_reference(
+        priority[0, 0],
+        candidates,
+        1,
+        k[0, 0],
+        v[0, 0],
+        np.arange(N),
+        1.0,
+        k[0, 0, 0],
+        v[0, 0, 0],
+        np.outer(v[0, 0, 0], k[0, 0, 0]),
+        1,
+    )
     assert np.flatnonzero(want).tolist() == [6]
     np.testing.assert_array_equal(got, want)
 
@@ -244,12 +324,26 @@ def test_batched_moment_eviction_matches_its_numpy_reference(batch):
     gone_k, gone_v = r.normal(size=(B, Hk, 5, K)), r.normal(size=(B, Hk, 5, K))
     moments = moments_of(jnp.asarray(gone_k, jnp.float32), jnp.asarray(gone_v, jnp.float32))
     n_evict = np.array([[12, 17]])
-    args = [jnp.asarray(x, jnp.float32) for x in (priority,)] + [jnp.asarray(candidates), jnp.asarray(n_evict),
-                                                                   jnp.asarray(k, jnp.float32),
-                                                                   jnp.asarray(v, jnp.float32), jnp.asarray(pos)]
+    args = [jnp.asarray(x, jnp.float32) for x in (priority,)] + [
+        jnp.asarray(candidates),
+        jnp.asarray(n_evict),
+        jnp.asarray(k, jnp.float32),
+        jnp.asarray(v, jnp.float32),
+        jnp.asarray(pos),
+    ]
     got = np.asarray(moment_informed_eviction(*args, moments, False, 20, batch))
     for h in range(Hk):
-        want = batched_eviction_reference(priority[0, h], candidates[0, h], n_evict[0, h], k[0, h], v[0, h],
-                                          pos[0, h], 5.0, gone_k[0, h].sum(0), gone_v[0, h].sum(0),
-                                          np.einsum("ei,ej->ij", gone_v[0, h], gone_k[0, h]), batch)
+        want = batched_eviction_reference(
+            priority[0, h],
+            candidates[0, h],
+            n_evict[0, h],
+            k[0, h],
+            v[0, h],
+            pos[0, h],
+            5.0,
+            gone_k[0, h].sum(0),
+            gone_v[0, h].sum(0),
+            np.einsum("ei,ej->ij", gone_v[0, h], gone_k[0, h]),
+            batch,
+        )
         np.testing.assert_array_equal(got[0, h], want)

@@ -1,5 +1,5 @@
-"""Logit parity with `transformers` (torch, CPU, float32) on small random Llama / Qwen2 / Qwen3 models,
-loaded through kvjax's Hugging Face directory reader."""
+"""Logit parity with `transformers` (torch, CPU, float32) on small random Llama / Qwen2 / Qwen3
+models, loaded through kvjax's Hugging Face directory reader."""
 
 import numpy as np
 import pytest
@@ -39,7 +39,10 @@ def test_sharded_safetensors_with_index(tmp_path, checkpoint_root):
     model = make_hf_model(*HF_CASES["llama-gqa-llama3rope-untied"], tmp_path / "hf")
     model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     files = sorted(p.name for p in (tmp_path / "sharded").iterdir())
-    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
+    assert (
+        "model.safetensors.index.json" in files
+        and sum(f.endswith(".safetensors") for f in files) > 2
+    )
     tokens = np.arange(30)[None] % BASE["vocab_size"]
     a = np.asarray(kvjax.forward(kvjax.load(str(tmp_path / "hf")), tokens))
     b = np.asarray(kvjax.forward(kvjax.load(str(tmp_path / "sharded")), tokens))

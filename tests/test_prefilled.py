@@ -1,8 +1,8 @@
 """One full prefill, many compressions: ``kvjax.prefill_full(...).compress(...)`` equals
-``kvjax.prefill(..., protocol="prefill")`` for every base, modifier and alias by default and every scorer name
-with --runslow (KVzip's names, which ``kvjax.prefill`` compresses with ``compress`` itself: the
-NumPy reference's ``run_kvzip_reference``); appending without eviction (``kvjax.decode(...,
-evict=False)``) keeps the whole question and answer."""
+``kvjax.prefill(..., protocol="prefill")`` for every base, modifier and alias by default and every
+scorer name with --runslow (KVzip's names, which ``kvjax.prefill`` compresses with ``compress``
+itself: the NumPy reference's ``run_kvzip_reference``); appending without eviction
+(``kvjax.decode(..., evict=False)``) keeps the whole question and answer."""
 
 import jax
 import numpy as np
@@ -33,7 +33,9 @@ def prefilled(tiny_llama):
 
 def pytest_generate_tests(metafunc):
     if metafunc.function.__name__ == "test_compress_equals_the_prefill_protocol":
-        metafunc.parametrize("name", list(SCORERS) if metafunc.config.getoption("--runslow") else covering(SCORERS))
+        metafunc.parametrize(
+            "name", list(SCORERS) if metafunc.config.getoption("--runslow") else covering(SCORERS)
+        )
 
 
 def kvzip_reference(model, prompts, settings: dict, new: int) -> list[dict]:
@@ -44,8 +46,9 @@ def kvzip_reference(model, prompts, settings: dict, new: int) -> list[dict]:
     options = {k: v for k, v in settings.items() if k != "obs_window"}
     if "head_scores" in options:
         with open(options["head_scores"]) as f:
-            options |= dict(head_scores=np.asarray(json.load(f)["scores"]),
-                            context=max(len(p) for p in prompts))
+            options |= dict(
+                head_scores=np.asarray(json.load(f)["scores"]), context=max(len(p) for p in prompts)
+            )
     refs = [run_kvzip_reference(model, p, new, **options) for p in prompts]
     assert all(r["near_ties"] == r["exact_ties"] for r in refs)
     return refs
@@ -60,18 +63,26 @@ def test_compress_equals_the_prefill_protocol(tiny_llama, prefilled, name, tiny_
     if own_pass(name):  # kvjax.prefill runs this very compress: the reference instead
         check_kvzip_compress(tiny_llama, shared, name, settings)
         return
-    direct = kvjax.prefill(tiny_llama, distinct_prompts(), protocol="prefill", block_size=8, **settings)
+    direct = kvjax.prefill(
+        tiny_llama, distinct_prompts(), protocol="prefill", block_size=8, **settings
+    )
     np.testing.assert_array_equal(kept(shared), kept(direct))
     np.testing.assert_allclose(np.asarray(shared.logits), np.asarray(direct.logits), atol=1e-4)
     for field in ("count", "k_sum", "v_sum", "vk_sum"):
-        np.testing.assert_allclose(np.asarray(getattr(shared.cache.moments, field)),
-                                   np.asarray(getattr(direct.cache.moments, field)), atol=1e-3)
+        np.testing.assert_allclose(
+            np.asarray(getattr(shared.cache.moments, field)),
+            np.asarray(getattr(direct.cache.moments, field)),
+            atol=1e-3,
+        )
     evicted = np.asarray(direct.cache.moments.count)
-    # something was evicted in every row and head (kvzip-head keeps some heads whole; pyramidkv's first layer
-    # holds a short row whole on this two-layer model)
+    # something was evicted in every row and head (kvzip-head keeps some heads whole; pyramidkv's
+    # first layer holds a short row whole on this two-layer model)
     assert (evicted.max() if name in ("kvzip-head", "pyramidkv") else evicted.min()) > 0
-    for a, b in zip(kvjax.decode(tiny_llama, shared, max_new_tokens=5, stop_ids=()),
-                    kvjax.decode(tiny_llama, direct, max_new_tokens=5, stop_ids=()), strict=True):
+    for a, b in zip(
+        kvjax.decode(tiny_llama, shared, max_new_tokens=5, stop_ids=()),
+        kvjax.decode(tiny_llama, direct, max_new_tokens=5, stop_ids=()),
+        strict=True,
+    ):
         np.testing.assert_array_equal(a, b)
 
 
@@ -95,22 +106,27 @@ def check_kvzip_compress(model, shared, name, settings):
 def test_compressing_a_prefix_equals_prefilling_the_prefix(tiny_llama, prefilled):
     shared = prefilled.compress(budget=BUDGET, scorer="snapkv", obs_window=4, upto=25)
     prefixes = [p[:25] for p in distinct_prompts()]
-    direct = kvjax.prefill(tiny_llama, prefixes, protocol="prefill", budget=BUDGET, scorer="snapkv", obs_window=4)
+    direct = kvjax.prefill(
+        tiny_llama, prefixes, protocol="prefill", budget=BUDGET, scorer="snapkv", obs_window=4
+    )
     np.testing.assert_array_equal(kept(shared), kept(direct))
     np.testing.assert_allclose(np.asarray(shared.logits), np.asarray(direct.logits), atol=1e-4)
 
 
 def test_full_cache_generation_equals_generate(tiny_llama, prefilled):
-    for a, b in zip(prefilled.generate(8, stop_ids=()), kvjax.generate(tiny_llama, distinct_prompts(), 8, stop_ids=()),
-                    strict=True):
+    for a, b in zip(
+        prefilled.generate(8, stop_ids=()),
+        kvjax.generate(tiny_llama, distinct_prompts(), 8, stop_ids=()),
+        strict=True,
+    ):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="max_new_tokens=300 exceeds the room=256"):
         prefilled.generate(300)
 
 
 def test_appending_without_eviction_keeps_the_question_and_the_answer(tiny_llama, prefilled):
-    """What ``kvjax.decode(..., evict=False)`` runs: the question and then the answer join the compressed
-    context and nothing leaves it."""
+    """What ``kvjax.decode(..., evict=False)`` runs: the question and then the answer join the
+    compressed context and nothing leaves it."""
     import jax
 
     from kvjax.runtime.decoding import Generation, feed_budget
@@ -121,8 +137,17 @@ def test_appending_without_eviction_keeps_the_question_and_the_answer(tiny_llama
     questions = [np.arange(60, 66, dtype=np.int32), np.arange(70, 73, dtype=np.int32)]
     ev = context.ev.without_eviction()
     padded, lengths = pad_rows(questions, prompt_bucket(6, ev.block_size), 0)
-    state = feed_budget(tiny_llama, context.cache, padded, context.lengths, lengths, jax.random.key(0), ev=ev,
-                                 out_width=4, decode_spare=ev.extend_spare(padded.shape[1]) + 4)
+    state = feed_budget(
+        tiny_llama,
+        context.cache,
+        padded,
+        context.lengths,
+        lengths,
+        jax.random.key(0),
+        ev=ev,
+        out_width=4,
+        decode_spare=ev.extend_spare(padded.shape[1]) + 4,
+    )
     gen = Generation(tiny_llama, state, 4, Sampling(), (), ev)
     gen.run(4)
     before, after = kept(context), np.asarray(gen.state.cache.sorted_pos)
@@ -139,13 +164,17 @@ def test_appending_without_eviction_with_room_for_everything_equals_the_full_cac
     prompt, question = distinct_prompts((30, 6), seed=1)
     context = kvjax.prefill(tiny_llama, prompt, budget=64, scorer="h2o")
     got = kvjax.decode(tiny_llama, context, question, max_new_tokens=8, evict=False, stop_ids=())
-    np.testing.assert_array_equal(got, kvjax.generate(tiny_llama, np.concatenate([prompt, question]), 8, stop_ids=()))
+    np.testing.assert_array_equal(
+        got, kvjax.generate(tiny_llama, np.concatenate([prompt, question]), 8, stop_ids=())
+    )
 
 
 def test_momentkv_still_corrects_attention_without_eviction(tiny_llama, prefilled):
     plain = prefilled.compress(budget=BUDGET, scorer="snapkv", obs_window=4)
     corrected = prefilled.compress(budget=BUDGET, scorer="snapkv+momentkv-nc", obs_window=4)
-    np.testing.assert_array_equal(kept(plain), kept(corrected))  # same tokens kept: NC does not choose
+    np.testing.assert_array_equal(
+        kept(plain), kept(corrected)
+    )  # same tokens kept: NC does not choose
     question = [np.arange(60, 66, dtype=np.int32)] * 2
     a = kvjax.decode(tiny_llama, plain, question, max_new_tokens=12, evict=False, stop_ids=())
     b = kvjax.decode(tiny_llama, corrected, question, max_new_tokens=12, evict=False, stop_ids=())
@@ -154,8 +183,9 @@ def test_momentkv_still_corrects_attention_without_eviction(tiny_llama, prefille
 
 @pytest.mark.parametrize("name", ["adakv", "global+snapkv", "adakv+snapkv+momentkv", "kvzip"])
 def test_compress_when_one_head_may_keep_more_than_the_prompt(tiny_llama, name, tiny_head_scores):
-    """A shared allocation whose one-head cap (here 2 × 40 under adakv) exceeds the prefilled cache (a
-    50-token prompt in 64 slots): a head may lose every slot, which the compression must allow."""
+    """A shared allocation whose one-head cap (here 2 × 40 under adakv) exceeds the prefilled cache
+    (a 50-token prompt in 64 slots): a head may lose every slot, which the compression must allow.
+    """
     prompt = [int(t) for t in np.random.default_rng(3).integers(4, 97, 50)]
     settings = dict(budget=40, scorer=name, obs_window=4, n_sink=1, window=3)
     settings |= scorer_requirements(name, tiny_head_scores)
@@ -172,9 +202,9 @@ def test_compress_when_one_head_may_keep_more_than_the_prompt(tiny_llama, name, 
 
 @pytest.mark.parametrize("scorer", ["snapkv", "momentkv", "adakv"])
 def test_a_saved_context_loads_as_it_was(tiny_llama, prefilled, scorer, tmp_path):
-    """``save_context`` then ``load_context``: every leaf of the cache as it was, MomentKV's moments with their sums
-    and the others' with none (zero-size arrays, which orbax cannot write: left out, then put back), and the
-    same answers."""
+    """``save_context`` then ``load_context``: every leaf of the cache as it was, MomentKV's moments
+    with their sums and the others' with none (zero-size arrays, which orbax cannot write: left out,
+    then put back), and the same answers."""
     from kvjax.runtime.saved_context import load_context, save_context
 
     context = prefilled.compress(budget=BUDGET, scorer=scorer, obs_window=4, n_sink=1, window=3)
@@ -183,6 +213,9 @@ def test_a_saved_context_loads_as_it_was(tiny_llama, prefilled, scorer, tmp_path
     assert loaded.cache.moments.summed == (scorer == "momentkv")
     assert jax.tree.structure(loaded.cache) == jax.tree.structure(context.cache)
     jax.tree.map(np.testing.assert_array_equal, loaded.cache, context.cache)
-    for a, b in zip(kvjax.decode(tiny_llama, loaded, max_new_tokens=4, stop_ids=()),
-                    kvjax.decode(tiny_llama, context, max_new_tokens=4, stop_ids=()), strict=True):
+    for a, b in zip(
+        kvjax.decode(tiny_llama, loaded, max_new_tokens=4, stop_ids=()),
+        kvjax.decode(tiny_llama, context, max_new_tokens=4, stop_ids=()),
+        strict=True,
+    ):
         np.testing.assert_array_equal(a, b)

@@ -1,4 +1,5 @@
-"""Self-checks of the NumPy eviction reference (tests/reference_eviction.py); independent of the JAX engine."""
+"""Self-checks of the NumPy eviction reference (tests/reference_eviction.py); independent of the JAX
+engine."""
 
 import itertools
 
@@ -26,17 +27,18 @@ def all_logits(result):
     return np.stack([result["prefill_logits"], *result["step_logits"]])
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Budget large enough: no eviction, identical to the full cache
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+
 
 def test_no_eviction_reference_matches_plain_forward_and_kvjax(params, prompt, no_eviction):
     seq = prompt + no_eviction["tokens"]
     assert len(no_eviction["step_logits"]) == N
     full64 = full_forward(params, seq)
-    np.testing.assert_allclose(all_logits(no_eviction), full64[P - 1:], rtol=0, atol=1e-10)
+    np.testing.assert_allclose(all_logits(no_eviction), full64[P - 1 :], rtol=0, atol=1e-10)
     # greedy: each generated token is the argmax of the logits before it
-    assert no_eviction["tokens"] == [int(np.argmax(l)) for l in all_logits(no_eviction)[:-1]]
+    assert no_eviction["tokens"] == [int(np.argmax(x)) for x in all_logits(no_eviction)[:-1]]
     full32 = np.asarray(kvjax.forward(params, np.asarray(seq, np.int32)))[0]
     np.testing.assert_allclose(full32, full64, rtol=0, atol=1e-4)
 
@@ -44,16 +46,37 @@ def test_no_eviction_reference_matches_plain_forward_and_kvjax(params, prompt, n
 @pytest.mark.parametrize("arch,tie", [("qwen2", False), ("qwen3", True)])
 def test_qwen_variants_match_kvjax(arch, tie):
     """Biases (qwen2), q/k RMSNorm (qwen3) and tied embeddings (logits = hidden @ embed.T)."""
-    cfg = kvjax.ModelConfig(arch=arch, vocab_size=53, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                            d_ff=48, max_seq_len=128, norm_eps=1e-6, tie_embeddings=tie, qkv_bias=arch == "qwen2",
-                            qk_norm=arch == "qwen3")
+    cfg = kvjax.ModelConfig(
+        arch=arch,
+        vocab_size=53,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        d_ff=48,
+        max_seq_len=128,
+        norm_eps=1e-6,
+        tie_embeddings=tie,
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+    )
     params = kvjax.init_params(cfg, jax.random.key(2), scale=0.3)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 53, 30)]
-    r = run_reference(params, prompt, 5, scorer="h2o", budget=None, protocol="blockwise", block_size=8, n_sink=0,
-                      window=0)
+    r = run_reference(
+        params,
+        prompt,
+        5,
+        scorer="h2o",
+        budget=None,
+        protocol="blockwise",
+        block_size=8,
+        n_sink=0,
+        window=0,
+    )
     seq = prompt + r["tokens"]
     full64 = full_forward(params, seq)
-    np.testing.assert_allclose(all_logits(r), full64[len(prompt) - 1:], rtol=0, atol=1e-10)
+    np.testing.assert_allclose(all_logits(r), full64[len(prompt) - 1 :], rtol=0, atol=1e-10)
     full32 = np.asarray(kvjax.forward(params, np.asarray(seq, np.int32)))[0]
     np.testing.assert_allclose(full32, full64, rtol=0, atol=1e-4)
 
@@ -61,10 +84,20 @@ def test_qwen_variants_match_kvjax(arch, tie):
 @pytest.mark.parametrize("block_size", [16, 7])
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("scorer", SCORERS)  # every name: with nothing evicted, NC is a no-op too
-def test_budget_covering_everything_is_the_full_cache(params, prompt, no_eviction, scorer, protocol, block_size):
+def test_budget_covering_everything_is_the_full_cache(
+    params, prompt, no_eviction, scorer, protocol, block_size
+):
     budget = P + N
-    r = run_reference(params, prompt, N, scorer=scorer, budget=budget, protocol=protocol, block_size=block_size,
-                      **defaults(scorer, budget))
+    r = run_reference(
+        params,
+        prompt,
+        N,
+        scorer=scorer,
+        budget=budget,
+        protocol=protocol,
+        block_size=block_size,
+        **defaults(scorer, budget),
+    )
     assert r["tokens"] == no_eviction["tokens"]
     np.testing.assert_allclose(all_logits(r), all_logits(no_eviction), rtol=0, atol=1e-10)
     assert r["kept_after_prefill"] == [[list(range(P))] * 2] * 2
@@ -73,9 +106,10 @@ def test_budget_covering_everything_is_the_full_cache(params, prompt, no_evictio
     assert r["near_ties"] == 0
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # StreamingLLM: sinks plus the most recent tokens
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+
 
 def streaming_kept(seen, budget, n_sink):
     if seen <= budget:
@@ -88,8 +122,18 @@ def streaming_kept(seen, budget, n_sink):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_streamingllm_keeps_sinks_and_most_recent(params, prompt, protocol, evict_every, window):
     budget, n_sink, m = 20, 4, 16
-    r = run_reference(params, prompt, N, scorer="streamingllm", budget=budget, protocol=protocol, block_size=m,
-                      n_sink=n_sink, window=window, evict_every=evict_every)
+    r = run_reference(
+        params,
+        prompt,
+        N,
+        scorer="streamingllm",
+        budget=budget,
+        protocol=protocol,
+        block_size=m,
+        n_sink=n_sink,
+        window=window,
+        evict_every=evict_every,
+    )
     ends = list(range(m, P, m)) + [P] if protocol == "blockwise" else [P]
     assert len(r["kept_after_blocks"]) == len(ends)
     for end, kept in zip(ends, r["kept_after_blocks"]):
@@ -105,19 +149,29 @@ def test_streamingllm_keeps_sinks_and_most_recent(params, prompt, protocol, evic
     np.testing.assert_array_equal(r["moments"]["count"], P + N - len(expected))
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Invariants for every scorer: protection, budget, moments
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-CASES = [(s, p, k, de) for s in BASES for p in PROTOCOLS for k, de in ((1, True), (3, True), (1, False))]
+CASES = [
+    (s, p, k, de) for s in BASES for p in PROTOCOLS for k, de in ((1, True), (3, True), (1, False))
+]
 
 
 @pytest.mark.parametrize("scorer,protocol,evict_every,decode_evict", CASES)
 def test_invariants(params, prompt, scorer, protocol, evict_every, decode_evict):
     budget, m = 20, 16
     opts = defaults(scorer, budget) | dict(n_sink=2)
-    ref = Reference(params, scorer=scorer, budget=budget, protocol=protocol, block_size=m,
-                    evict_every=evict_every, decode_evict=decode_evict, **opts)
+    ref = Reference(
+        params,
+        scorer=scorer,
+        budget=budget,
+        protocol=protocol,
+        block_size=m,
+        evict_every=evict_every,
+        decode_evict=decode_evict,
+        **opts,
+    )
     r = ref.run(prompt, N)
     n_sink, window = opts["n_sink"], opts["window"]
 
@@ -166,9 +220,18 @@ def test_invariants(params, prompt, scorer, protocol, evict_every, decode_evict)
         assert mom["count"][layer, kh] == len(gone)
         np.testing.assert_allclose(mom["k_sum"][layer, kh], keys.sum(0), atol=1e-12)
         np.testing.assert_allclose(mom["v_sum"][layer, kh], vals.sum(0), atol=1e-12)
-        np.testing.assert_allclose(mom["vk_sum"][layer, kh], np.einsum("ni,nj->ij", vals, keys), atol=1e-12)
-        assert sorted(p for e in ref.evictions if (e["layer"], e["kv_head"]) == (layer, kh)
-                      for p in e["evicted"]) == gone
+        np.testing.assert_allclose(
+            mom["vk_sum"][layer, kh], np.einsum("ni,nj->ij", vals, keys), atol=1e-12
+        )
+        assert (
+            sorted(
+                p
+                for e in ref.evictions
+                if (e["layer"], e["kv_head"]) == (layer, kh)
+                for p in e["evicted"]
+            )
+            == gone
+        )
         # stored keys are the ones the cache holds
         for slot in ref.cache[layer][kh]:
             np.testing.assert_array_equal(slot.key, hist["k"][slot.position][kh])
@@ -192,12 +255,14 @@ def test_vk_sum_orientation(params):
     assert not ref.vk_sum[0, 0].any() and not ref.vk_sum[1].any()
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Scores recomputed directly from the stored queries and keys
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+
 
 def direct_columns(ref, layer, kh, positions, queries):
-    """[G, N] Σ over ``queries`` of their attention (over ``positions`` <= the query position) per head."""
+    """[G, N] Σ over ``queries`` of their attention (over ``positions`` <= the query position) per
+    head."""
     G, hist = ref.G, ref.history[layer]
     keys = np.array([hist["k"][p][kh] for p in positions])
     pos = np.asarray(positions)
@@ -209,25 +274,42 @@ def direct_columns(ref, layer, kh, positions, queries):
     return cols
 
 
-OPTION_SETS = [("h2o", dict(aggregate="mean")), ("h2o", dict(aggregate="max")), ("tova", dict(aggregate="sum")),
-               ("snapkv", dict(pool="max", kernel=7)), ("snapkv", dict(pool="avg", kernel=5)),
-               ("snapkv", dict(pool="none", aggregate="max")), ("snapkv", dict(pool="max", kernel=4))]
+OPTION_SETS = [
+    ("h2o", dict(aggregate="mean")),
+    ("h2o", dict(aggregate="max")),
+    ("tova", dict(aggregate="sum")),
+    ("snapkv", dict(pool="max", kernel=7)),
+    ("snapkv", dict(pool="avg", kernel=5)),
+    ("snapkv", dict(pool="none", aggregate="max")),
+    ("snapkv", dict(pool="max", kernel=4)),
+]
 
 
 @pytest.mark.parametrize("scorer,extra", OPTION_SETS)
 def test_prefill_protocol_matches_direct_scores(params, prompt, no_eviction, scorer, extra):
-    """Prefill protocol: nothing is evicted before the single eviction point, so every layer's scores are plain
-    causal attention columns over the scoring queries, accumulated across blocks (W=20 spans two blocks)."""
+    """Prefill protocol: nothing is evicted before the single eviction point, so every layer's
+    scores are plain causal attention columns over the scoring queries, accumulated across blocks
+    (W=20 spans two blocks)."""
     budget, W = 24, 20
     opts = dict(n_sink=2, window=4 if scorer != "snapkv" else W, obs_window=W) | extra
     ref = Reference(params, scorer=scorer, budget=budget, protocol="prefill", block_size=16, **opts)
     r = ref.run(prompt, N)
-    np.testing.assert_allclose(r["prefill_logits"], no_eviction["prefill_logits"], rtol=0, atol=1e-10)
+    np.testing.assert_allclose(
+        r["prefill_logits"], no_eviction["prefill_logits"], rtol=0, atol=1e-10
+    )
     queries = {"h2o": range(P), "tova": [P - 1], "snapkv": range(P - W, P)}[scorer]
     for layer, kh in itertools.product(range(2), range(2)):
         cols = direct_columns(ref, layer, kh, range(P), queries)
-        d = select_kept(range(P), cols.T, scorer=scorer, budget=budget, seen=P, n_sink=opts["n_sink"],
-                        window=opts["window"], **{k: v for k, v in extra.items()})
+        d = select_kept(
+            range(P),
+            cols.T,
+            scorer=scorer,
+            budget=budget,
+            seen=P,
+            n_sink=opts["n_sink"],
+            window=opts["window"],
+            **{k: v for k, v in extra.items()},
+        )
         assert r["kept_after_prefill"][layer][kh] == [p for p in range(P) if d.keep[p]]
     assert len(r["kept_after_blocks"]) == 1 and r["kept_after_blocks"][0] == r["kept_after_prefill"]
 
@@ -245,11 +327,19 @@ def test_one_block_blockwise_equals_prefill_protocol(params, prompt, scorer):
 @pytest.mark.parametrize("evict_every", [1, 2])
 @pytest.mark.parametrize("scorer", ["tova", "snapkv"])
 def test_decode_scores_come_from_queries_since_last_eviction(params, prompt, scorer, evict_every):
-    """tova: the newest query only; snapkv: the queries since the last eviction (state reset after it)."""
+    """tova: the newest query only; snapkv: the queries since the last eviction (state reset after
+    it)."""
     budget = 20
     opts = dict(n_sink=2, window=0 if scorer == "tova" else 4, obs_window=4)
-    ref = Reference(params, scorer=scorer, budget=budget, protocol="blockwise", block_size=16,
-                    evict_every=evict_every, **opts)
+    ref = Reference(
+        params,
+        scorer=scorer,
+        budget=budget,
+        protocol="blockwise",
+        block_size=16,
+        evict_every=evict_every,
+        **opts,
+    )
     r = ref.run(prompt, N)
     for layer, kh in itertools.product(range(2), range(2)):
         kept = r["kept_after_prefill"][layer][kh]
@@ -262,20 +352,28 @@ def test_decode_scores_come_from_queries_since_last_eviction(params, prompt, sco
                 assert r["kept_after_steps"][s - 1][layer][kh] == kept
                 continue
             states = np.zeros((ref.G, len(kept)))
-            for q_pos, attended in (since[-1:] if scorer == "tova" else since):
+            for q_pos, attended in since[-1:] if scorer == "tova" else since:
                 cols = direct_columns(ref, layer, kh, attended, [q_pos])
                 idx = [kept.index(p) for p in attended]
                 states[:, idx] += cols
-            d = select_kept(kept, states.T, scorer=scorer, budget=budget, seen=qp + 1, n_sink=opts["n_sink"],
-                            window=opts["window"])
+            d = select_kept(
+                kept,
+                states.T,
+                scorer=scorer,
+                budget=budget,
+                seen=qp + 1,
+                n_sink=opts["n_sink"],
+                window=opts["window"],
+            )
             kept = [p for p, k in zip(kept, d.keep) if k]
             since = []
             assert r["kept_after_steps"][s - 1][layer][kh] == kept, (layer, kh, s)
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Hand-made cases: pooling, aggregation, tie rule
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+
 
 def test_pooling_by_hand():
     v = np.array([1, 5, 2, 0, 0, 3, 0], float)
@@ -295,17 +393,20 @@ def test_pooling_by_hand():
 
 
 def states_for(aggregates, G=2):
-    """States [N, G] whose group mean is ``aggregates`` (and whose rows differ, to exercise the mean)."""
+    """States [N, G] whose group mean is ``aggregates`` (and whose rows differ, to exercise the
+    mean)."""
     a = np.asarray(aggregates, float)
     return np.stack([a - 0.25, a + 0.25], axis=1) if G == 2 else a[:, None]
 
 
 def test_snapkv_pooling_and_ties_by_hand():
     # positions 0…9, seen 10; protected: sink 0 and the window 8, 9. Unprotected 1…7 with aggregates
-    # [0, 9, 0, 0, 4, 4, 4]. The sink's huge score must not leak into the pooling (it is not a neighbour).
+    # [0, 9, 0, 0, 4, 4, 4]. The sink's huge score must not leak into the pooling (it is not a
+    # neighbour).
     agg = [100, 0, 9, 0, 0, 4, 4, 4, 0, 0]
     common = dict(scorer="snapkv", budget=5, seen=10, n_sink=1, window=2, kernel=3)
-    # max-pool: [9, 9, 9, 4, 4, 4, 4] at 1…7; two free slots, three-way tie at 9 -> the later two (2, 3)
+    # max-pool: [9, 9, 9, 4, 4, 4, 4] at 1…7; two free slots, three-way tie at 9 -> the later two
+    # (2, 3)
     d = select_kept(range(10), states_for(agg), pool="max", **common)
     np.testing.assert_allclose(d.priorities, [9, 9, 9, 4, 4, 4, 4])
     assert [p for p in range(10) if d.keep[p]] == [0, 2, 3, 8, 9]
@@ -319,8 +420,17 @@ def test_snapkv_pooling_and_ties_by_hand():
     assert [p for p in range(10) if d.keep[p]] == [0, 2, 7, 8, 9]
     # pooling runs over the kept unprotected tokens in position order, not over position numbers
     positions = [0, 3, 10, 11, 20, 30, 31]
-    d = select_kept(positions, states_for([0, 1, 0, 0, 0, 7, 0]), scorer="snapkv", budget=3, seen=32, n_sink=1,
-                    window=1, pool="max", kernel=3)
+    d = select_kept(
+        positions,
+        states_for([0, 1, 0, 0, 0, 7, 0]),
+        scorer="snapkv",
+        budget=3,
+        seen=32,
+        n_sink=1,
+        window=1,
+        pool="max",
+        kernel=3,
+    )
     np.testing.assert_allclose(d.priorities, [1, 1, 0, 7, 7])  # over positions 3, 10, 11, 20, 30
     assert [p for p, k in zip(positions, d.keep) if k] == [0, 30, 31]
 
@@ -328,26 +438,44 @@ def test_snapkv_pooling_and_ties_by_hand():
 def test_tie_rule_and_aggregates_by_hand():
     # h2o, all equal: the latest unprotected positions are kept
     positions = [0, 2, 5, 7, 9, 11]
-    d = select_kept(positions, np.full((6, 2), 0.5), scorer="h2o", budget=3, seen=12, n_sink=1, window=0)
+    d = select_kept(
+        positions, np.full((6, 2), 0.5), scorer="h2o", budget=3, seen=12, n_sink=1, window=0
+    )
     assert [p for p, k in zip(positions, d.keep) if k] == [0, 9, 11]
     assert d.near_tie and d.exact_tie
     # a tie between two specific tokens
-    d = select_kept([0, 1, 2, 3], states_for([3, 1, 3, 2]), scorer="tova", budget=1, seen=4, n_sink=0, window=0)
+    d = select_kept(
+        [0, 1, 2, 3], states_for([3, 1, 3, 2]), scorer="tova", budget=1, seen=4, n_sink=0, window=0
+    )
     assert list(d.keep) == [False, False, True, False]
-    d = select_kept([0, 1, 2, 3], states_for([3, 1, 3, 2]), scorer="tova", budget=2, seen=4, n_sink=0, window=0)
+    d = select_kept(
+        [0, 1, 2, 3], states_for([3, 1, 3, 2]), scorer="tova", budget=2, seen=4, n_sink=0, window=0
+    )
     assert list(d.keep) == [True, False, True, False] and not d.near_tie
     # aggregate: mean prefers the second token, max the first; sum ranks like mean
     st = np.array([[1.0, 0.0], [0.6, 0.6]])
-    for aggregate, kept in (("mean", [False, True]), ("sum", [False, True]), ("max", [True, False])):
-        d = select_kept([0, 1], st, scorer="h2o", budget=1, seen=2, n_sink=0, window=0, aggregate=aggregate)
+    for aggregate, kept in (
+        ("mean", [False, True]),
+        ("sum", [False, True]),
+        ("max", [True, False]),
+    ):
+        d = select_kept(
+            [0, 1], st, scorer="h2o", budget=1, seen=2, n_sink=0, window=0, aggregate=aggregate
+        )
         assert list(d.keep) == kept, aggregate
     # near tie (not exact) is flagged; a clear gap is not
-    d = select_kept([0, 1], states_for([1.0, 1.0 + 1e-9]), scorer="h2o", budget=1, seen=2, n_sink=0, window=0)
+    d = select_kept(
+        [0, 1], states_for([1.0, 1.0 + 1e-9]), scorer="h2o", budget=1, seen=2, n_sink=0, window=0
+    )
     assert list(d.keep) == [False, True] and d.near_tie and not d.exact_tie
-    d = select_kept([0, 1], states_for([1.0, 1.0 + 1e-3]), scorer="h2o", budget=1, seen=2, n_sink=0, window=0)
+    d = select_kept(
+        [0, 1], states_for([1.0, 1.0 + 1e-3]), scorer="h2o", budget=1, seen=2, n_sink=0, window=0
+    )
     assert not d.near_tie
     # streamingllm: recency is the priority, the window and sinks are protected regardless
-    d = select_kept([0, 1, 2, 3, 4, 5], None, scorer="streamingllm", budget=3, seen=6, n_sink=1, window=0)
+    d = select_kept(
+        [0, 1, 2, 3, 4, 5], None, scorer="streamingllm", budget=3, seen=6, n_sink=1, window=0
+    )
     assert list(d.keep) == [True, False, False, False, True, True]
     # at or under the budget nothing is evicted
     d = select_kept([0, 1, 2], np.zeros((3, 2)), scorer="h2o", budget=3, seen=3, n_sink=0, window=0)
@@ -355,10 +483,13 @@ def test_tie_rule_and_aggregates_by_hand():
 
 
 def test_state_rules_after_blockwise_prefill(params, prompt):
-    """h2o: a sink's state is the sum over every block's queries of its attention (each block seeing the tokens
-    kept at the time) and survives evictions; tova and snapkv: every kept state is 0 after an eviction."""
+    """h2o: a sink's state is the sum over every block's queries of its attention (each block seeing
+    the tokens kept at the time) and survives evictions; tova and snapkv: every kept state is 0
+    after an eviction."""
     m, budget = 16, 20
-    ref = Reference(params, scorer="h2o", budget=budget, protocol="blockwise", block_size=m, n_sink=1, window=4)
+    ref = Reference(
+        params, scorer="h2o", budget=budget, protocol="blockwise", block_size=m, n_sink=1, window=4
+    )
     ref.run(prompt, 0)
     for layer, kh in itertools.product(range(2), range(2)):
         log = {e["seen"]: e for e in ref.evictions if (e["layer"], e["kv_head"]) == (layer, kh)}
@@ -371,8 +502,15 @@ def test_state_rules_after_blockwise_prefill(params, prompt):
         assert sink.position == 0 and np.all(sink.state > 0)
         np.testing.assert_allclose(sink.state, expected, rtol=1e-12)
     for scorer in ("tova", "snapkv"):
-        ref = Reference(params, scorer=scorer, budget=budget, protocol="blockwise", block_size=m, window=4,
-                        obs_window=4)
+        ref = Reference(
+            params,
+            scorer=scorer,
+            budget=budget,
+            protocol="blockwise",
+            block_size=m,
+            window=4,
+            obs_window=4,
+        )
         ref.run(prompt, 0)
         assert all(np.all(s.state == 0) for layer in ref.cache for slots in layer for s in slots)
 

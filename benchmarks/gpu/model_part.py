@@ -1,31 +1,35 @@
-"""Part "model": an 8B-shaped Llama (Llama-3.1-8B's shapes, random bfloat16 weights from ``kvjax.init_params``) end
-to end, in the default ``impl`` (the Pallas kernels on a GPU) and, for SnapKV, in ``impl="xla"``.
+"""Part "model": an 8B-shaped Llama (Llama-3.1-8B's shapes, random bfloat16 weights from
+``kvjax.init_params``) end to end, in the default ``impl`` (the Pallas kernels on a GPU) and, for
+SnapKV, in ``impl="xla"``.
 
-Prefill: tokens/s of one 4K- and one 32K-token prompt (random ids) into the full cache and block-wise (blocks of
-128, evicting after each) into budgets of 1024 and 256 (SnapKV; AdaKV on the paged cache). The first call of each
-compiled program is its warm-up; the figure is the median of the timed calls after it. The full cache's prompt
-attention is ``kvjax.kernels.causal_attention``: cuDNN's flash attention by default on a GPU, XLA's chunked form
-with impl "xla" (both rows run; each row says which its compiled program holds, and the "xla" row's output is
-compared with the default's: the relative error of the last layer's keys and of the first sampled logits). Should
-the default full prefill fail, the "xla" one makes the full cache's decode rows' state.
+Prefill: tokens/s of one 4K- and one 32K-token prompt (random ids) into the full cache and
+block-wise (blocks of 128, evicting after each) into budgets of 1024 and 256 (SnapKV; AdaKV on the
+paged cache). The first call of each compiled program is its warm-up; the figure is the median of
+the timed calls after it. The full cache's prompt attention is ``kvjax.kernels.causal_attention``:
+cuDNN's flash attention by default on a GPU, XLA's chunked form with impl "xla" (both rows run; each
+row says which its compiled program holds, and the "xla" row's output is compared with the
+default's: the relative error of the last layer's keys and of the first sampled logits). Should the
+default full prefill fail, the "xla" one makes the full cache's decode rows' state.
 
-Decode: ms per step of ``kvjax.runtime.decoding.decode_steps`` (the loop ``kvjax.generate`` runs: greedy sampling, every
-step evicting one token per row and KV head) at batch 1, 8, 32 and 64, from the prefilled state of one prompt
-repeated over the batch (every row holds the same cache; the prefill above made it). MomentKV decodes from
-SnapKV's prefilled cache (the same layout; its moment sums start empty): its step is what is timed. (Call 3's
-rows of the default compiled with Triton GEMM fusions and of ``kvjax.unstack_layers`` answered their questions
-and are gone: layers_part and aot.py still compile both.) JAX's profiler traces 4 more steps of a few rows
-(``ModelRun.profiled``): their device time by kind of op. Beside each figure its floor: the bytes a step must
-read (every weight but the embedding table, plus the kept keys and values of every row) over the copy bandwidth
-measured in the same run. Every row's attention is the kernels' unless ``common.decode_attention`` finds the
-decode kernel failing on the device (then XLA's, said in the report's head). The largest batch that fits at
-32K is found from two compiled programs' memory figures (batch 1 and 8: the state and temporaries one more row
-adds, and the temporaries that do not grow) against the allocator's free bytes (or its largest free block),
-then run (10% smaller, once, if it does not). Those searches run last, with the prefilled states moved to the
-host (``ModelRun.decode``).
+Decode: ms per step of ``kvjax.runtime.decoding.decode_steps`` (the loop ``kvjax.generate`` runs:
+greedy sampling, every step evicting one token per row and KV head) at batch 1, 8, 32 and 64, from
+the prefilled state of one prompt repeated over the batch (every row holds the same cache; the
+prefill above made it). MomentKV decodes from SnapKV's prefilled cache (the same layout; its moment
+sums start empty): its step is what is timed. (Call 3's rows of the default compiled with Triton
+GEMM fusions and of ``kvjax.unstack_layers`` answered their questions and are gone: layers_part and
+aot.py still compile both.) JAX's profiler traces 4 more steps of a few rows
+(``ModelRun.profiled``): their device time by kind of op. Beside each figure its floor: the bytes a
+step must read (every weight but the embedding table, plus the kept keys and values of every row)
+over the copy bandwidth measured in the same run. Every row's attention is the kernels' unless
+``common.decode_attention`` finds the decode kernel failing on the device (then XLA's, said in the
+report's head). The largest batch that fits at 32K is found from two compiled programs' memory
+figures (batch 1 and 8: the state and temporaries one more row adds, and the temporaries that do not
+grow) against the allocator's free bytes (or its largest free block), then run (10% smaller, once,
+if it does not). Those searches run last, with the prefilled states moved to the host
+(``ModelRun.decode``).
 
-Every program is compiled in the background first; timed runs wait for the compilations (XLA autotunes on the
-device while it compiles) for at most a third of the part's time.
+Every program is compiled in the background first; timed runs wait for the compilations (XLA
+autotunes on the device while it compiles) for at most a third of the part's time.
 """
 
 from __future__ import annotations
@@ -108,7 +112,8 @@ TINY = dataclasses.replace(
 )
 OUT_WIDTH = 256  # decode steps a state has room for
 PROFILE_STEPS = 4  # decode steps traced by the profiler
-SEARCH_S = 60  # seconds kept for the two largest-batch searches at 32K (each compiles and runs one program)
+# seconds kept for the two largest-batch searches at 32K (each compiles and runs one program)
+SEARCH_S = 60
 NEW = 64  # max_new_tokens of the prefills (room in the full cache after the prompt)
 
 
@@ -123,7 +128,8 @@ class Sizes:
 
     @property
     def probe(self) -> int:
-        """The batch whose compiled program sizes the largest batch (the largest run at 32K with the full cache)."""
+        """The batch whose compiled program sizes the largest batch (the largest run at 32K with the
+        full cache)."""
         return max(b for b in self.batches if b <= 8)
 
 
@@ -138,7 +144,8 @@ FULL: Cache = ("full", None)
 
 
 def eviction(cache: Cache, sz: Sizes, context: int, attention: str | None):
-    """The Eviction of a cache (None for the full cache) whose attention is ``attention`` (``ModelRun.attention``)."""
+    """The Eviction of a cache (None for the full cache) whose attention is ``attention``
+    (``ModelRun.attention``)."""
     scorer, which = cache
     if scorer == "full":
         return None
@@ -155,9 +162,9 @@ def prompt(context: int, vocab: int) -> np.ndarray:
 
 @functools.partial(jax.jit, static_argnames=("batch", "moment_dim"))
 def tile_state(state: DecodeState, batch: int, moment_dim: int | None = None) -> DecodeState:
-    """One prefilled row repeated ``batch`` times along every leaf's batch axis; ``moment_dim``: the width of
-    the moments' sums the decoding needs (MomentKV decodes from SnapKV's prefill, which keeps none: its sums
-    start at zero, which costs what any others would)."""
+    """One prefilled row repeated ``batch`` times along every leaf's batch axis; ``moment_dim``: the
+    width of the moments' sums the decoding needs (MomentKV decodes from SnapKV's prefill, which
+    keeps none: its sums start at zero, which costs what any others would)."""
     axes = _cache_batch_axes(state.cache)
     cache = jax.tree.map(lambda x, ax: jnp.repeat(x, batch, axis=ax), state.cache, axes)
     if moment_dim is not None and moment_dim != cache.moments.k_sum.shape[-1]:
@@ -177,7 +184,8 @@ def tile_state(state: DecodeState, batch: int, moment_dim: int | None = None) ->
 
 
 def kept_kv_bytes(state: DecodeState, cfg: ModelConfig) -> int:
-    """Keys and values a decode step must read: every row's context (full cache) or kept tokens (budget caches)."""
+    """Keys and values a decode step must read: every row's context (full cache) or kept tokens
+    (budget caches)."""
     k = state.cache.kv[0]
     per_token = (
         2 * cfg.head_dim * jnp.dtype(k.dtype).itemsize
@@ -207,7 +215,8 @@ class ModelRun:
         )
         self.sz = sizes(smoke)
         log(
-            f"model: random bfloat16 weights of {self.sz.cfg.n_layers} layers, d_model {self.sz.cfg.d_model}"
+            f"model: random bfloat16 weights of {self.sz.cfg.n_layers} layers, d_model "
+            f"{self.sz.cfg.d_model}"
         )
         self.params = jax.block_until_ready(
             jax.jit(kvjax.init_params, static_argnums=(0, 2))(
@@ -216,7 +225,8 @@ class ModelRun:
         )
         leaves = jax.tree.leaves(self.params)
         embed = self.params.embed
-        # one decode step reads every weight but the embedding table (of which it gathers a row per sequence)
+        # one decode step reads every weight but the embedding table (of which it gathers a row per
+        # sequence)
         self.weight_bytes = (
             sum(x.size * x.dtype.itemsize for x in leaves) - embed.size * embed.dtype.itemsize
         )
@@ -230,20 +240,25 @@ class ModelRun:
         }
 
     def attention(self, impl: str | None) -> str | None:
-        """The attention impl of a row: "xla" for impl "xla", else the kernels (or "xla" if ``decode_attention``
-        found them failing)."""
+        """The attention impl of a row: "xla" for impl "xla", else the kernels (or "xla" if
+        ``decode_attention`` found them failing)."""
         return "xla" if impl == "xla" else self.kernels
 
-    # --- prefill -----------------------------------------------------------------------------------------------
+    # --- prefill -------------------------------------------------------------------------------
 
     def prefill_program(self, cache: Cache, context: int, impl: str | None) -> tuple:
-        """(jitted prefill, abstract arguments, static keywords) of one prompt of ``context`` tokens."""
+        """(jitted prefill, abstract arguments, static keywords) of one prompt of ``context``
+        tokens."""
         tokens = jax.ShapeDtypeStruct((1, context), jnp.int32)
         lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
         key = jax.eval_shape(lambda: jax.random.key(0))
         ev = eviction(cache, self.sz, context, self.attention(impl))
         if ev is None:
-            static = dict(capacity=round_capacity(context + NEW), out_width=OUT_WIDTH, impl=self.attention(impl))
+            static = dict(
+                capacity=round_capacity(context + NEW),
+                out_width=OUT_WIDTH,
+                impl=self.attention(impl),
+            )
             return feed_full, (self.params, tokens, lengths, key), static
         return (
             feed_budget,
@@ -259,7 +274,8 @@ class ModelRun:
         return compiled(params, None, ids, jnp.zeros((1,), jnp.int32), lengths, jax.random.key(0))
 
     def prefill_plan(self) -> list[tuple[Cache, int, str | None]]:
-        """(cache, context, impl) in priority order; the decode states come from the default-impl prefills."""
+        """(cache, context, impl) in priority order; the decode states come from the default-impl
+        prefills."""
         c4, c32 = self.sz.contexts
         snap, snap_lo, ada, ada_lo = ("snapkv", 0), ("snapkv", 1), ("adakv", 0), ("adakv", 1)
         plan = [
@@ -278,7 +294,8 @@ class ModelRun:
             (ada_lo, c4, None),
             (ada_lo, c32, None),
         ]
-        if self.smoke:  # one budget, one impl="xla" (on CPU the default is XLA), AdaKV at the shorter context:
+        # one budget, one impl="xla" (on CPU the default is XLA), AdaKV at the shorter context:
+        if self.smoke:
             # the same paths
             keep = lambda p: p[2] != "xla" or p == (FULL, c4, "xla")  # noqa: E731
             plan = [p for p in plan if p[0][1] != 1 and keep(p) and p != (ada, c32, None)]
@@ -319,7 +336,8 @@ class ModelRun:
             self.states[cache, context] = state
         elif cache == FULL and impl == "xla":
             default = self.states.get((cache, context))
-            if default is None:  # the default failed: decode from this one, as the default's program expects
+            # the default failed: decode from this one, as the default's program expects
+            if default is None:
                 self.states[cache, context] = state.replace(
                     cache=state.cache.replace(impl=self.attention(None))
                 )
@@ -338,7 +356,7 @@ class ModelRun:
             "kv_bytes_allocated": cache_bytes(state.cache, kv_only=True),
         }
 
-    # --- decode ------------------------------------------------------------------------------------------------
+    # --- decode --------------------------------------------------------------------------------
 
     def submit_decode(self, state_shape, ev):
         n = jax.ShapeDtypeStruct((), jnp.int32)
@@ -371,9 +389,15 @@ class ModelRun:
         return seconds, state
 
     def decode_row(
-        self, future, source: DecodeState, batch: int, profile: bool = False, moment_dim: int | None = None
+        self,
+        future,
+        source: DecodeState,
+        batch: int,
+        profile: bool = False,
+        moment_dim: int | None = None,
     ) -> dict:
-        """The timed row; with ``profile``, also where the device time of PROFILE_STEPS more steps goes."""
+        """The timed row; with ``profile``, also where the device time of PROFILE_STEPS more steps
+        goes."""
         compiled, compile_s = future.result(timeout=max(1.0, self.deadline.left()))
         params = self.params
         state = tile_state(source, batch, moment_dim)
@@ -403,7 +427,8 @@ class ModelRun:
             "kv_bytes_kept": kept,
             "compile_s": compile_s,
             "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
-            # what XLA copies in the loops of a step (the layer scan), each loop's copies times its trips
+            # what XLA copies in the loops of a step (the layer scan), each loop's copies times its
+            # trips
             "layer_scan_copy_bytes": copied_bytes(loop_copies(compiled.as_text())),
         }
 
@@ -426,11 +451,11 @@ class ModelRun:
             for b in sz.batches:
                 if cache == FULL:
                     jobs.append((cache, impl, source, b, (c4,)))
-                    if (
-                        b <= sz.probe
-                    ):  # larger batches of a 32K full cache do not fit (the largest that does: below)
+                    # larger batches of a 32K full cache do not fit (the largest that does: below)
+                    if b <= sz.probe:
                         jobs.append((cache, impl, source, b, (c32,)))
-                else:  # a budget cache's shape does not depend on the context: one program serves both
+                else:
+                    # a budget cache's shape does not depend on the context: one program serves both
                     jobs.append((cache, impl, source, b, (c4, c32)))
         if not self.smoke:
             return jobs
@@ -443,8 +468,8 @@ class ModelRun:
         ]
 
     def submit_all(self) -> tuple[dict, dict]:
-        """Every prefill and decode program, compiled in the background (decode states' shapes from the prefills'
-        abstract outputs)."""
+        """Every prefill and decode program, compiled in the background (decode states' shapes from
+        the prefills' abstract outputs)."""
         prefills = {}
         for p in self.prefill_plan():
             fn, args, static = self.prefill_program(*p)
@@ -479,20 +504,24 @@ class ModelRun:
         ones = [j for j in first if j[3] == sz.batches[0]]
         for job in ones:  # batch 1 first: the target nearest its limit
             self.decode_job(futures, job)
-        # then every other row, leaving SEARCH_S for the largest batches, which run last: call 3c's failed tries
-        # left 93 GiB taken, and every row after them failed
+        # then every other row, leaving SEARCH_S for the largest batches, which run last: call 3c's
+        # failed tries left 93 GiB taken, and every row after them failed
         deadline, self.deadline = self.deadline, Deadline(self.deadline.left() - SEARCH_S)
         for job in jobs:
             if job not in ones:
                 self.decode_job(futures, job)
         self.deadline = deadline
-        # with every prefilled state moved to the host: each state held on the device splits the allocator's pool
-        # (call 3c's searches found 108 GiB free and no block of 52 GiB for the state's keys)
+        # with every prefilled state moved to the host: each state held on the device splits the
+        # allocator's pool (call 3c's searches found 108 GiB free and no block of 52 GiB for the
+        # state's keys)
         on_device = memory_stats().get("bytes_in_use")
         held, self.states = jax.device_get(self.states), {}
         gc.collect()
-        log(f"model: prefilled states on the host for the largest batches (bytes in use {on_device} -> "
-            f"{memory_stats().get('bytes_in_use')})")
+        log(
+            "model: prefilled states on the host for the largest batches (bytes in use "
+            f"{on_device} -> "
+            f"{memory_stats().get('bytes_in_use')})"
+        )
         for cache in (FULL, ("snapkv", 0)):
             label = {
                 "cache": cache_label(cache, sz),
@@ -550,24 +579,28 @@ class ModelRun:
                 )
 
     def profiled(self, cache: Cache, impl: str | None, batch: int, context: int) -> bool:
-        """The decode rows traced by the profiler, at the shorter context and the default impl: the full cache at
-        batch 1, and the full cache, SnapKV, MomentKV and AdaKV (the larger budget) at the largest batch of the
-        plan."""
+        """The decode rows traced by the profiler, at the shorter context and the default impl: the
+        full cache at batch 1, and the full cache, SnapKV, MomentKV and AdaKV (the larger budget) at
+        the largest batch of the plan."""
         sz = self.sz
         if context != sz.contexts[0] or impl is not None:
             return False
         return (cache == FULL and batch == sz.batches[0]) or (
-            batch == sz.batches[-1] and cache in (FULL, ("snapkv", 0), ("momentkv", 0), ("adakv", 0))
+            batch == sz.batches[-1]
+            and cache in (FULL, ("snapkv", 0), ("momentkv", 0), ("adakv", 0))
         )
 
-    def largest_batch_row(self, cache: Cache, source: DecodeState, first_future, probe_future) -> dict:
-        """Size the batch from two compiled programs of the plan (batch 1 and the probe, ≤ 8): the state and the
-        temporaries one more row adds (their differences), and the temporaries that do not grow with the batch,
-        against the allocator's free bytes (its largest free block, if it says); then run it (if it fails, 10%
-        smaller once: call 3c's failed tries left 93 GiB taken, so that every later row failed). ``source``: the
-        prefilled state (on the host, see ``decode``). (Call 2 divided the probe's temporaries by its batch,
-        counting a fixed ≈ 420 MiB eight times over: its budget cache's largest batch was sized at 207 MiB per
-        row where one more row took ≈ 150.)"""
+    def largest_batch_row(
+        self, cache: Cache, source: DecodeState, first_future, probe_future
+    ) -> dict:
+        """Size the batch from two compiled programs of the plan (batch 1 and the probe, ≤ 8): the
+        state and the temporaries one more row adds (their differences), and the temporaries that do
+        not grow with the batch, against the allocator's free bytes (its largest free block, if it
+        says); then run it (if it fails, 10% smaller once: call 3c's failed tries left 93 GiB taken,
+        so that every later row failed). ``source``: the prefilled state (on the host, see
+        ``decode``). (Call 2 divided the probe's temporaries by its batch, counting a fixed ≈ 420
+        MiB eight times over: its budget cache's largest batch was sized at 207 MiB per row where
+        one more row took ≈ 150.)"""
         c32 = self.sz.contexts[1]
         ev = eviction(cache, self.sz, c32, self.attention(None))
         b1, probe_batch = self.sz.batches[0], self.sz.probe
@@ -589,8 +622,11 @@ class ModelRun:
             if not stats:  # CPU (smoke): no allocator figures
                 return float("nan"), 2 * max(self.sz.batches), stats
             free = stats["bytes_limit"] - stats["bytes_in_use"]
-            # the state's keys and values are two arrays: both fit in the largest free block, if it is given
-            free = min(free, stats.get("largest_free_block_bytes", free)) - self.sz.margin - fixed_temp
+            # the state's keys and values are two arrays: both fit in the largest free block, if it
+            # is given
+            free = (
+                min(free, stats.get("largest_free_block_bytes", free)) - self.sz.margin - fixed_temp
+            )
             return free, max(1, int(free // per_row)), stats
 
         errors = []
@@ -598,8 +634,10 @@ class ModelRun:
             free, batch, stats = sized()
             batch = batch if attempt == 0 else max(1, int(batch * 0.9))
             log(
-                f"largest batch, {cache_label(cache, self.sz)} at {c32}, try {attempt + 1}: {batch} (free "
-                f"{free / 2**30:.1f} GiB after {fixed_temp / 2**20:.0f} MiB of fixed temporaries and the margin, "
+                f"largest batch, {cache_label(cache, self.sz)} at {c32}, try {attempt + 1}: "
+                f"{batch} (free "
+                f"{free / 2**30:.1f} GiB after {fixed_temp / 2**20:.0f} MiB of fixed temporaries "
+                "and the margin, "
                 f"{per_row / 2**20:.1f} MiB per row; allocator {stats})"
             )
             if self.deadline.passed():
@@ -633,7 +671,8 @@ def run(
         list(prefills.values()) + list(decodes.values()), timeout=deadline.left() / 3
     )
     log(
-        f"model: {sum(f.done() for f in decodes.values()) + sum(f.done() for f in prefills.values())} of "
+        "model: "
+        f"{sum(f.done() for f in decodes.values()) + sum(f.done() for f in prefills.values())} of "
         f"{len(prefills) + len(decodes)} programs compiled"
     )
     model.deadline = Deadline(deadline.left() * 0.4)
@@ -649,19 +688,23 @@ def tables(results: Results) -> list[str]:
         lines += [
             "### Prefill, one prompt",
             "",
-            "| cache | context | impl | prompt attention | tokens/s | s | first call s | compile s | "
+            "| cache | context | impl | prompt attention | tokens/s | s | first call s | compile s "
+            "| "
             "vs default (keys, logits) |",
             "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in rows:
-            head = f"| {r['cache']} | {r['context']} | {r['impl']} | {r.get('prompt_attention', '')} |"
+            head = (
+                f"| {r['cache']} | {r['context']} | {r['impl']} | {r.get('prompt_attention', '')} |"
+            )
             if "error" in r:
                 lines.append(f"{head} {r['error'][:200]} | | | | |")
             else:
                 vs = r.get("vs_default")
                 vs = f"{vs['last_layer_k']:.1e}, {vs['logits']:.1e}" if vs else ""
                 lines.append(
-                    f"{head} {r['tokens_per_s']:.0f} | {r['seconds']:.3f} | {r['first_call_s']:.2f} | "
+                    f"{head} {r['tokens_per_s']:.0f} | {r['seconds']:.3f} | "
+                    f"{r['first_call_s']:.2f} | "
                     f"{r['compile_s']:.1f} | {vs} |"
                 )
         lines.append("")
@@ -670,11 +713,15 @@ def tables(results: Results) -> list[str]:
         lines += [
             "### Decode (floor: weights + kept keys and values over the measured copy bandwidth)",
             "",
-            "| cache | impl | context | batch | ms/step | tokens/s | floor ms | step / floor | K/V kept GB | "
+            "| cache | impl | context | batch | ms/step | tokens/s | floor ms | step / floor | K/V "
+            "kept GB | "
             "temporaries GB | copied in the layer scan GB | compile s |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
-        gb = lambda r, key: "" if r.get(key) is None else f"{r[key] / 1e9:.2f}"  # noqa: E731 - absent before call 3
+
+        def gb(r, key):  # absent before call 3
+            return "" if r.get(key) is None else f"{r[key] / 1e9:.2f}"
+
         for r in rows:
             batch = f"{r.get('batch', '')}{' (largest)' if r.get('largest_batch') else ''}"
             if "error" in r:
@@ -684,9 +731,11 @@ def tables(results: Results) -> list[str]:
                 )
             else:
                 lines.append(
-                    f"| {r['cache']} | {r['impl']} | {r['context']} | {batch} | {r['ms_per_step']:.2f} | "
+                    f"| {r['cache']} | {r['impl']} | {r['context']} | {batch} | "
+                    f"{r['ms_per_step']:.2f} | "
                     f"{r['tokens_per_s']:.0f} | {r['floor_ms']:.2f} | {r['step_over_floor']:.2f} | "
-                    f"{r['kv_bytes_kept'] / 1e9:.2f} | {gb(r, 'temp_bytes')} | {gb(r, 'layer_scan_copy_bytes')} | "
+                    f"{r['kv_bytes_kept'] / 1e9:.2f} | {gb(r, 'temp_bytes')} | "
+                    f"{gb(r, 'layer_scan_copy_bytes')} | "
                     f"{r['compile_s']:.1f} |"
                 )
         lines.append("")
@@ -696,12 +745,19 @@ def tables(results: Results) -> list[str]:
         lines += [
             "### Where a decode step's device time goes (JAX's profiler, ms per step)",
             "",
-            "| cache | impl | context | batch | step ms | device ms | " + " | ".join(kinds) + " | largest |",
-            "| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in kinds) + " | --- |",
+            "| cache | impl | context | batch | step ms | device ms | "
+            + " | ".join(kinds)
+            + " | largest |",
+            "| --- | --- | ---: | ---: | ---: | ---: | "
+            + " | ".join("---:" for _ in kinds)
+            + " | --- |",
         ]
         for r in profiled:
             p = r["profile"]
-            head = f"| {r['cache']} | {r['impl']} | {r['context']} | {r['batch']} | {r['ms_per_step']:.2f} |"
+            head = (
+                f"| {r['cache']} | {r['impl']} | {r['context']} | {r['batch']} "
+                f"| {r['ms_per_step']:.2f} |"
+            )
             if "error" in p:
                 lines.append(f"{head} {p['error'][:200]} |" + " |" * (len(kinds) + 1))
                 continue

@@ -1,9 +1,11 @@
-"""The run's report: ``OUT/parts/*.json`` merged into ``OUT/results.json``, the tables and the issue's targets
-(measured, met or not) in ``OUT/results.md``. Several runs (device calls) combine into one report: a row that
-one run did not reach ("not run: ...") gives way to the same measurement made in another.
+"""The run's report: ``OUT/parts/*.json`` merged into ``OUT/results.json``, the tables and the
+issue's targets (measured, met or not) in ``OUT/results.md``. Several runs (device calls) combine
+into one report: a row that one run did not reach ("not run: ...") gives way to the same measurement
+made in another.
 
     python benchmarks/gpu/report.py OUT                          # again, from one run's files
-    python benchmarks/gpu/report.py --dest FILE.md RUN1 RUN2 ... # runs' results.json combined into one report
+    # runs' results.json combined into one report:
+    python benchmarks/gpu/report.py --dest FILE.md RUN1 RUN2 ...
 """
 
 from __future__ import annotations
@@ -35,15 +37,20 @@ def load(out: Path) -> dict:
     return merged
 
 
-LABELS = {"kernel_checks": ("op", "score", "shape", "dtype", "slots"),
-          "kernel_times": ("op", "score", "slots", "batch", "impl"),
-          "prefill": ("cache", "context", "impl"), "decode": ("cache", "impl", "context", "batch", "largest_batch"),
-          "serve": ("slots",), "server": ("case",), "layers": ("variant", "layers", "dtype", "context", "batch")}
+LABELS = {
+    "kernel_checks": ("op", "score", "shape", "dtype", "slots"),
+    "kernel_times": ("op", "score", "slots", "batch", "impl"),
+    "prefill": ("cache", "context", "impl"),
+    "decode": ("cache", "impl", "context", "batch", "largest_batch"),
+    "serve": ("slots",),
+    "server": ("case",),
+    "layers": ("variant", "layers", "dtype", "context", "batch"),
+}
 
 
 def combine(runs: list[dict], names: list[str]) -> dict:
-    """Several runs' rows in one: each row tagged with its run; a "not run" row is dropped where another run
-    measured (or failed) the same thing."""
+    """Several runs' rows in one: each row tagged with its run; a "not run" row is dropped where
+    another run measured (or failed) the same thing."""
     out = {"meta": {name: run["meta"] for name, run in zip(names, runs)}, "parts": {}}
     for name, run in zip(names, runs):
         for table, rows in run["parts"].items():
@@ -56,15 +63,21 @@ def combine(runs: list[dict], names: list[str]) -> dict:
             continue
         key = lambda r: tuple(r.get(k) for k in LABELS.get(table, ()))  # noqa: E731
         reached = {key(r) for r in rows if not str(r.get("error", "")).startswith("not run")}
-        out["parts"][table] = [r for r in rows if not (str(r.get("error", "")).startswith("not run")
-                                                       and key(r) in reached)]
+        out["parts"][table] = [
+            r
+            for r in rows
+            if not (str(r.get("error", "")).startswith("not run") and key(r) in reached)
+        ]
     return out
 
 
 def view(merged: dict) -> Results:
     """The merged rows as a ``Results`` (in memory) for the parts' table functions."""
     r = Results.__new__(Results)
-    r.meta, r.parts = merged["meta"], {k: v for k, v in merged["parts"].items() if isinstance(v, list)}
+    r.meta, r.parts = (
+        merged["meta"],
+        {k: v for k, v in merged["parts"].items() if isinstance(v, list)},
+    )
     return r
 
 
@@ -73,9 +86,14 @@ def peer_table(peer: dict) -> list[str]:
         return []
     if "error" in peer and not peer.get("decode"):
         return ["### transformers (torch) on the same card", "", f"not run: {peer['error']}", ""]
-    lines = [f"### transformers {peer.get('transformers')} (torch {peer.get('torch')}, sdpa, StaticCache, eager) "
-             f"on {peer.get('device_name')}", "", "| what | context | batch | tokens/s | ms/step |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"### transformers {peer.get('transformers')} (torch {peer.get('torch')}, sdpa, "
+        "StaticCache, eager) "
+        f"on {peer.get('device_name')}",
+        "",
+        "| what | context | batch | tokens/s | ms/step |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for r in peer.get("prefill", []):
         cell = r.get("error", "")[:200] or f"{r['tokens_per_s']:.0f}"
         lines.append(f"| prefill | {r['context']} | 1 | {cell} | |")
@@ -83,13 +101,17 @@ def peer_table(peer: dict) -> list[str]:
         if "error" in r:
             lines.append(f"| decode | {r['context']} | {r['batch']} | {r['error'][:200]} | |")
         else:
-            lines.append(f"| decode | {r['context']} | {r['batch']} | {r['tokens_per_s']:.0f} | "
-                         f"{r['ms_per_step']:.2f} |")
+            lines.append(
+                f"| decode | {r['context']} | {r['batch']} | {r['tokens_per_s']:.0f} | "
+                f"{r['ms_per_step']:.2f} |"
+            )
     return lines + [""]
 
 
 def find(rows, **match):
-    return next((r for r in rows if all(r.get(k) == v for k, v in match.items()) and "error" not in r), None)
+    return next(
+        (r for r in rows if all(r.get(k) == v for k, v in match.items()) and "error" not in r), None
+    )
 
 
 def targets(merged: dict) -> list[str]:
@@ -100,52 +122,85 @@ def targets(merged: dict) -> list[str]:
     lines = ["### Targets", "", "| target | measured | met |", "| --- | --- | --- |"]
 
     def add(name, measured, met):
-        lines.append(f"| {name} | {measured} | {'yes' if met else 'no' if met is not None else 'not measured'} |")
+        lines.append(
+            f"| {name} | {measured} | "
+            f"{'yes' if met else 'no' if met is not None else 'not measured'} |"
+        )
 
     if not contexts:
         add("decode", "no decode rows", None)
         return lines + server_targets(parts.get("server", [])) + [""]
     c4, c32 = contexts[0], contexts[-1]
-    snaps = sorted({r["cache"] for r in decode if r.get("cache", "").startswith("snapkv ")},
-                   key=lambda c: int(c.split()[1]))
+    snaps = sorted(
+        {r["cache"] for r in decode if r.get("cache", "").startswith("snapkv ")},
+        key=lambda c: int(c.split()[1]),
+    )
     snap = snaps[-1] if snaps else "snapkv 1024"  # the larger budget (1024 on the device)
-    impls = ["default"] + (["unstacked"] if any(r.get("impl") == "unstacked" for r in decode) else [])
+    impls = ["default"] + (
+        ["unstacked"] if any(r.get("impl") == "unstacked" for r in decode) else []
+    )
     for impl in impls:
         for cache in ("full", snap):
             r = find(decode, cache=cache, impl=impl, context=c4, batch=1)
             how = "" if impl == "default" else ", kvjax.unstack_layers"
-            add(f"batch-1 decode within 1.3x of its floor ({cache}, {c4}{how})",
-                f"{r['ms_per_step']:.2f} ms vs floor {r['floor_ms']:.2f} ms = {r['step_over_floor']:.2f}x"
-                if r else "", r["step_over_floor"] <= 1.3 if r else None)
+            add(
+                f"batch-1 decode within 1.3x of its floor ({cache}, {c4}{how})",
+                f"{r['ms_per_step']:.2f} ms vs floor {r['floor_ms']:.2f} ms = "
+                f"{r['step_over_floor']:.2f}x"
+                if r
+                else "",
+                r["step_over_floor"] <= 1.3 if r else None,
+            )
     batches = sorted({r["batch"] for r in decode if "batch" in r and not r.get("largest_batch")})
     big = batches[-1] if batches else None
     for cache in ("full", snap):
-        one, many = find(decode, cache=cache, impl="default", context=c4, batch=1), \
-            find(decode, cache=cache, impl="default", context=c4, batch=big)
+        one, many = (
+            find(decode, cache=cache, impl="default", context=c4, batch=1),
+            find(decode, cache=cache, impl="default", context=c4, batch=big),
+        )
         ratio = many["tokens_per_s"] / one["tokens_per_s"] if one and many else None
-        add(f"batch-{big} decode throughput >= 20x batch 1 ({cache}, {c4})",
-            f"{many['tokens_per_s']:.0f} vs {one['tokens_per_s']:.0f} tokens/s = {ratio:.1f}x" if ratio else "",
-            ratio >= 20 if ratio else None)
+        add(
+            f"batch-{big} decode throughput >= 20x batch 1 ({cache}, {c4})",
+            f"{many['tokens_per_s']:.0f} vs {one['tokens_per_s']:.0f} tokens/s = {ratio:.1f}x"
+            if ratio
+            else "",
+            ratio >= 20 if ratio else None,
+        )
     full = find(decode, cache="full", context=c32, largest_batch=True)
     budget = find(decode, cache=snap, context=c32, largest_batch=True)
     ratio = budget["tokens_per_s"] / full["tokens_per_s"] if full and budget else None
-    add(f"{c32}: budget {snap.split()[1]} >= 3x the full cache's tokens/s, each at its largest batch",
-        f"{budget['tokens_per_s']:.0f} (batch {budget['batch']}) vs {full['tokens_per_s']:.0f} (batch {full['batch']})"
-        f" = {ratio:.1f}x" if ratio else "", ratio >= 3 if ratio else None)
+    add(
+        f"{c32}: budget {snap.split()[1]} >= 3x the full cache's tokens/s, each at its largest "
+        "batch",
+        f"{budget['tokens_per_s']:.0f} (batch {budget['batch']}) vs {full['tokens_per_s']:.0f} "
+        f"(batch {full['batch']})"
+        f" = {ratio:.1f}x"
+        if ratio
+        else "",
+        ratio >= 3 if ratio else None,
+    )
     mid = 32 if 32 in batches else big  # batch 32 on the device
     theirs = find(peer.get("decode", []), context=c4, batch=mid)
     for cache in ("full", snap):
         ours = find(decode, cache=cache, impl="default", context=c4, batch=mid)
         ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if ours and theirs else None
-        add(f"kvjax ({cache}) decode >= transformers at batch {mid}, {c4}",
-            f"{ours['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} tokens/s = {ratio:.2f}x" if ratio else "",
-            ratio >= 1 if ratio else None)
+        add(
+            f"kvjax ({cache}) decode >= transformers at batch {mid}, {c4}",
+            f"{ours['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} tokens/s = {ratio:.2f}x"
+            if ratio
+            else "",
+            ratio >= 1 if ratio else None,
+        )
     one = next((r for r in serve if r.get("slots") == 1 and "tokens_per_s" in r), None)
     many = next((r for r in serve if r.get("slots", 1) > 1 and "tokens_per_s" in r), None)
     ratio = many["tokens_per_s"] / one["tokens_per_s"] if one and many else None
-    add(f"serving with {many['slots'] if many else 32} slots >= 8x one at a time",
-        f"{many['tokens_per_s']:.0f} vs {one['tokens_per_s']:.0f} tokens/s = {ratio:.1f}x" if ratio else "",
-        ratio >= 8 if ratio else None)
+    add(
+        f"serving with {many['slots'] if many else 32} slots >= 8x one at a time",
+        f"{many['tokens_per_s']:.0f} vs {one['tokens_per_s']:.0f} tokens/s = {ratio:.1f}x"
+        if ratio
+        else "",
+        ratio >= 8 if ratio else None,
+    )
     return lines + server_targets(parts.get("server", [])) + [""]
 
 
@@ -154,22 +209,40 @@ def server_targets(server: list[dict]) -> list[str]:
     lines = []
 
     def add(name, measured, met):
-        lines.append(f"| {name} | {measured} | {'yes' if met else 'no' if met is not None else 'not measured'} |")
+        lines.append(
+            f"| {name} | {measured} | "
+            f"{'yes' if met else 'no' if met is not None else 'not measured'} |"
+        )
 
     busy = find(server, case="busy")
     share = busy["output_throughput"] / busy["raw_decode_tokens_per_s"] if busy else None
-    add("server (busy): output throughput >= 85% of the raw decode of its slots",
-        f"{busy['output_throughput']:.0f} vs {busy['raw_decode_tokens_per_s']:.0f} tokens/s = {share:.0%}"
-        if busy else "", share >= 0.85 if busy else None)
+    add(
+        "server (busy): output throughput >= 85% of the raw decode of its slots",
+        f"{busy['output_throughput']:.0f} vs {busy['raw_decode_tokens_per_s']:.0f} tokens/s = "
+        f"{share:.0%}"
+        if busy
+        else "",
+        share >= 0.85 if busy else None,
+    )
     spread = busy["p99_itl_ms"] / busy["median_itl_ms"] if busy and busy["median_itl_ms"] else None
-    add("server (busy): p99 inter-token latency <= 3x its median",
-        f"{busy['p99_itl_ms']:.1f} vs {busy['median_itl_ms']:.1f} ms = {spread:.1f}x" if spread else "",
-        spread <= 3 if spread else None)
+    add(
+        "server (busy): p99 inter-token latency <= 3x its median",
+        f"{busy['p99_itl_ms']:.1f} vs {busy['median_itl_ms']:.1f} ms = {spread:.1f}x"
+        if spread
+        else "",
+        spread <= 3 if spread else None,
+    )
     full, snap = find(server, case="long-full"), find(server, case="long-snapkv")
     ratio = snap["output_throughput"] / full["output_throughput"] if full and snap else None
-    add("server, long prompts, the same cache memory: SnapKV >= 8x the full cache's output throughput",
-        f"{snap['output_throughput']:.0f} vs {full['output_throughput']:.0f} tokens/s = {ratio:.1f}x"
-        if ratio else "", ratio >= 8 if ratio else None)
+    add(
+        "server, long prompts, the same cache memory: SnapKV >= 8x the full cache's output "
+        "throughput",
+        f"{snap['output_throughput']:.0f} vs {full['output_throughput']:.0f} tokens/s = "
+        f"{ratio:.1f}x"
+        if ratio
+        else "",
+        ratio >= 8 if ratio else None,
+    )
     return lines
 
 
@@ -178,13 +251,19 @@ def meta_lines(meta: dict, run: str = "") -> list[str]:
     for part, m in meta.items():
         if part == "peer" or not isinstance(m, dict):
             continue
-        lines.append(f"- {run}{part}: {m.get('device', '')} · jax {m.get('jax', '')} · {m.get('started', '')} · "
-                     f"{m.get('seconds', 0):.0f} s{' · exit ' + m['exit'] if 'exit' in m else ''}")
+        lines.append(
+            f"- {run}{part}: {m.get('device', '')} · jax {m.get('jax', '')} · "
+            f"{m.get('started', '')} · "
+            f"{m.get('seconds', 0):.0f} s{' · exit ' + m['exit'] if 'exit' in m else ''}"
+        )
         if why := m.get("decode_attention"):
             lines.append(f"- {run}{part}'s decode attention: {why}")
         if ceilings := m.get("ceilings"):
-            lines.append(f"- {run}ceilings: copy {ceilings['copy_gb_s']:.0f} GB/s counting bytes read and written, "
-                         f"bf16 {ceilings['matmul_n']}³ matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
+            lines.append(
+                f"- {run}ceilings: copy {ceilings['copy_gb_s']:.0f} GB/s counting bytes read and "
+                "written, "
+                f"bf16 {ceilings['matmul_n']}³ matmul {ceilings['matmul_tflops']:.0f} TFLOP/s"
+            )
     return lines
 
 
@@ -196,9 +275,17 @@ def render(merged: dict, runs: list[str] | None = None) -> str:
     else:
         head += meta_lines(merged["meta"])
     r = view(merged)
-    lines = head + [""] + kernels_part.tables(r) + layers_part.tables(r) + model_part.tables(r) + serve_part.tables(r) + \
-        server_part.tables(r) + \
-        peer_table(merged["parts"].get("peer", {})) + targets(merged)
+    lines = (
+        head
+        + [""]
+        + kernels_part.tables(r)
+        + layers_part.tables(r)
+        + model_part.tables(r)
+        + serve_part.tables(r)
+        + server_part.tables(r)
+        + peer_table(merged["parts"].get("peer", {}))
+        + targets(merged)
+    )
     return "\n".join(lines)
 
 
@@ -212,9 +299,15 @@ def write(out: Path) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", type=Path, nargs="+", help="run folders (OUT of run.py, or committed results)")
-    parser.add_argument("--dest", type=Path, help="the combined report's Markdown file (several runs)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "runs", type=Path, nargs="+", help="run folders (OUT of run.py, or committed results)"
+    )
+    parser.add_argument(
+        "--dest", type=Path, help="the combined report's Markdown file (several runs)"
+    )
     args = parser.parse_args(argv)
     if len(args.runs) == 1 and args.dest is None:
         print(write(args.runs[0]))

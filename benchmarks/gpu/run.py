@@ -1,21 +1,23 @@
-"""kvjax on one GPU, in one call: every Pallas GPU kernel checked and timed, an 8B-shaped Llama's prefill and
-decode against its memory floor, transformers on the same card, and the serving engine.
+"""kvjax on one GPU, in one call: every Pallas GPU kernel checked and timed, an 8B-shaped Llama's
+prefill and decode against its memory floor, transformers on the same card, and the serving engine.
 
-    python benchmarks/gpu/run.py --out $OUT                       # on the device (bash benchmarks/gpu/device.sh)
-    python benchmarks/gpu/run.py --smoke --out /tmp/gpu-smoke     # every part on CPU, tiny shapes, under 2 minutes
+    python benchmarks/gpu/run.py --out $OUT  # on the device (bash benchmarks/gpu/device.sh)
+    # every part on CPU, tiny shapes, under 2 minutes
+    python benchmarks/gpu/run.py --smoke --out /tmp/gpu-smoke
     python benchmarks/gpu/run.py --parts kernels --seconds 200 --out $OUT
 
-Parts, each in a process of its own (so that each has the whole card, and a crash ends only its part):
-kernels (``kernels_part``), layers (one decode step of the layers, five ways: where its bytes go,
-``layers_part``), model (prefill and decode, ``model_part``; also measures the copy bandwidth and the
-bf16 matrix rate), serve (the engine's continuous batching, ``serve_part``), server (``kvjax serve`` over HTTP
-against ``benchmarks/serve_bench.py``, ``server_part``), peer (``peer_transformers``). ``--seconds`` is the whole run's budget:
-each part gets a share of what is left when it starts, stops starting new measurements at its deadline and is
-killed 60 s after it. Every measurement is a row in ``OUT/parts/<part>.json`` (written as it is made, so a run
-cut short keeps what it measured; a failure is a row naming its error); at the end ``OUT/results.json`` merges
-them and ``OUT/results.md`` holds the tables, printed last (``report.py`` combines several runs). A failed
-measurement's row holds its error's type and message; ``KVJAX_GPU_TRACEBACKS=1`` also prints the traceback.
-Notes on method and on what was seen: NOTES.md.
+Parts, each in a process of its own (so that each has the whole card, and a crash ends only its
+part): kernels (``kernels_part``), layers (one decode step of the layers, five ways: where its bytes
+go, ``layers_part``), model (prefill and decode, ``model_part``; also measures the copy bandwidth
+and the bf16 matrix rate), serve (the engine's continuous batching, ``serve_part``), server
+(``kvjax serve`` over HTTP against ``benchmarks/serve_bench.py``, ``server_part``), peer
+(``peer_transformers``). ``--seconds`` is the whole run's budget: each part gets a share of what is
+left when it starts, stops starting new measurements at its deadline and is killed 60 s after it.
+Every measurement is a row in ``OUT/parts/<part>.json`` (written as it is made, so a run cut short
+keeps what it measured; a failure is a row naming its error); at the end ``OUT/results.json`` merges
+them and ``OUT/results.md`` holds the tables, printed last (``report.py`` combines several runs). A
+failed measurement's row holds its error's type and message; ``KVJAX_GPU_TRACEBACKS=1`` also prints
+the traceback. Notes on method and on what was seen: NOTES.md.
 """
 
 from __future__ import annotations
@@ -37,17 +39,37 @@ GRACE_S = 60
 
 
 def parse(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="directory for results.json, results.md, parts/")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="directory for results.json, results.md, parts/"
+    )
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
-    parser.add_argument("--seconds", type=float, help="budget of the whole run (default 420; 900 with --smoke, "
-                        "where a loaded CPU slows the interpreter: the budget bounds, the work decides)")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the Pallas interpreter)")
-    parser.add_argument("--workers", type=int, default=None, help="compile threads (default: CPU count - 2)")
-    parser.add_argument("--no-kernel-timings", action="store_true", help="kernels: the checks alone")
-    parser.add_argument("--f32-precision", choices=["highest"], help="kernels: trace the float32 kernels' checks "
-                        "under this matmul precision (default: JAX's, TF32 dots in Triton)")
-    parser.add_argument("--kernel-ops", help="kernels: check only these ops, comma-separated (default: all)")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        help="budget of the whole run (default 420; 900 with --smoke, "
+        "where a loaded CPU slows the interpreter: the budget bounds, the work decides)",
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on the CPU (the Pallas interpreter)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="compile threads (default: CPU count - 2)"
+    )
+    parser.add_argument(
+        "--no-kernel-timings", action="store_true", help="kernels: the checks alone"
+    )
+    parser.add_argument(
+        "--f32-precision",
+        choices=["highest"],
+        help="kernels: trace the float32 kernels' checks "
+        "under this matmul precision (default: JAX's, TF32 dots in Triton)",
+    )
+    parser.add_argument(
+        "--kernel-ops", help="kernels: check only these ops, comma-separated (default: all)"
+    )
     parser.add_argument("--part", help=argparse.SUPPRESS)  # run one part in this process
     args = parser.parse_args(argv)
     args.seconds = args.seconds or (900.0 if args.smoke else 420.0)
@@ -61,7 +83,9 @@ def parse(argv=None):
             from kernels_part import OPS, PROMPT
 
             if unknown := set(args.kernel_ops) - {*OPS, PROMPT}:
-                parser.error(f"--kernel-ops: unknown {sorted(unknown)}; choose from {[*OPS, PROMPT]}")
+                parser.error(
+                    f"--kernel-ops: unknown {sorted(unknown)}; choose from {[*OPS, PROMPT]}"
+                )
     return args
 
 
@@ -69,13 +93,18 @@ def run_part(args) -> int:
     """One part, in this process."""
     if args.smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if args.part == "server":  # starts servers: this process must leave the card to them (no JAX device)
-        from common import Deadline, Results
+    # starts servers: this process must leave the card to them (no JAX device)
+    if args.part == "server":
         import server_part
+        from common import Deadline, Results
 
         deadline = Deadline(args.seconds)
-        meta = {"part": "server", "smoke": args.smoke, "device": "the servers' own (their logs: server/)",
-                "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        meta = {
+            "part": "server",
+            "smoke": args.smoke,
+            "device": "the servers' own (their logs: server/)",
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
         results = Results(args.out / "parts" / "server.json", meta)
         server_part.run(results, deadline, args.out, args.smoke)
         meta["seconds"] = args.seconds - deadline.left()
@@ -93,29 +122,47 @@ def run_part(args) -> int:
     )
 
     deadline = Deadline(args.seconds)
-    meta = {"part": args.part, "device": device_text(), "jax": jax.__version__, "smoke": args.smoke,
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    meta = {
+        "part": args.part,
+        "device": device_text(),
+        "jax": jax.__version__,
+        "smoke": args.smoke,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     results = Results(args.out / "parts" / f"{args.part}.json", meta)
     compiler = Compiler(args.workers or max(2, (os.cpu_count() or 2) - 2))
     log(f"part {args.part} on {meta['device']}, jax {jax.__version__}, {deadline.left():.0f} s")
     try:
         if args.part == "kernels":
             import kernels_part
-            kernels_part.run(results, deadline, compiler, args.smoke, timings=not args.no_kernel_timings,
-                             f32_precision=args.f32_precision, ops=args.kernel_ops)
+
+            kernels_part.run(
+                results,
+                deadline,
+                compiler,
+                args.smoke,
+                timings=not args.no_kernel_timings,
+                f32_precision=args.f32_precision,
+                ops=args.kernel_ops,
+            )
         elif args.part == "layers":
             import layers_part
+
             layers_part.run(results, deadline, compiler, args.smoke)
         elif args.part == "model":
             import model_part
+
             ceilings = measure_ceilings(args.smoke)
             meta["ceilings"] = ceilings.__dict__
-            log(f"copy {ceilings.copy_gb_s:.0f} GB/s (read + written), "
-                f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
+            log(
+                f"copy {ceilings.copy_gb_s:.0f} GB/s (read + written), "
+                f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s"
+            )
             model_part.run(results, deadline, compiler, ceilings, args.smoke)
         elif args.part == "serve":
             import model_part
             import serve_part
+
             model = model_part.ModelRun(results, deadline, compiler, None, args.smoke)
             serve_part.run(results, deadline, model, args.smoke)
         meta["memory_end"] = memory_stats()
@@ -149,7 +196,9 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     end = time.monotonic() + args.seconds
     env = dict(os.environ)
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")  # the largest-batch runs size themselves to the card
+    env.setdefault(
+        "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94"
+    )  # the largest-batch runs size themselves to the card
     for part in args.parts:
         left = end - time.monotonic()
         if left <= 5:
@@ -160,7 +209,16 @@ def main(argv=None) -> int:
         if part == "peer":
             run_peer(args, share + GRACE_S)
             continue
-        cmd = [sys.executable, __file__, "--part", part, "--seconds", str(share), "--out", str(args.out)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--part",
+            part,
+            "--seconds",
+            str(share),
+            "--out",
+            str(args.out),
+        ]
         cmd += ["--smoke"] if args.smoke else []
         cmd += ["--workers", str(args.workers)] if args.workers else []
         cmd += ["--no-kernel-timings"] if args.no_kernel_timings else []

@@ -1,9 +1,11 @@
-"""Part "serve": the serving engine (``kvjax.serving``: ``Engine`` and its continuous-batching ``Driver``, no HTTP)
-on the 8B-shaped model with a budget, 32 slots against one slot (one request at a time).
+"""Part "serve": the serving engine (``kvjax.serving``: ``Engine`` and its continuous-batching
+``Driver``, no HTTP) on the 8B-shaped model with a budget, 32 slots against one slot (one request at
+a time).
 
-Every request is a prompt of random ids, greedy, no stop id, a fixed number of new tokens; the driver prefills
-each at batch 1 into a free slot between decode calls (4 steps per call). Throughput is new tokens over the wall
-time from the first submit to the last token; a warm-up request per engine compiles everything first.
+Every request is a prompt of random ids, greedy, no stop id, a fixed number of new tokens; the
+driver prefills each at batch 1 into a free slot between decode calls (4 steps per call). Throughput
+is new tokens over the wall time from the first submit to the last token; a warm-up request per
+engine compiles everything first.
 """
 
 from __future__ import annotations
@@ -35,15 +37,26 @@ def load(smoke: bool) -> Load:
 
 
 def serve(params, ld: Load, slots: int, n_requests: int, vocab: int) -> dict:
-    engine = Engine(params, slots=slots, max_prompt=ld.prompt, max_new_tokens=ld.new, steps=4, budget=ld.budget,
-                    scorer="snapkv")
+    engine = Engine(
+        params,
+        slots=slots,
+        max_prompt=ld.prompt,
+        max_new_tokens=ld.new,
+        steps=4,
+        budget=ld.budget,
+        scorer="snapkv",
+    )
     driver = Driver(engine, queue_size=n_requests + 1).start()
     rng = np.random.default_rng(slots)
     try:
         t0 = time.perf_counter()
-        driver.submit(rng.integers(10, vocab - 10, ld.prompt).astype(np.int32), stop_ids=()).result(1200)
+        driver.submit(rng.integers(10, vocab - 10, ld.prompt).astype(np.int32), stop_ids=()).result(
+            1200
+        )
         warmup_s = time.perf_counter() - t0
-        prompts = [rng.integers(10, vocab - 10, ld.prompt).astype(np.int32) for _ in range(n_requests)]
+        prompts = [
+            rng.integers(10, vocab - 10, ld.prompt).astype(np.int32) for _ in range(n_requests)
+        ]
         t0 = time.perf_counter()
         requests = [driver.submit(p, stop_ids=()) for p in prompts]
         latencies = []
@@ -55,20 +68,37 @@ def serve(params, ld: Load, slots: int, n_requests: int, vocab: int) -> dict:
         wall = time.perf_counter() - t0
     finally:
         driver.stop(60)
-    return {"tokens_per_s": n_requests * ld.new / wall, "wall_s": wall, "requests": n_requests,
-            "p50_latency_s": float(np.median(latencies)), "warmup_s": warmup_s, "decode_calls": driver.counts["steps"]}
+    return {
+        "tokens_per_s": n_requests * ld.new / wall,
+        "wall_s": wall,
+        "requests": n_requests,
+        "p50_latency_s": float(np.median(latencies)),
+        "warmup_s": warmup_s,
+        "decode_calls": driver.counts["steps"],
+    }
 
 
 def run(results: Results, deadline: Deadline, model: ModelRun, smoke: bool) -> None:
     ld = load(smoke)
     vocab = model.sz.cfg.vocab_size
     for slots, n in ((ld.slots, ld.requests_many), (1, ld.requests_one)):
-        label = {"slots": slots, "prompt": ld.prompt, "new_tokens": ld.new, "budget": ld.budget, "scorer": "snapkv"}
+        label = {
+            "slots": slots,
+            "prompt": ld.prompt,
+            "new_tokens": ld.new,
+            "budget": ld.budget,
+            "scorer": "snapkv",
+        }
         if deadline.passed():
             results.add("serve", {**label, "error": "not run: the part's deadline passed"})
             continue
         log(f"serve: {slots} slots, {n} requests")
-        guarded(results, "serve", label, lambda slots=slots, n=n: serve(model.params, ld, slots, n, vocab))
+        guarded(
+            results,
+            "serve",
+            label,
+            lambda slots=slots, n=n: serve(model.params, ld, slots, n, vocab),
+        )
         jax.clear_caches()
 
 
@@ -76,16 +106,26 @@ def tables(results: Results) -> list[str]:
     rows = results.rows("serve")
     if not rows:
         return []
-    lines = ["### Serving engine (continuous batching, no HTTP)", "",
-             "| slots | requests | prompt | new tokens | budget | tokens/s | wall s | p50 latency s | vs one slot |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "### Serving engine (continuous batching, no HTTP)",
+        "",
+        "| slots | requests | prompt | new tokens | budget | tokens/s | wall s | p50 latency s | "
+        "vs one slot |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     one = next((r for r in rows if r["slots"] == 1 and "tokens_per_s" in r), None)
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['slots']} | | {r['prompt']} | {r['new_tokens']} | {r['budget']} | {r['error'][:200]} "
-                         "| | | |")
+            lines.append(
+                f"| {r['slots']} | | {r['prompt']} | {r['new_tokens']} | {r['budget']} | "
+                f"{r['error'][:200]} "
+                "| | | |"
+            )
             continue
         ratio = f"{r['tokens_per_s'] / one['tokens_per_s']:.1f}x" if one else ""
-        lines.append(f"| {r['slots']} | {r['requests']} | {r['prompt']} | {r['new_tokens']} | {r['budget']} | "
-                     f"{r['tokens_per_s']:.0f} | {r['wall_s']:.2f} | {r['p50_latency_s']:.2f} | {ratio} |")
+        lines.append(
+            f"| {r['slots']} | {r['requests']} | {r['prompt']} | {r['new_tokens']} | {r['budget']} "
+            "| "
+            f"{r['tokens_per_s']:.0f} | {r['wall_s']:.2f} | {r['p50_latency_s']:.2f} | {ratio} |"
+        )
     return lines + [""]

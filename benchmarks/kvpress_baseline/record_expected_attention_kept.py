@@ -1,15 +1,17 @@
-"""Record which context positions NVIDIA kvpress's ``ExpectedAttentionPress`` keeps, for kvjax's exactness
-test of ``expected-attention``.
+"""Record which context positions NVIDIA kvpress's ``ExpectedAttentionPress`` keeps, for kvjax's
+exactness test of ``expected-attention``.
 
-    .venv/bin/python record_expected_attention_kept.py --samples samples.jsonl --budgets 64 256 --out kept.json
+    .venv/bin/python record_expected_attention_kept.py --samples samples.jsonl --budgets 64 256 \
+        --out kept.json
 
 Runs inside benchmarks/kvpress_baseline/.venv (``setup.sh``), on the same SmolLM2 GGUF weights as
-``run_kvpress.py`` (float32, sdpa, CPU). For each sample of ``--samples`` (JSONL: ``id`` and the token ids of
-``context``) and each budget: the press at the ratio that keeps ``budget`` per KV head (``ratio_for``), its
-defaults otherwise (512 future positions, 4 sinks, covariance and value norm), the context prefilled under
-it; the kept positions of every (layer, KV head) are the ``budget`` highest of the press's scores, as its
-``compress`` takes them. Writes JSON: kvpress's version, and per record the sample id, the context ids, the
-budget and ``kept`` [layer][head] (one hexadecimal bit mask of positions each).
+``run_kvpress.py`` (float32, sdpa, CPU). For each sample of ``--samples`` (JSONL: ``id`` and the
+token ids of ``context``) and each budget: the press at the ratio that keeps ``budget`` per KV head
+(``ratio_for``), its defaults otherwise (512 future positions, 4 sinks, covariance and value norm),
+the context prefilled under it; the kept positions of every (layer, KV head) are the ``budget``
+highest of the press's scores, as its ``compress`` takes them. Writes JSON: kvpress's version, and
+per record the sample id, the context ids, the budget and ``kept`` [layer][head] (one hexadecimal
+bit mask of positions each).
 """
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ class Base:
         scoring_pass: the state comes from a pass of its own over the prefilled prompt ("kvzip":
             the repeat pass; "heads": saved head scores): prefill protocol, no eviction while
             decoding.
-        default_allocation, default_floor: its own allocation setting (floor None: the
-            allocation's).
+        default_allocation: its allocation when the name has no allocation prefix.
+        default_floor: its floor under any shared allocation (None: the allocation's).
         modifiers: the modifiers it takes (``kvjax.eviction.modifiers``).
         reads_kv: its priority reads the cached keys and values of every slot.
     """

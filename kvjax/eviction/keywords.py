@@ -113,8 +113,8 @@ class EvictionKeywords:
     floor: float | None = _option(
         None,
         "under adakv / global: the fraction of the budget every KV head keeps "
-        "at least, as floor_mode counts it (None: 0.2 for adakv, AdaKV's α; 0 for "
-        "global)",
+        "at least, as floor_mode counts it (None: 0.2 for adakv, AdaKV's α, but 0 "
+        "with KVzip, as kvpress; 0 for global)",
     )
     floor_mode: str = _option(
         "adakv",

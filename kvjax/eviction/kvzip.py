@@ -112,5 +112,5 @@ class KVzip(Base):
     # kvpress's default, one threshold over every layer and KV head: at least as good as each
     # layer's heads sharing their budget in every cell of docs/results.md ("KVzip's global mode")
     default_allocation = "global"
-    default_floor = 0.0
+    default_floor = 0.0  # kvpress's layerwise=True (adakv+kvzip) has no floor
     modifiers = ("caote", "fastcaote", "momentkv", "momentkv-mi", "momentkv-nc", "momentkv-zeroth")

@@ -184,8 +184,8 @@ def make_policy(
             f"with scorer={scorer!r})"
         )
     if k["floor"] is None:
-        own = spec.default_floor is not None and allocation == spec.default_allocation
-        k["floor"] = spec.default_floor if own else ALLOCATIONS[allocation].default_floor
+        own = spec.default_floor
+        k["floor"] = own if own is not None else ALLOCATIONS[allocation].default_floor
     if not (isinstance(k["floor"], (int, float)) and 0 <= k["floor"] <= 1):
         raise ValueError(f"floor={k['floor']!r} must be a fraction of the budget in [0, 1]")
     k["floor"] = float(k["floor"])
