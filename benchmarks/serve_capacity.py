@@ -6,7 +6,8 @@ shape.
 
 Shapes only: the weights are abstract (``jax.eval_shape``) and the caches' bytes come from abstract
 shapes (``Engine.cache_bytes``), so an 8B shape runs in seconds on a CPU. ``--caches``: ``full`` or
-``SCORER:BUDGET`` (SnapKV's dense cache, AdaKV's paged one, ...).
+``SCORER:BUDGET`` (SnapKV's dense cache, AdaKV's paged one, ...), either with ``:KV_DTYPE`` (int8,
+float8_e4m3fn, int4: ``full:int8``, ``snapkv:1024:int4``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,18 @@ from kvjax.model.params import init_params  # noqa: E402
 from kvjax.serving import Engine  # noqa: E402
 
 
+def parse(cache: str) -> dict:
+    """``full[:KV_DTYPE]`` or ``SCORER:BUDGET[:KV_DTYPE]`` as eviction keywords."""
+    parts = cache.split(":")
+    if parts[0] == "full":
+        return {"kv_dtype": parts[1]} if len(parts) == 2 else {}
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"--caches {cache!r}: give full[:KV_DTYPE] or SCORER:BUDGET[:KV_DTYPE]")
+    return {"scorer": parts[0], "budget": int(parts[1])} | (
+        {"kv_dtype": parts[2]} if len(parts) == 3 else {}
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -36,7 +49,18 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=32768)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument(
-        "--caches", nargs="+", default=["full", "snapkv:1024", "adakv:1024", "snapkv:256"]
+        "--caches",
+        nargs="+",
+        default=[
+            "full",
+            "full:int8",
+            "full:int4",
+            "snapkv:1024",
+            "snapkv:1024:int8",
+            "snapkv:1024:int4",
+            "adakv:1024",
+            "snapkv:256",
+        ],
     )
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
@@ -52,13 +76,12 @@ def main() -> None:
     ]
     full = None
     for cache in args.caches:
-        eviction = {} if cache == "full" else dict(zip(("scorer", "budget"), cache.split(":")))
-        eviction = eviction | ({"budget": int(eviction["budget"])} if eviction else {})
+        eviction = parse(cache)
         engine = Engine.for_memory(
             params, memory, max_prompt=args.max_prompt, max_new_tokens=args.max_tokens, **eviction
         )
         m = engine.memory()
-        full = full or (m["slots"] if cache == "full" else None)
+        full = full or (m["slots"] if cache == "full" else None)  # the model dtype's full cache
         keeps = (
             f"{m['tokens_per_slot']} per layer and KV head"
             if m["per_kv_head"]

@@ -16,6 +16,10 @@ online softmax, the score pass of every score kind, tile sizes): ``tpu_common``,
 
 What runs where, tiling rules and what has (not) been checked on hardware: ``docs/kernels.md``.
 
+Every kernel takes keys and values as arrays or as ``Quantized`` codes and scales (``quantize``,
+``kvjax.kernels.quantized``): the references dequantize them to q's dtype first, the kernels each
+tile after loading it.
+
 The package stands alone: it imports nothing of kvjax outside ``kvjax.kernels``. Besides the
 per-platform functions it exports the XLA forms kvjax also calls directly: ``attention_with_scores``
 (dense mask; the full cache) and ``corrected_attention`` (MomentKV's correction), with the score
@@ -28,15 +32,19 @@ from kvjax.kernels.block_attention.reference import attention_with_scores
 from kvjax.kernels.decode_attention import decode_attention_with_scores
 from kvjax.kernels.decode_attention.reference import corrected_attention
 from kvjax.kernels.prompt_attention import PREFILL_CHUNK, causal_attention
+from kvjax.kernels.quantized import KV_DTYPES, Quantized, quantize
 
 __all__ = [
     "IMPLS",
+    "KV_DTYPES",
     "NEG_INF",
     "PREFILL_CHUNK",
     "SCORE_KINDS",
+    "Quantized",
     "attention_with_scores",
     "block_attention_with_scores",
     "causal_attention",
     "corrected_attention",
     "decode_attention_with_scores",
+    "quantize",
 ]

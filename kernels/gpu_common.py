@@ -7,6 +7,10 @@ Triton programs are independent (no sequential grid axis, no VMEM scratch), so a
 tiles inside the program, its statistics in registers. The Triton lowering has no ``slice`` of
 values: rows are read from refs (``ref[t, :]``), never sliced out of a loaded tile. Every ``tl.dot``
 dimension must be a power of two ≥ 16 (``MIN_DOT``).
+
+Quantized keys and values arrive as a ``Quantized`` of refs (codes [.., S, K] — int4: [.., S, K/2]
+bytes — and scales [.., S, 1]): ``load_values`` loads a tile's codes and scales alike and
+dequantizes them in registers to the dtype the kernel computes in (q's).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from kvjax.kernels._shared import (
     NN_DIMS,
     NT_DIMS,
     VALUE_KINDS,
+    dequantize_tile,
     next_pow2,
     pad_axis,
 )
+from kvjax.kernels.quantized import Quantized
 
 DEFAULT_BLOCK_K = 64  # slots per key tile
 DEFAULT_BLOCK_Q = 64  # queries per query tile
@@ -67,6 +73,7 @@ def load_tile(ref, start, size: int, n_slots: int, other=0, head: tuple = ()):
     leading indices ``head`` of a larger ref (one indexer: the Triton lowering takes no chain of
     them); slots past ``n_slots`` are not read (masked load) and come back as ``other``: the cache
     is never padded in HBM."""
+    other = jnp.asarray(other, ref.dtype)  # a constant of the ref's: Triton casts no int to float8
     slot = start + jnp.arange(size, dtype=jnp.int32)
     mask = slot < n_slots
     if len(ref.shape) - len(head) == 2:
@@ -76,8 +83,23 @@ def load_tile(ref, start, size: int, n_slots: int, other=0, head: tuple = ()):
     return plgpu.load(ref.at[(*head, pl.ds(start, size))], mask=mask, other=other)
 
 
+def join_halves(low, high):
+    """[bk, K/2] and [bk, K/2] -> [bk, K] (the int4 halves), as Triton takes it: stacked on a new
+    last axis (``tl.join``, the only concatenation it lowers), then transposed and reshaped."""
+    bk, half = low.shape
+    return jnp.stack([low, high], -1).transpose(0, 2, 1).reshape(bk, 2 * half)
+
+
+def load_values(ref, dtype, load: Callable):
+    """Keys or values [bk, K], ``load(ref)``: of a ref as stored, or of both refs of a ``Quantized``
+    (codes, scales [bk, 1]) dequantized to ``dtype``."""
+    if isinstance(ref, Quantized):
+        return dequantize_tile(load(ref.data), load(ref.scale), ref.kind, dtype, join_halves)
+    return load(ref)
+
+
 class KeyTile(NamedTuple):
-    """A key tile of bk slots, keys and values both as stored.
+    """A key tile of bk slots: keys and values as stored, or dequantized (``load_values``).
 
     Fields:
         k: keys [bk, K].
@@ -127,13 +149,20 @@ def online_softmax(q, qpos, tiles: Callable[[Any], KeyTile], start, stop, scale:
     return jax.lax.fori_loop(start, stop, body, init)
 
 
-def dense_tile(k_ref, v_ref, spos_ref, start, size: int, n_slots: int, head: tuple = ()) -> KeyTile:
-    """The ``KeyTile`` of slots start .. start + size − 1 of whole-head refs k_ref, v_ref [S, K] (no
-    V when v_ref is None; with ``head``, the head at those leading indices of k_ref and v_ref) and
-    spos_ref [S], by masked loads (``load_tile``)."""
-    k = load_tile(k_ref, start, size, n_slots, head=head)
+def dense_tile(
+    k_ref, v_ref, spos_ref, start, size: int, n_slots: int, dtype, head: tuple = ()
+) -> KeyTile:
+    """The ``KeyTile`` of slots start .. start + size − 1 of whole-head refs k_ref, v_ref [S, K] (or
+    ``Quantized`` of refs, dequantized to ``dtype``; no V when v_ref is None; with ``head``, the
+    head at those leading indices of k_ref and v_ref) and spos_ref [S], by masked loads
+    (``load_tile``)."""
+
+    def load(ref):
+        return load_tile(ref, start, size, n_slots, head=head)
+
+    k = load_values(k_ref, dtype, load)
     spos = load_tile(spos_ref, start, size, n_slots, -1)
-    v = None if v_ref is None else load_tile(v_ref, start, size, n_slots, head=head)
+    v = None if v_ref is None else load_values(v_ref, dtype, load)
     return KeyTile(k, spos, start + jnp.arange(size, dtype=jnp.int32), n_slots, v)
 
 
@@ -155,14 +184,15 @@ def softmax_kernel(
     head: tuple = (),
 ):
     """Online softmax of a tile of query rows over ``n_tiles`` key tiles of the whole-head refs
-    k_ref, v_ref [S, K] (or their head at the leading indices ``head``) and spos_ref [S]: from slot
-    0, or — with split_axis — from the split chosen by that grid axis (n_tiles tiles per split;
-    every split starts with a real slot). Writes the normalised o and m, l."""
+    k_ref, v_ref [S, K] (or ``Quantized`` of refs; or their head at the leading indices ``head``)
+    and spos_ref [S]: from slot 0, or — with split_axis — from the split chosen by that grid axis
+    (n_tiles tiles per split; every split starts with a real slot). Writes the normalised o and m,
+    l."""
     offset = 0 if split_axis is None else pl.program_id(split_axis) * (n_tiles * block_k)
 
     def tile(j):
         start = offset + j * block_k
-        return dense_tile(k_ref, v_ref, spos_ref, start, block_k, n_slots, head)
+        return dense_tile(k_ref, v_ref, spos_ref, start, block_k, n_slots, q_ref.dtype, head)
 
     acc, m, l = online_softmax(q_ref[...], qpos_ref[...], tile, 0, n_tiles, scale)
     o_ref[...] = acc / l[:, None]

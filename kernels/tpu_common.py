@@ -7,6 +7,10 @@ Per-row vectors travel lane-broadcast ([rows, 128] float32, as in
 array whose lanes hold (query position, query weight, running max m, sum l): ``POS``, ``WEIGHT``,
 ``MAX``, ``SUM``. Slots past the real ones (a ragged last tile, pages not copied) hold garbage:
 their logits are -inf and their value rows are zeroed (``masked_logits``, ``real_rows``).
+
+Quantized keys and values arrive as a ``Quantized`` of refs (codes [bk, K] — int4: [bk, K/2] bytes —
+and scales [bk, 1], tiled like the keys): ``load`` dequantizes a tile in VMEM right after it is
+read, to the dtype the kernel computes in (q's).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from kvjax.kernels._shared import (
     NN_DIMS,
     NT_DIMS,
     VALUE_KINDS,
+    dequantize_tile,
     pad_axis,
     round_up,
 )
+from kvjax.kernels.quantized import Quantized
 
 LANES = 128
 CHUNK = 8  # query rows per step of the difference terms (one f32 sublane tile)
@@ -112,14 +118,28 @@ def real_rows(x, first_slot, n_slots: int | jax.Array):
     return jnp.where(slot < n_slots, x, jnp.zeros((), x.dtype))
 
 
+def concat_lanes(low, high):
+    """[bk, K/2] and [bk, K/2] -> [bk, K] (the int4 halves)."""
+    return jnp.concatenate([low, high], axis=1)
+
+
+def load(ref, dtype):
+    """The keys or values [bk, K] of a ref as stored, or of a ``Quantized`` of refs dequantized to
+    ``dtype``."""
+    if isinstance(ref, Quantized):
+        return dequantize_tile(ref.data[...], ref.scale[...], ref.kind, dtype, concat_lanes)
+    return ref[...]
+
+
 class KeyTile(NamedTuple):
     """A key tile of bk slots against R query rows.
 
     Fields:
         logits, visible, z: [R, bk] (``masked_logits``; z = q·k / scale unmasked).
-        v_ref: the value ref [bk, K] from slot first_slot on.
+        v_ref: the value ref [bk, K] from slot first_slot on (or a ``Quantized`` of refs).
         first_slot: the tile's first slot.
         n_slots: the slots ≥ n_slots are not real.
+        dtype: the dtype quantized values are read in (q's).
     """
 
     logits: jax.Array
@@ -128,10 +148,11 @@ class KeyTile(NamedTuple):
     v_ref: Any
     first_slot: int | jax.Array
     n_slots: int | jax.Array
+    dtype: Any
 
     def values(self, dtype=None):
         """The values [bk, K] (cast to ``dtype`` if given), the rows of slots not real zeroed."""
-        v = self.v_ref[...]
+        v = load(self.v_ref, self.dtype)
         return real_rows(v if dtype is None else v.astype(dtype), self.first_slot, self.n_slots)
 
 
@@ -139,15 +160,16 @@ def key_tile(
     q_ref, k_ref, v_ref, spos_ref, qpos, *, first_slot, n_slots, scale: float, precision
 ) -> KeyTile:
     """The ``KeyTile`` of the query rows q_ref [R, K] (positions qpos, as ``masked_logits``) against
-    k_ref, v_ref [bk, K] with slot positions spos_ref [1, bk]; precision: of the q·k matmul."""
+    k_ref, v_ref [bk, K] (refs, or ``Quantized`` of refs) with slot positions spos_ref [1, bk];
+    precision: of the q·k matmul."""
     q = q_ref[...]
-    k = k_ref[...].astype(q.dtype)
+    k = load(k_ref, q.dtype).astype(q.dtype)
     z = (
         jax.lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32, precision=precision)
         / scale
     )
     logits, visible = masked_logits(z, spos_ref[...], qpos, first_slot, n_slots)
-    return KeyTile(logits, visible, z, v_ref, first_slot, n_slots)
+    return KeyTile(logits, visible, z, v_ref, first_slot, n_slots, q.dtype)
 
 
 def reset_softmax(m_sc, l_sc, acc_sc):

@@ -114,10 +114,12 @@ def specs(tree, mesh):
         value = getattr(tree, f.name)
         if f.metadata.get("pytree_node", True) is False or value is None:
             continue
+        axes = type(tree).AXES.get(f.name)
         fields[f.name] = (
             specs(value, mesh)
             if hasattr(type(value), "AXES")
-            else partition(type(tree).AXES[f.name], np.shape(value), mesh)
+            # an array, or arrays with the field's leading axes (quantized keys and their scales)
+            else jax.tree.map(lambda x, a=axes: partition(a, np.shape(x), mesh), value)
         )
     return tree.replace(**fields)
 

@@ -2,7 +2,9 @@
 
 import importlib
 import os
+import socket
 import sys
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -213,3 +215,16 @@ def covering(names):
         uses[parts[name][0]] += 1
         picked.append(name)
     return picked
+
+
+def wait_for(condition, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from kvjax.kernels.quantized import values
 
 import kvjax
 from kvjax.runtime.decoding import Generation, decode_steps
-from kvjax.runtime.options import eviction_from
+from kvjax.runtime.options import EvictionOptions, eviction_from
 from kvjax.runtime.sampling import Sampling
 from kvjax.serving import Engine
 from kvjax.sharding import make_mesh, shard
@@ -241,6 +242,44 @@ def test_a_mesh_made_by_jax_with_explicit_axes_runs_as_one_device(model):
         steps.append(np.asarray(tokens))
     alone = kvjax.generate(model, rows, 6, stop_ids=(), **SETTINGS["snapkv"])
     np.testing.assert_array_equal(np.concatenate(steps, axis=1), np.stack(alone))
+
+
+@pytest.mark.parametrize(
+    ("name", "kv_dtype"), [("full", "int8"), ("snapkv", "int4"), ("adakv", "int8")]
+)
+def test_quantized_caches_split_as_the_model_dtype_ones(model, name, kv_dtype):
+    """kv_dtype on (data=2, model=4): codes and scales placed along the keys' axes (the scales' last
+    one whole), and the cache the one-device run's up to the split program's float rounding.
+    Quantization rounds at steps of max|x| / qmax, so that rounding of the keys (within ~4e-6), like
+    any change of XLA's fusions, can move a code by one, and later layers and eviction choices then
+    differ by that noise: the full cache's layer-0 codes are within one of the one-device run's, its
+    next-token logits within 5% of the largest and its first tokens the same; a budget cache keeps
+    as many tokens per layer and row. (Exact equality is checked on one device, against the NumPy
+    oracle.)"""
+    options = EvictionOptions.of(**(SETTINGS[name] | dict(kv_dtype=kv_dtype)))
+    rows = prompts(8, 128, seed=4)
+    ev = options.resolve(max(map(len, rows)))
+    mesh = make_mesh("data=2,model=4")
+    one, many = (
+        Generation.from_prompts(p, rows, 1, Sampling(), 0, (), ev, me, **options.full_cache).state
+        for p, me in ((model, None), (shard(model, mesh), mesh))
+    )
+    k = [s.cache.k_pages if name == "adakv" else s.cache.k for s in (one, many)]
+    expected = (
+        ("data", None, None, None) if name == "adakv" else (None, "data", "model", None, None)
+    )
+    assert placed(k[1].data) == placed(k[1].scale) == expected
+    if name != "full":
+        counts = [np.asarray((s.cache.pos >= 0).sum((-2, -1))) for s in (one, many)]
+        np.testing.assert_array_equal(counts[0], counts[1])
+        return
+    codes = [
+        np.asarray(values(x)[0]) / np.maximum(np.asarray(x.scale[0], np.float32), 1e-30) for x in k
+    ]
+    assert np.abs(codes[0] - codes[1]).max() <= 1.0 + 1e-3
+    logits = [np.asarray(s.logits) for s in (one, many)]
+    assert np.abs(logits[0] - logits[1]).max() <= 0.05 * np.abs(logits[0]).max()
+    np.testing.assert_array_equal(logits[0].argmax(-1), logits[1].argmax(-1))
 
 
 @pytest.mark.parametrize("name", ["momentkv", "adakv"])

@@ -48,6 +48,7 @@ import decimal
 import sys
 
 import numpy as np
+from reference_quantized import round_trip
 
 from kvjax.model.params import params_to_flat
 from kvjax.model.rope import inverse_frequencies
@@ -839,6 +840,7 @@ class Reference:
         chunk: int = 1,
         floor_mode: str = "adakv",
         decode_order: str = "attend-first",
+        kv_dtype: str | None = None,
     ):
         base, modifier = parse_scorer(scorer)
         if allocation not in ALLOCATIONS:
@@ -877,6 +879,9 @@ class Reference:
         self.floor = {"adakv": 0.2}.get(allocation, 0.0) if floor is None else floor
         self.floor_mode = floor_mode
         self.decode_order = decode_order
+        # how the cache stores keys and values: every slot holds their round trip
+        # (tests/reference_quantized.py), which attention and every scorer read
+        self.kv_dtype = kv_dtype
 
         L, Hk, K = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         self.G = cfg.n_heads // cfg.n_kv_heads
@@ -932,7 +937,8 @@ class Reference:
                 slots = self.cache[layer][kh]
                 # 1. append
                 for t, p in enumerate(positions):
-                    slots.append(Slot(int(p), k[t, kh].copy(), v[t, kh].copy(), np.zeros(G)))
+                    key, value = (round_trip(x[t, kh], self.kv_dtype) for x in (k, v))
+                    slots.append(Slot(int(p), key, value, np.zeros(G)))
                 keys = np.stack([s.key for s in slots])
                 vals = np.stack([s.value for s in slots])
                 kept_pos = np.array([s.position for s in slots])
@@ -1256,6 +1262,7 @@ def run_reference(
     chunk=1,
     floor_mode="adakv",
     decode_order="attend-first",
+    kv_dtype=None,
 ) -> dict:
     """Prefill ``prompt`` under ``protocol`` then greedily decode ``max_new_tokens`` tokens; see
     module doc.
@@ -1281,6 +1288,7 @@ def run_reference(
         chunk=chunk,
         floor_mode=floor_mode,
         decode_order=decode_order,
+        kv_dtype=kv_dtype,
     )
     return ref.run(prompt, max_new_tokens)
 
@@ -1315,7 +1323,7 @@ def parse_kvzip_scorer(name: str) -> tuple[str, str, str | None]:
     return allocation, "kvzip", rest.partition("+")[2] or None
 
 
-def repeat_scores(params, context, prompt, chunk: int = 2048) -> np.ndarray:
+def repeat_scores(params, context, prompt, chunk: int = 2048, kv_dtype=None) -> np.ndarray:
     """KVzip's scores S [L, Hk, n] of a context of n tokens (Algorithm 1, kvzip-appendix.tex).
 
     ``prompt`` (read only, as ``kvjax.eviction.RepeatPrompt``): ids ``first``, ``later``, ``colon``;
@@ -1339,6 +1347,7 @@ def repeat_scores(params, context, prompt, chunk: int = 2048) -> np.ndarray:
         x, out = w["embed"][np.asarray(tokens)], []
         for layer in range(L):
             q, k, v = qkv(cfg, w, layer, x, positions, inv_freq)
+            k, v = round_trip(k, kv_dtype), round_trip(v, kv_dtype)  # as the cache holds them
             keys = k if past is None else np.concatenate([past[layer][0], k])
             values = v if past is None else np.concatenate([past[layer][1], v])
             visible = np.arange(len(keys))[None, :] <= positions[:, None]
@@ -1419,6 +1428,7 @@ class KVzipReference(Reference):
         chunk: int = 2048,
         context: int | None = None,
         tie_rtol: float = KVZIP_TIE_RTOL,
+        kv_dtype: str | None = None,
     ):
         allocation, base, modifier = parse_kvzip_scorer(scorer)
         if (repeat_prompt is None, head_scores is None) != (base != "kvzip", base == "kvzip"):
@@ -1439,6 +1449,7 @@ class KVzipReference(Reference):
             floor=floor,
             floor_mode=floor_mode,
             allocation="uniform" if allocation == "heads" else allocation,
+            kv_dtype=kv_dtype,
         )
         self.params, self.scorer, self.base, self.allocation = params, scorer, base, allocation
         self.repeat_prompt, self.head_scores, self.repeat_chunk = repeat_prompt, head_scores, chunk
@@ -1447,7 +1458,9 @@ class KVzipReference(Reference):
     def scores_of(self, prompt: list[int]) -> np.ndarray:
         """The state [L, Hk, P] of every prompt token."""
         if self.base == "kvzip":
-            return repeat_scores(self.params, prompt, self.repeat_prompt, self.repeat_chunk)
+            return repeat_scores(
+                self.params, prompt, self.repeat_prompt, self.repeat_chunk, self.kv_dtype
+            )
         heads = np.asarray(self.head_scores, np.float64)
         return np.broadcast_to(heads[:, :, None], heads.shape + (len(prompt),))
 

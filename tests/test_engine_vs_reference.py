@@ -358,3 +358,33 @@ def test_blockwise_matches_reference_after_every_block(model, case):
         assert kept(np.asarray(cache.pos), 0) == expected, f"after block {block}"
     np.testing.assert_allclose(np.asarray(state.logits[0]), ref["prefill_logits"], **LOGITS)
     assert prompt_bucket(45, BLOCK) == 64
+
+
+# The oracle on the round-tripped cache (kv_dtype): each base, modifier and allocation once, the
+# kinds and protocols alternating.
+QUANTIZED_CASES = [
+    CASES[0],
+    CASES[1],
+    CASES[2],
+    CASES[3],
+    CASES[6],
+    CASES[7],
+    *MODIFIER_CASES[:6],
+    ALLOCATION_CASES[3] | dict(allocation="adakv", page_size=4),
+    ALLOCATION_CASES[1] | dict(allocation="global", page_size=4),
+    ALLOCATION_CASES[0] | PYRAMID | dict(allocation="pyramidkv", page_size=4),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "protocol", "kv_dtype"),
+    [
+        (c, PROTOCOLS[i % 2], ("int8", "float8_e4m3fn", "int4")[i % 3])
+        for i, c in enumerate(QUANTIZED_CASES)
+    ],
+    ids=lambda x: x if isinstance(x, str) else f"{x['scorer']}-{x.get('allocation', 'uniform')}",
+)
+def test_quantized_cache_matches_reference(model3, case, protocol, kv_dtype):
+    """kv_dtype: every kept position, logit and moment as the oracle's on the cache it
+    round-trips (tests/reference_quantized.py) — scorers read what attention reads."""
+    check_against_reference(model3, case | dict(kv_dtype=kv_dtype), protocol, 2, distinct_prompts())

@@ -101,6 +101,12 @@ def test_kvzip_matches_reference(tiny_llama, case):
     assert all(r["moments"]["count"].sum() > 0 for r in refs)  # both rows lost tokens
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_kvzip_on_a_quantized_cache_matches_reference(tiny_llama, kv_dtype):
+    """The repeat pass reads the keys as the cache holds them (round-tripped in the oracle)."""
+    check(tiny_llama, dict(scorer="kvzip", repeat_prompt=KVPRESS, budget=BUDGET, kv_dtype=kv_dtype))
+
+
 @pytest.mark.parametrize("budget", [5, 0.2])
 def test_global_puts_no_limit_on_a_head(tiny_llama, budget):
     """global+kvzip as kvpress's KVzipPress(): one head keeps more than n_kv_heads × budget (the

@@ -6,11 +6,9 @@ the CLI and SIGTERM, and a mesh of two devices."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import jax
 import numpy as np
 import openai
 import pytest
-from helpers import xla_flags
+from helpers import free_port, wait_for, xla_flags
 
 import kvjax
 from kvjax.serving import Driver, Engine, QueueFull
@@ -50,13 +48,6 @@ TINY_ENGINE = dict(
     slots=4, max_prompt=64, max_new_tokens=24
 )  # the vocabulary-97 model's (shared compilations)
 SERVE_ENGINE = dict(slots=1, max_prompt=64, max_new_tokens=3000)  # the HTTP tests' tiny engine
-
-
-def wait_for(condition, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +144,25 @@ def test_paged_and_moment_slots_equal_generate_alone(tiny_llama, scorer):
         driver.stop()
     for p, out in zip(prompts, outputs):
         assert out == [int(t) for t in kvjax.generate(tiny_llama, p, max_new_tokens=12, **eviction)]
+
+
+@pytest.mark.parametrize(
+    ("eviction", "kv_dtype"),
+    [(TINY, "int8"), (TINY | dict(scorer="adakv"), "int4"), ({}, "float8_e4m3fn")],
+    ids=["snapkv-int8", "adakv-int4", "full-float8"],
+)
+def test_quantized_slots_equal_generate_alone(tiny_llama, eviction, kv_dtype):
+    """kv_dtype: a slot's cache (dense, paged, full) is quantized as kvjax.generate's, and the
+    prompt rows' chunks give it the same codes."""
+    eviction = eviction | dict(kv_dtype=kv_dtype)
+    prompts = [np.random.default_rng(4).integers(4, 97, n) for n in (30, 9, 27)]
+    driver = Driver(Engine(tiny_llama, **(TINY_ENGINE | dict(slots=2)), **eviction)).start()
+    try:
+        outputs = [r.result(120) for r in [driver.submit(p, max_new_tokens=8) for p in prompts]]
+    finally:
+        driver.stop()
+    for p, out in zip(prompts, outputs):
+        assert out == [int(t) for t in kvjax.generate(tiny_llama, p, max_new_tokens=8, **eviction)]
 
 
 def test_a_long_prompt_is_prefilled_a_chunk_per_decode_step(tiny_llama):
@@ -710,12 +720,6 @@ def test_cli_serve_help_and_early_errors(capsys):
     assert "budget=8 must be larger than n_sink + window" in capsys.readouterr().err
     assert main(["serve", "--model", "no-such-model", "--context-evict-slots", "2"]) == 2
     assert "--context-evict-slots=2 needs --context-slots >= 1" in capsys.readouterr().err
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_cli_serve_finishes_requests_in_flight_on_sigterm(tiny, smollm2_tokenizer, tmp_path):

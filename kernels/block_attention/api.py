@@ -24,6 +24,7 @@ import jax
 from kvjax.kernels import gpu_common, tpu_common
 from kvjax.kernels._shared import check_impl, check_score, check_shapes
 from kvjax.kernels.block_attention import gpu, reference, tpu
+from kvjax.kernels.quantized import rotate
 
 
 def by_platform(args, impl: str | None, head_dim: int, xla, tpu_kernel, gpu_kernel, interpreted):
@@ -61,7 +62,9 @@ def block_attention_with_scores(
 
     Args:
         q: [B, T, H, K] (float32 or bfloat16).
-        k, v: [B, Hk, S, K].
+        k, v: [B, Hk, S, K]: arrays, or ``Quantized`` of one kind (``kvjax.kernels.quantized``),
+            attended as their values in q's dtype; the kernels dequantize each tile after loading
+            it.
         slot_pos: [B, Hk, S] int32 original positions (-1 = empty slot).
         query_pos: [B, T] int32; slot s is visible to query t iff 0 ≤ slot_pos ≤ query_pos.
         query_weights: [B, T] float32 (the scoring queries) or None.
@@ -77,8 +80,8 @@ def block_attention_with_scores(
     check_impl(impl)
     check_shapes(q, k, v, slot_pos, query_pos, query_weights)
     tiles = {"score": score, "block_k": block_k, "block_q": block_q}
-    return by_platform(
-        (q, k, v, slot_pos, query_pos, query_weights),
+    out, lse, col = by_platform(
+        (rotate(q, k), k, v, slot_pos, query_pos, query_weights),  # q in k's stored domain
         impl,
         q.shape[-1],
         xla=functools.partial(reference.block_attention_with_scores, score=score),
@@ -86,3 +89,4 @@ def block_attention_with_scores(
         gpu_kernel=functools.partial(gpu.block_attention_gpu, interpret=interpret, **tiles),
         interpreted=functools.partial(tpu.block_attention_tpu, interpret=True, **tiles),
     )
+    return rotate(out, k), lse, col

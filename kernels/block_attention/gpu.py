@@ -24,6 +24,9 @@ program instead of over a grid axis:
   ``cond`` when all their weights are zero) — attn and obcache-value from the tile's [bq, bk]
   weights; the obcache-key/joint terms one scoring query at a time (``cond`` on w_t ≠ 0), from the
   differences v_s − o_t themselves ([bk, K] per query) (``gpu_common.column_scores``).
+
+Quantized keys and values are read the same way — codes and scales [S, 1] in masked tiles — and
+dequantized in registers after the load (``gpu_common.load_values``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from kvjax.kernels import gpu_common as common
 from kvjax.kernels._shared import (
     check_score,
     check_shapes,
+    kv_spec,
     next_pow2,
     pad_axis,
     round_up,
@@ -69,7 +73,7 @@ def _scores_kernel(
     (``gpu_common.column_scores``)."""
     first = (pl.program_id(2) % n_k_tiles) * block_k
     v_ref = None if score == "attn" else v_ref
-    tile = common.dense_tile(k_ref, v_ref, spos_ref, first, block_k, n_slots)
+    tile = common.dense_tile(k_ref, v_ref, spos_ref, first, block_k, n_slots, q_ref.dtype)
     rows = common.QueryRefs(q_ref, qpos_ref, w_ref, o_ref, m_ref, l_ref)
     col_ref[...] = common.column_scores(
         score, tile, rows, n_queries=n_queries, block_q=block_q, scale=scale
@@ -116,7 +120,9 @@ def block_attention_gpu(
     spos = slot_pos.astype(jnp.int32)
 
     # whole head: tiles loaded inside
-    head_kv = pl.BlockSpec((None, None, S, K), lambda b, h, x: (b, h, 0, 0))
+    def head_kv(x):
+        return kv_spec(x, (None, None, S, K), lambda b, h, i: (b, h, 0, 0))
+
     head_pos = pl.BlockSpec((None, None, S), lambda b, h, x: (b, h, 0))
     tile_rows = pl.BlockSpec((None, None, None, bq, K), lambda b, h, x: (b, h, x // nq, x % nq, 0))
     tile_vec = pl.BlockSpec((None, None, None, bq), lambda b, h, x: (b, h, x // nq, x % nq))
@@ -125,8 +131,8 @@ def block_attention_gpu(
         grid=(B, Hk, G * nq),
         in_specs=[
             tile_rows,
-            head_kv,
-            head_kv,
+            head_kv(k),
+            head_kv(v),
             head_pos,
             pl.BlockSpec((None, bq), lambda b, h, x: (b, x % nq)),
         ],
@@ -163,8 +169,8 @@ def block_attention_gpu(
         grid=(B, Hk, G * nk),
         in_specs=[
             all_rows,
-            head_kv,
-            head_kv,
+            head_kv(k),
+            head_kv(v),
             head_pos,
             per_query,
             per_query,

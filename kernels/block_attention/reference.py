@@ -3,14 +3,15 @@
 ``attention_with_scores`` takes a dense visibility mask (the full cache calls it directly);
 ``block_attention_with_scores`` builds that mask from positions — slot s is visible to query t iff
 ``0 <= slot_pos[s] <= query_pos[t]`` — and is what the kernels are checked against and what the
-default ``impl=None`` runs on CPU.
+default ``impl=None`` runs on CPU. Keys and values given as ``Quantized`` are dequantized to q's
+dtype first (``quantized.values(k, q.dtype)``); from there the computation is the arrays'.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from kvjax.kernels._shared import NEG_INF, SCORE_KINDS, check_score, check_shapes
+from kvjax.kernels._shared import NEG_INF, SCORE_KINDS, check_score, check_shapes, dequantized
 
 
 def attention_with_scores(
@@ -25,7 +26,7 @@ def attention_with_scores(
 
     Args:
         q: [B, T, H, K].
-        k, v: [B, Hk, S, K].
+        k, v: [B, Hk, S, K], arrays or ``Quantized`` (dequantized to q's dtype).
         mask: [B, Hk or 1, T, S] bool (True = visible).
         query_weights: [B, T] float32 (the scoring queries) or None.
 
@@ -36,6 +37,7 @@ def attention_with_scores(
       obcache-joint: A² ‖v‖² + (A z)² ‖v − o‖² + 2 A² z (‖v‖² − v·o).
     Softmax and statistics are float32; a fully masked query row gets finite garbage, never NaN.
     """
+    k, v = dequantized(k, q.dtype), dequantized(v, q.dtype)
     B, T, H, K = q.shape
     Hk = k.shape[1]
     qg = q.reshape(B, T, Hk, H // Hk, K)
@@ -133,7 +135,7 @@ def block_attention_with_scores(
 
     Args:
         q: [B, T, H, K].
-        k, v: [B, Hk, S, K].
+        k, v: [B, Hk, S, K], arrays or ``Quantized`` of one kind.
         slot_pos: [B, Hk, S] int32 (-1 = empty).
         query_pos: [B, T] int32.
         query_weights: [B, T] float32 or None.

@@ -27,6 +27,10 @@ heads (``tpu_common.add_row_scores``, shared with the paged kernels). Row tiles 
 whose weights are all zero are skipped with flags prefetched into SMEM (``PrefetchScalarGridSpec``):
 most queries of a block do not score.
 
+Quantized keys and values (``Quantized``: codes and per-slot scales) are tiled like the keys —
+codes [bk, K] (int4: [bk, K/2] bytes) and scales [bk, 1] — and dequantized in VMEM right after the
+load (``tpu_common.load``), to q's dtype; nothing dequantized is written to HBM.
+
 Semantics follow ``reference.py`` exactly, including a fully masked query row: invisible real slots
 get the logit -1e30 (so such a row spreads its weight uniformly over the S real slots, as the
 reference does) while slots past S get -inf and never count.
@@ -42,7 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels import tpu_common as common
-from kvjax.kernels._shared import KEY_KINDS, check_score, check_shapes, round_up
+from kvjax.kernels._shared import KEY_KINDS, check_score, check_shapes, kv_spec, round_up
 
 # the tiling constants, also read as block_attention.tpu's by benchmarks/kernels.py
 from kvjax.kernels.tpu_common import DEFAULT_BLOCK_K, DEFAULT_BLOCK_ROWS, ROW_ALIGN  # noqa: F401
@@ -179,8 +183,8 @@ def block_attention_tpu(
         grid=(B, Hk, nr, nk),
         in_specs=[
             row_spec,
-            pl.BlockSpec((None, None, bk, K), lambda b, h, r, j: (b, h, j, 0)),
-            pl.BlockSpec((None, None, bk, K), lambda b, h, r, j: (b, h, j, 0)),
+            kv_spec(k, (None, None, bk, K), lambda b, h, r, j: (b, h, j, 0)),
+            kv_spec(v, (None, None, bk, K), lambda b, h, r, j: (b, h, j, 0)),
             pl.BlockSpec((None, None, 1, bk), lambda b, h, r, j: (b, h, 0, j)),
             pl.BlockSpec((None, br, common.LANES), lambda b, h, r, j: (b, r, 0)),
         ],
@@ -206,16 +210,19 @@ def block_attention_tpu(
     # grid (b, h, j, r): the K/V tile and the column block stay in VMEM while the row tiles stream
     # past.
     row_spec = pl.BlockSpec((None, None, br, K), lambda b, h, j, r, *_: (b, h, r, 0))
-    kv_spec = pl.BlockSpec((None, None, bk, K), lambda b, h, j, r, *_: (b, h, j, 0))
+
+    def tile_spec(x):
+        return kv_spec(x, (None, None, bk, K), lambda b, h, j, r, *_: (b, h, j, 0))
+
     in_specs = [
         row_spec,
-        kv_spec,
+        tile_spec(k),
         pl.BlockSpec((None, None, 1, bk), lambda b, h, j, r, *_: (b, h, 0, j)),
         pl.BlockSpec((None, None, br, common.LANES), lambda b, h, j, r, *_: (b, h, r, 0)),
     ]
     args = [rows, k, spos, row_stats]
     if score != "attn":
-        in_specs.append(kv_spec)
+        in_specs.append(tile_spec(v))
         args.append(v)
     scratch = []
     if score in KEY_KINDS:

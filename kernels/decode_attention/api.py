@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
 from kvjax.kernels._shared import check_impl, check_score, check_shapes, one_layer
 from kvjax.kernels.block_attention.api import by_platform
 from kvjax.kernels.decode_attention import gpu, reference, tpu
 from kvjax.kernels.decode_attention.reference import corrected_attention
+from kvjax.kernels.quantized import rotate
 
 
 def _reference(
@@ -26,15 +28,25 @@ def _reference(
 ):
     if layer is not None:
         k, v = k[layer], v[layer]
-    return reference.decode_attention_with_scores(
-        q, k, v, slot_pos, query_pos, query_weights, score, moments, zeroth
+    if rotate(q, k) is q:
+        return reference.decode_attention_with_scores(
+            q, k, v, slot_pos, query_pos, query_weights, score, moments, zeroth
+        )
+    # rotated keys and values: attend in their stored domain, correct in the values' own
+    out, lse, col = reference.decode_attention_with_scores(
+        rotate(q, k), k, v, slot_pos, query_pos, query_weights, score
     )
+    out = rotate(out.astype(jnp.float32), k)
+    if moments is not None:
+        out = corrected_attention(out, lse, q, moments, zeroth)
+    return out.astype(q.dtype), lse, col
 
 
 def _corrected(
     kernel, q, k, v, slot_pos, query_pos, query_weights, moments, layer, *, zeroth: bool
 ):
-    out, lse, col = kernel(q, k, v, slot_pos, query_pos, query_weights, layer=layer)
+    out, lse, col = kernel(rotate(q, k), k, v, slot_pos, query_pos, query_weights, layer=layer)
+    out = rotate(out, k)  # back from k's stored domain
     if moments is not None:
         out = corrected_attention(out, lse, q, moments, zeroth)
     return out.astype(q.dtype), lse, col
@@ -61,7 +73,8 @@ def decode_attention_with_scores(
 
     Args:
         q: [B, 1, H, K].
-        k, v: [B, Hk, S, K], or with ``layer`` the stacked [L, B, Hk, S, K] of every layer.
+        k, v: [B, Hk, S, K], or with ``layer`` the stacked [L, B, Hk, S, K] of every layer; arrays
+            or ``Quantized`` of one kind, as ``block_attention_with_scores``.
         slot_pos: [B, Hk, S] int32 (-1 = empty).
         query_pos: [B, 1] int32.
         query_weights: [B, 1] float32 or None.
@@ -70,7 +83,7 @@ def decode_attention_with_scores(
             vk_sum [B, Hk, K, K]) or None.
         zeroth: the zeroth-order correction (estimate v̄ only).
         layer: an int32 scalar, the layer of stacked k, v to attend over. The kernels read it in
-            place; the XLA reference slices it out.
+            place (codes and scales alike); the XLA reference slices it out.
         impl / interpret / block_k: as ``block_attention_with_scores``.
 
     Returns (out [B, 1, H, K] in q's dtype, lse [B, 1, H] float32 of the kept slots,

@@ -14,7 +14,8 @@ merged statistics and writes the per-slot scores of the G rows (rows padded to 1
 ``tl.dot``; ``gpu_common.head_scores``). Unweighted: the wrapper multiplies by the query's weight.
 The cache is read in masked power-of-two tiles (``gpu_common.load_tile``), never padded in HBM, from
 the stacked [L, B, Hk, S, K] arrays at the layer given (a [1] input each program reads): the layer's
-keys and values are never sliced out into a copy.
+keys and values are never sliced out into a copy. ``Quantized`` ones are read alike — codes and
+scales [L, B, Hk, S, 1] — and dequantized in registers (``gpu_common.load_values``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from kvjax.kernels import gpu_common as common
-from kvjax.kernels._shared import check_score, check_shapes, next_pow2, stacked_layer
+from kvjax.kernels._shared import check_score, check_shapes, kv_spec, next_pow2, stacked_layer
 from kvjax.kernels.decode_attention.reference import check_decode
 
 
@@ -62,7 +63,9 @@ def _scores_kernel(
     """Unweighted scores of key tile program_id(2) for the Gp rows (query heads) of a KV head."""
     first = pl.program_id(2) * block_k
     v_ref = None if score == "attn" else v_ref
-    tile = common.dense_tile(k_ref, v_ref, spos_ref, first, block_k, n_slots, _heads(layer_ref))
+    tile = common.dense_tile(
+        k_ref, v_ref, spos_ref, first, block_k, n_slots, q_ref.dtype, _heads(layer_ref)
+    )
     rows = common.QueryRefs(q_ref, qpos_ref, None, o_ref, m_ref, l_ref)
     col_ref[...] = common.head_scores(score, tile, rows, n_heads=n_heads, scale=scale)
 
@@ -104,8 +107,11 @@ def decode_attention_gpu(
     spos = slot_pos.astype(jnp.int32)
 
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, s: (b, h, 0, 0))
+
     # whole stacked k, v: each program loads its head's tiles by masked loads
-    stack = pl.BlockSpec(k.shape, lambda b, h, s: (0, 0, 0, 0, 0))
+    def stack(x):
+        return kv_spec(x, x.shape, lambda b, h, s: (0, 0, 0, 0, 0))
+
     whole = pl.BlockSpec((1,), lambda b, h, s: (0,))
     head_pos = pl.BlockSpec((None, None, S), lambda b, h, s: (b, h, 0))
     o_part, m_part, l_part = pl.pallas_call(
@@ -121,8 +127,8 @@ def decode_attention_gpu(
         in_specs=[
             whole,
             head_spec,
-            stack,
-            stack,
+            stack(k),
+            stack(v),
             head_pos,
             pl.BlockSpec((None, gp), lambda b, h, s: (b, 0)),
         ],
@@ -158,8 +164,8 @@ def decode_attention_gpu(
         in_specs=[
             whole,
             head_spec,
-            stack,
-            stack,
+            stack(k),
+            stack(v),
             head_pos,
             pl.BlockSpec((None, gp), lambda b, h, j: (b, 0)),
             head_spec,

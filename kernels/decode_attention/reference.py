@@ -87,7 +87,7 @@ def decode_attention_with_scores(
 
     Args:
         q: [B, 1, H, K].
-        k, v: [B, Hk, S, K].
+        k, v: [B, Hk, S, K], arrays or ``Quantized`` of one kind (dequantized to q's dtype).
         slot_pos: [B, Hk, S].
         query_pos: [B, 1].
         query_weights: [B, 1] or None.

@@ -20,7 +20,9 @@ time, reduced over K on the MXU (``ones[8, K] · Xᵀ``) to land along lanes.
 
 The query position is a scalar per sequence, prefetched into SMEM (``PrefetchScalarGridSpec``), and
 so is the layer: K and V are tiled straight out of the stacked [L, B, Hk, S, K] arrays (a slice
-handed to the kernel would be a copy of the layer's keys and values every step).
+handed to the kernel would be a copy of the layer's keys and values every step) — for ``Quantized``
+keys and values, the codes and the scales [L, B, Hk, S, 1] alike, dequantized in VMEM after the
+load (``tpu_common.load``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels import tpu_common as common
-from kvjax.kernels._shared import check_score, check_shapes, round_up, stacked_layer
+from kvjax.kernels._shared import check_score, check_shapes, kv_spec, round_up, stacked_layer
 from kvjax.kernels.decode_attention.reference import check_decode
 
 
@@ -125,16 +127,14 @@ def decode_attention_tpu(
 
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, p, j, *_: (b, h, 0, 0))
     stats_spec = pl.BlockSpec((None, None, gp, common.LANES), lambda b, h, p, j, *_: (b, h, 0, 0))
-    kv_spec = pl.BlockSpec(
-        (None, None, None, bk, K), lambda b, h, p, j, qpos, layer: (layer[0], b, h, j, 0)
-    )
+    tile = (None, None, None, bk, K)
+    k_spec = kv_spec(k, tile, lambda b, h, p, j, qpos, layer: (layer[0], b, h, j, 0))
     if score == "attn":  # phase 1 does not read V: keep its last tile, so it is not fetched again
-        v_spec = pl.BlockSpec(
-            (None, None, None, bk, K),
-            lambda b, h, p, j, qpos, layer: (layer[0], b, h, j + p * (nk - 1 - j), 0),
+        v_spec = kv_spec(
+            v, tile, lambda b, h, p, j, qpos, layer: (layer[0], b, h, j + p * (nk - 1 - j), 0)
         )
     else:
-        v_spec = kv_spec
+        v_spec = kv_spec(v, tile, lambda b, h, p, j, qpos, layer: (layer[0], b, h, j, 0))
     out_specs = [head_spec, stats_spec]
     out_shape = [
         jax.ShapeDtypeStruct((B, Hk, gp, K), jnp.float32),
@@ -159,7 +159,7 @@ def decode_attention_tpu(
             grid=(B, Hk, 2 if scoring else 1, nk),
             in_specs=[
                 head_spec,
-                kv_spec,
+                k_spec,
                 v_spec,
                 pl.BlockSpec((None, None, 1, bk), lambda b, h, p, j, *_: (b, h, 0, j)),
             ],

@@ -3,8 +3,9 @@ implementation picked per platform exactly as ``block_attention.api`` does
 (``jax.lax.platform_dependent``: the XLA reference on CPU, the Mosaic-TPU kernels on TPU, the Triton
 kernels on CUDA; impl="xla" / "pallas" / "pallas_tpu" / "pallas_gpu" as there). A platform whose
 paged kernel does not take the head dim and page size (TPU: head dim ≤ 128 or a multiple of 128, P ∈
-{16, 32, 64} or a multiple of 128; GPU: both powers of two ≥ 16) runs the reference there; asking
-for that kernel by name raises a ValueError saying why.
+{16, 32, 64} or a multiple of 128 — {32, 64} or a multiple of 128 for quantized pools; GPU: both
+powers of two ≥ 16) runs the reference there; asking for that kernel by name raises a ValueError
+saying why.
 
 Decode applies MomentKV's correction after the kernel, in XLA, as ``decode_attention.api`` (the
 reasons are given there).
@@ -14,19 +15,22 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
 from kvjax.kernels._shared import check_impl, check_score
 from kvjax.kernels.block_attention.api import by_platform
 from kvjax.kernels.decode_attention.reference import check_decode, corrected_attention
 from kvjax.kernels.paged_attention import gpu, reference, tpu
 from kvjax.kernels.paged_attention.reference import check_paged_shapes
+from kvjax.kernels.quantized import kind_of, rotate
 
 
 def _by_platform(
-    args, impl, head_dim: int, page_size: int, xla, tpu_kernel, gpu_kernel, interpreted
+    args, impl, head_dim: int, page_size: int, kind, xla, tpu_kernel, gpu_kernel, interpreted
 ):
     """``by_platform`` with the paged kernels' shape rules: a kernel that does not take (head dim,
-    page size) gives way to the reference, unless asked for by name (it then raises)."""
-    tpu_ok, gpu_ok = tpu.supports(head_dim, page_size), gpu.supports(head_dim, page_size)
+    page size) for pools of ``kind`` gives way to the reference, unless asked for by name (it then
+    raises)."""
+    tpu_ok, gpu_ok = tpu.supports(head_dim, page_size, kind), gpu.supports(head_dim, page_size)
     return by_platform(
         args,
         impl,
@@ -59,7 +63,8 @@ def paged_block_attention_with_scores(
 
     Args:
         q: [B, T, H, K] (float32 or bfloat16).
-        k_pages, v_pages: [B, N, P, K]: each row's pool of N pages of P slots.
+        k_pages, v_pages: [B, N, P, K]: each row's pool of N pages of P slots; arrays, or
+            ``Quantized`` of one kind (codes and scales paged alike, dequantized to q's dtype).
         page_table: [B, Hk, M] int32 in [0, N): logical slot s of KV head h is
             k_pages[b, page_table[b, h, s // P], s % P].
         n_pages: [B, Hk] int32 in [0, M]: pages in use per head (later table entries are never
@@ -81,11 +86,21 @@ def paged_block_attention_with_scores(
     check_impl(impl)
     check_paged_shapes(q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights)
     tpu_tiles = {"score": score, "block_k": block_k, "block_q": block_q}
-    return _by_platform(
-        (q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights),
+    out, lse, col = _by_platform(
+        (
+            rotate(q, k_pages),
+            k_pages,
+            v_pages,
+            page_table,
+            n_pages,
+            slot_pos,
+            query_pos,
+            query_weights,
+        ),
         impl,
         q.shape[-1],
         k_pages.shape[2],
+        kind_of(k_pages),
         xla=functools.partial(reference.paged_block_attention_with_scores, score=score),
         tpu_kernel=functools.partial(
             tpu.paged_block_attention_tpu, interpret=interpret, **tpu_tiles
@@ -95,20 +110,34 @@ def paged_block_attention_with_scores(
         ),
         interpreted=functools.partial(tpu.paged_block_attention_tpu, interpret=True, **tpu_tiles),
     )
+    return rotate(out, k_pages), lse, col  # back from the pages' stored domain
 
 
 def _reference(*args, score: str, zeroth: bool):
     *inputs, moments = args
-    return reference.paged_decode_attention_with_scores(*inputs, score, moments, zeroth)
+    q, k_pages = inputs[:2]
+    if rotate(q, k_pages) is q:
+        return reference.paged_decode_attention_with_scores(*inputs, score, moments, zeroth)
+    # rotated keys and values: attend in their stored domain, correct in the values' own
+    out, lse, col = reference.paged_decode_attention_with_scores(
+        rotate(q, k_pages), *inputs[1:], score
+    )
+    out = rotate(out.astype(jnp.float32), k_pages)
+    if moments is not None:
+        out = corrected_attention(out, lse, q, moments, zeroth)
+    return out.astype(q.dtype), lse, col
 
 
 def _corrected(kernel, *args, zeroth: bool):
-    """kernel(*args without moments), then MomentKV's correction of its float32 output."""
+    """kernel(*args without moments, q in the pages' stored domain), then MomentKV's correction of
+    its float32 output rotated back."""
     *inputs, moments = args
-    out, lse, col = kernel(*inputs)
+    q, k_pages = inputs[:2]
+    out, lse, col = kernel(rotate(q, k_pages), *inputs[1:])
+    out = rotate(out, k_pages)
     if moments is not None:
-        out = corrected_attention(out, lse, inputs[0], moments, zeroth)
-    return out.astype(inputs[0].dtype), lse, col
+        out = corrected_attention(out, lse, q, moments, zeroth)
+    return out.astype(q.dtype), lse, col
 
 
 def paged_decode_attention_with_scores(
@@ -156,6 +185,7 @@ def paged_decode_attention_with_scores(
         impl,
         q.shape[-1],
         k_pages.shape[2],
+        kind_of(k_pages),
         xla=functools.partial(_reference, score=score, zeroth=zeroth),
         tpu_kernel=functools.partial(kernel, functools.partial(tpu_kernel, interpret=interpret)),
         gpu_kernel=functools.partial(

@@ -21,7 +21,9 @@ is needed.
 * decode, pass 2, grid (B, Hk, M): one page's scores for the G query heads (rows padded to 16;
   ``gpu_common.head_scores``).
 
-The wrapper sets the score columns of unused pages (``reference.fill_unused_pages``).
+The wrapper sets the score columns of unused pages (``reference.fill_unused_pages``). Quantized
+pools are loaded a page of codes and scales at a time and dequantized in registers
+(``gpu_common.load_values``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from kvjax.kernels import gpu_common as common
-from kvjax.kernels._shared import check_score, next_pow2, pad_axis, round_up
+from kvjax.kernels._shared import check_score, kv_spec, next_pow2, pad_axis, round_up
 from kvjax.kernels.decode_attention.reference import check_decode
 from kvjax.kernels.paged_attention.reference import (
     check_paged_shapes,
@@ -56,13 +58,18 @@ def check_supported(head_dim: int, page_size: int) -> None:
         raise ValueError(f"page size {page_size} must be a power of two ≥ 16 for the Triton kernel")
 
 
-def page_tile(table_ref, j, k_ref, v_ref, spos_ref, slot, page_size: int) -> common.KeyTile:
+def page_tile(table_ref, j, k_ref, v_ref, spos_ref, slot, page_size: int, dtype) -> common.KeyTile:
     """The ``KeyTile`` of the head's page j (every slot real; slot = arange(P)): its K, V [P, K]
-    from the row's pool [N, P, K] (no V when v_ref is None), its positions [P] from the head's
-    slot_pos [M·P]."""
+    from the row's pool [N, P, K] (or ``Quantized`` pools, dequantized to ``dtype``; no V when v_ref
+    is None), its positions [P] from the head's slot_pos [M·P]."""
     page = table_ref[j]
-    k, spos = plgpu.load(k_ref.at[page]), plgpu.load(spos_ref.at[pl.ds(j * page_size, page_size)])
-    v = None if v_ref is None else plgpu.load(v_ref.at[page])
+
+    def load(ref):
+        return plgpu.load(ref.at[page])
+
+    k = common.load_values(k_ref, dtype, load)
+    spos = plgpu.load(spos_ref.at[pl.ds(j * page_size, page_size)])
+    v = None if v_ref is None else common.load_values(v_ref, dtype, load)
     return common.KeyTile(k, spos, slot, page_size, v)
 
 
@@ -95,7 +102,7 @@ def _stats_kernel(
     slot = jnp.arange(page_size, dtype=jnp.int32)
 
     def tiles(j):
-        return page_tile(table_ref, j, k_ref, v_ref, spos_ref, slot, page_size)
+        return page_tile(table_ref, j, k_ref, v_ref, spos_ref, slot, page_size, q_ref.dtype)
 
     acc, m, l = common.online_softmax(q_ref[...], qpos_ref[...], tiles, start, stop, scale)
     if split_axis is None:
@@ -143,6 +150,7 @@ def _block_scores_kernel(
             spos_ref,
             jnp.arange(page_size, dtype=jnp.int32),
             page_size,
+            q_ref.dtype,
         )
         rows = common.QueryRefs(q_ref, qpos_ref, w_ref, o_ref, m_ref, l_ref)
         col_ref[...] = common.column_scores(
@@ -187,6 +195,7 @@ def _decode_scores_kernel(
             spos_ref,
             jnp.arange(page_size, dtype=jnp.int32),
             page_size,
+            q_ref.dtype,
         )
         rows = common.QueryRefs(q_ref, qpos_ref, None, o_ref, m_ref, l_ref)
         col_ref[...] = common.head_scores(score, tile, rows, n_heads=n_heads, scale=scale)
@@ -196,15 +205,19 @@ def _decode_scores_kernel(
         col_ref[...] = jnp.zeros(col_ref.shape, jnp.float32)
 
 
-def _paged_specs(N, M, P, K):
-    """BlockSpecs of (table row [M], n_pages [1], K pool, V pool [N, P, K], slot positions [M·P]) of
-    the program's (row, KV head), for a 3-axis grid."""
-    pool = pl.BlockSpec((None, N, P, K), lambda b, h, x: (b, 0, 0, 0))
+def _paged_specs(k_pages, v_pages, M):
+    """BlockSpecs of (table row [M], n_pages [1], K pool, V pool [N, P, K] — or ``Quantized`` ones
+    —, slot positions [M·P]) of the program's (row, KV head), for a 3-axis grid."""
+    _, N, P, K = k_pages.shape
+
+    def pool(pages):
+        return kv_spec(pages, (None, N, P, K), lambda b, h, x: (b, 0, 0, 0))
+
     return [
         pl.BlockSpec((None, None, M), lambda b, h, x: (b, h, 0)),
         pl.BlockSpec((None, None, 1), lambda b, h, x: (b, h, 0)),
-        pool,
-        pool,
+        pool(k_pages),
+        pool(v_pages),
         pl.BlockSpec((None, None, M * P), lambda b, h, x: (b, h, 0)),
     ]
 
@@ -249,7 +262,7 @@ def paged_block_attention_gpu(
         v_pages,
         slot_pos.astype(jnp.int32),
     ]
-    paged_specs = _paged_specs(k_pages.shape[1], M, P, K)
+    paged_specs = _paged_specs(k_pages, v_pages, M)
 
     tile_rows = pl.BlockSpec((None, None, None, bq, K), lambda b, h, x: (b, h, x // nq, x % nq, 0))
     tile_vec = pl.BlockSpec((None, None, None, bq), lambda b, h, x: (b, h, x // nq, x % nq))
@@ -347,7 +360,7 @@ def paged_decode_attention_gpu(
         v_pages,
         slot_pos.astype(jnp.int32),
     ]
-    paged_specs = _paged_specs(k_pages.shape[1], M, P, K)
+    paged_specs = _paged_specs(k_pages, v_pages, M)
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, x: (b, h, 0, 0))
     row_qpos = pl.BlockSpec((None, gp), lambda b, h, x: (b, 0))
     o_part, m_part, l_part = pl.pallas_call(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from kvjax.kernels._shared import NEG_INF, check_score, check_shapes
+from kvjax.kernels._shared import NEG_INF, check_kv, check_score, check_shapes, logical
 from kvjax.kernels.block_attention.reference import block_attention_with_scores
 from kvjax.kernels.decode_attention.reference import (
     check_decode,
@@ -32,7 +32,9 @@ from kvjax.kernels.decode_attention.reference import (
 def check_paged_shapes(
     q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights
 ) -> tuple[int, int, int, int, int, int, int]:
-    """(B, T, H, Hk, M, P, K) after checking that the shapes agree; raises ValueError otherwise."""
+    """(B, T, H, Hk, M, P, K) after checking that the shapes agree — the pools arrays or
+    ``Quantized`` of one kind, of logical shape [B, N, P, K] —; raises ValueError otherwise."""
+    check_kv(k_pages, v_pages, "k_pages, v_pages")
     if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
         raise ValueError(
             f"k_pages, v_pages must be [B, N, P, K]; got {k_pages.shape}, {v_pages.shape}"
@@ -46,8 +48,8 @@ def check_paged_shapes(
     if n_pages.shape != (B, Hk):
         raise ValueError(f"n_pages must be [B, Hk] = {(B, Hk)}; got {n_pages.shape}")
     # the dense checks on the logical layout: k, v [B, Hk, M·P, K]
-    logical = jax.ShapeDtypeStruct((B, Hk, M * P, K), k_pages.dtype)
-    _, T, H, _, _, _ = check_shapes(q, logical, logical, slot_pos, query_pos, query_weights)
+    dense = logical(k_pages, (B, Hk, M * P, K))
+    _, T, H, _, _, _ = check_shapes(q, dense, dense, slot_pos, query_pos, query_weights)
     return B, T, H, Hk, M, P, K
 
 
@@ -59,17 +61,20 @@ def used_slots(n_pages: jax.Array, n_table: int, page_size: int) -> jax.Array:
 def gather_pages(k_pages, v_pages, page_table, n_pages, slot_pos):
     """The dense layout of the paged cache: (k, v [B, Hk, M·P, K], slot_pos [B, Hk, M·P]) with the
     slots of unused pages empty (position -1) and zero (their pages may hold anything, NaN
-    included)."""
+    included). ``Quantized`` pools give ``Quantized`` k, v (codes and scales gathered alike; zero
+    codes and scales at unused slots)."""
     B, Hk, M = page_table.shape
-    P, K = k_pages.shape[2:]
+    P = k_pages.shape[2]
     used = used_slots(n_pages, M, P)
 
-    def gather(pages):  # pages[b, page_table[b, h]] -> [B, Hk, M·P, K]
+    def gather(pages):  # pages[b, page_table[b, h]] -> [B, Hk, M·P, width]
         # a gather per row (vmapped, so that a batch split over devices gathers locally)
-        dense = jax.vmap(lambda row, table: row[table])(pages, page_table).reshape(B, Hk, M * P, K)
+        dense = jax.vmap(lambda row, table: row[table])(pages, page_table)
+        dense = dense.reshape(B, Hk, M * P, pages.shape[-1])
         return jnp.where(used[..., None], dense, jnp.zeros((), pages.dtype))
 
-    return gather(k_pages), gather(v_pages), jnp.where(used, slot_pos, -1)
+    k, v = jax.tree.map(gather, k_pages), jax.tree.map(gather, v_pages)
+    return k, v, jnp.where(used, slot_pos, -1)
 
 
 def paged_block_attention_with_scores(
@@ -87,7 +92,8 @@ def paged_block_attention_with_scores(
 
     Args:
         q: [B, T, H, K].
-        k_pages, v_pages: [B, N, P, K].
+        k_pages, v_pages: [B, N, P, K], arrays or ``Quantized`` of one kind (dequantized to q's
+            dtype).
         page_table: [B, Hk, M] int32.
         n_pages: [B, Hk] int32.
         slot_pos: [B, Hk, M·P] int32 (-1 = empty).

@@ -27,14 +27,20 @@ last tile of the dense kernels; their count joins the softmax statistics at the 
 gathered zeros). The score columns of unused pages are never computed here; the wrapper sets them
 (``reference.fill_unused_pages``).
 
+Quantized pools: the pages' codes and scales are DMA'd alike into buffers [2, bk, K] (int4: K/2
+bytes) and [2, bk, 1] and dequantized in VMEM (``tpu_common.load``).
+
 Page-size rule: P ∈ {16, 32, 64} or a multiple of 128. P a multiple of 16 keeps each page's rows on
 whole sublane tiles of the buffer for both float32 (8 rows a tile) and bfloat16 (16) — a DMA into an
 aligned slice, no relayout — and P dividing 128 (or a multiple of it) makes the key block a whole
-number of pages and of 128-lane tiles. Head dims as the dense kernels (≤ 128 or a multiple of 128).
+number of pages and of 128-lane tiles. Quantized pools: P ∈ {32, 64} or a multiple of 128, by the
+same rule for 8-bit codes (32 rows a tile). Head dims as the dense kernels (≤ 128 or a multiple of
+128).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -43,31 +49,51 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels import tpu_common as common
-from kvjax.kernels._shared import KEY_KINDS, check_score, round_up
+from kvjax.kernels._shared import KEY_KINDS, check_score, kv_at, kv_leaves, round_up
 from kvjax.kernels.decode_attention.reference import check_decode
 from kvjax.kernels.paged_attention.reference import (
     check_paged_shapes,
     fill_unused_pages,
     with_unread_slots,
 )
+from kvjax.kernels.quantized import Quantized, kind_of
 
 PAGE_ALIGN = 16  # rows of a bfloat16 sublane tile (float32 needs 8)
+CODE_PAGE_ALIGN = 32  # rows of an 8-bit sublane tile: pages of quantized codes
 
 
-def supports(head_dim: int, page_size: int) -> bool:
-    """Whether the Mosaic-TPU paged kernels take this head dim and page size (see the module
-    docstring)."""
+def supports(head_dim: int, page_size: int, kind: str | None = None) -> bool:
+    """Whether the Mosaic-TPU paged kernels take this head dim and page size, for pools of
+    ``kind`` (None: arrays; see the module docstring)."""
     lanes = common.LANES
-    fits = page_size % PAGE_ALIGN == 0 and (lanes % page_size == 0 or page_size % lanes == 0)
+    align = PAGE_ALIGN if kind is None else CODE_PAGE_ALIGN
+    fits = page_size % align == 0 and (lanes % page_size == 0 or page_size % lanes == 0)
     return common.supports(head_dim) and fits
 
 
-def check_supported(head_dim: int, page_size: int) -> None:
+def check_supported(head_dim: int, page_size: int, kind: str | None = None) -> None:
     common.check_head_dim(head_dim)
-    if not supports(head_dim, page_size):
+    if not supports(head_dim, page_size, kind):
+        sizes = "16, 32, 64" if kind is None else f"32, 64 (pools of {kind} codes)"
         raise ValueError(
-            f"page size {page_size} must be 16, 32, 64 or a multiple of 128 for the TPU kernel"
+            f"page size {page_size} must be {sizes} or a multiple of 128 for the TPU kernel"
         )
+
+
+def page_buffers(k_pages, v_pages, bk: int, head_dim: int) -> list:
+    """VMEM scratch of the paged kernels: double buffers [2, bk, K] for K and V (for ``Quantized``
+    pools, of codes [2, bk, K or K/2] and scales [2, bk, 1]) and their DMA semaphores [2]."""
+
+    def buffer(pages):
+        if isinstance(pages, Quantized):
+            return dataclasses.replace(
+                pages,
+                data=pltpu.VMEM((2, bk, pages.data.shape[-1]), pages.data.dtype),
+                scale=pltpu.VMEM((2, bk, 1), pages.scale.dtype),
+            )
+        return pltpu.VMEM((2, bk, head_dim), pages.dtype)
+
+    return [buffer(k_pages), buffer(v_pages), pltpu.SemaphoreType.DMA((2,))]
 
 
 def key_blocks(n_table: int, page_size: int, block_k: int | None) -> tuple[int, int, int]:
@@ -85,9 +111,9 @@ class HeadPages:
     [2, bk, K].
 
     ``pools``: (HBM pool ref [B, N, P, K], VMEM buffer, DMA semaphores [2]) per array to copy
-    (K, V). start / wait issue / await the copies of the pages of key block ``block`` into buffer
-    ``slot`` (when ``when`` holds), skipping the pages ≥ n_pages; K and V copies of a buffer share
-    its semaphore.
+    (K, V; a ``Quantized`` pool and buffer copy codes and scales alike). start / wait issue / await
+    the copies of the pages of key block ``block`` into buffer ``slot`` (when ``when`` holds),
+    skipping the pages ≥ n_pages; the copies into a buffer share its semaphore.
     """
 
     def __init__(
@@ -116,9 +142,10 @@ class HeadPages:
         buffer ``slot``."""
         page = self.table_ref[self.first_entry + index]
         for pool, buf, sems in pools:
-            rows = buf.at[slot, pl.ds(i * self.page_size, self.page_size)]
-            copy = pltpu.make_async_copy(pool.at[self.b, page], rows, sems.at[slot])
-            copy.start() if action == "start" else copy.wait()
+            for pool_leaf, buf_leaf in zip(kv_leaves(pool), kv_leaves(buf), strict=True):
+                rows = buf_leaf.at[slot, pl.ds(i * self.page_size, self.page_size)]
+                copy = pltpu.make_async_copy(pool_leaf.at[self.b, page], rows, sems.at[slot])
+                copy.start() if action == "start" else copy.wait()
 
     def _copies(self, block, slot, pools, when, action: str):
         for i in range(self.pages_per_block):
@@ -139,6 +166,12 @@ class HeadPages:
         self.start(block, slot, pools, when=first)
         self.start(block + 1, 1 - slot, pools, when=block + 1 < self.n_blocks)
         self.wait(block, slot, pools)
+
+
+def pool_spec(pages):
+    """The pool [B, N, P, K] (or both arrays of a ``Quantized`` one) stays in HBM: the kernels DMA
+    its pages."""
+    return jax.tree.map(lambda _: pl.BlockSpec(memory_space=pl.ANY), pages)
 
 
 def block_index(pages_per_block: int, n_heads: int):
@@ -187,8 +220,8 @@ def _stats_kernel(
         qpos = common.lane(row_ref[...], common.POS)
         tile = common.key_tile(
             q_ref,
-            k_buf.at[slot],
-            v_buf.at[slot],
+            kv_at(k_buf, slot),
+            kv_at(v_buf, slot),
             spos_ref,
             qpos,
             first_slot=j * bk,
@@ -242,11 +275,11 @@ def _scores_kernel(
     @pl.when(used & (tile_nz[b * n_row_tiles + r] != 0))
     def _tile():
         rows = row_ref[...]
-        v_ref = None if v_buf is None else v_buf.at[slot]
+        v_ref = None if v_buf is None else kv_at(v_buf, slot)
         qpos = common.lane(rows, common.POS)
         tile = common.key_tile(
             q_ref,
-            k_buf.at[slot],
+            kv_at(k_buf, slot),
             v_ref,
             spos_ref,
             qpos,
@@ -292,7 +325,7 @@ def paged_block_attention_tpu(
         q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights
     )
     G = H // Hk
-    check_supported(K, P)
+    check_supported(K, P, kind_of(k_pages))
     bk, per_block, nb = key_blocks(M, P, block_k)
     pages = {"n_heads": Hk, "n_table": M, "page_size": P, "pages_per_block": per_block}
     Tp, br, n_rows = common.row_tiles(T, G, block_q)
@@ -305,12 +338,7 @@ def paged_block_attention_tpu(
     table = page_table.astype(jnp.int32).reshape(-1)
     n = n_pages.astype(jnp.int32).reshape(-1)
     key_block = block_index(per_block, Hk)
-    pool = pl.BlockSpec(memory_space=pl.ANY)
-    buffers = [
-        pltpu.VMEM((2, bk, K), k_pages.dtype),
-        pltpu.VMEM((2, bk, K), v_pages.dtype),
-        pltpu.SemaphoreType.DMA((2,)),
-    ]
+    buffers = page_buffers(k_pages, v_pages, bk, K)
 
     row_spec = pl.BlockSpec((None, None, br, K), lambda b, h, r, j, *_: (b, h, r, 0))
     o, row_stats = pl.pallas_call(
@@ -320,8 +348,8 @@ def paged_block_attention_tpu(
             grid=(B, Hk, nr, nb),
             in_specs=[
                 row_spec,
-                pool,
-                pool,
+                pool_spec(k_pages),
+                pool_spec(v_pages),
                 pl.BlockSpec(
                     (None, None, 1, bk), lambda b, h, r, j, t, n: (b, h, 0, key_block(j, b, h, n))
                 ),
@@ -356,14 +384,14 @@ def paged_block_attention_tpu(
     )
     in_specs = [
         row_spec,
-        pool,
+        pool_spec(k_pages),
         key_spec(1),
         pl.BlockSpec((None, None, br, common.LANES), lambda b, h, j, r, *_: (b, h, r, 0)),
     ]
     args = [rows, k_pages, spos, row_stats]
     scratch = buffers[:1] + ([buffers[1]] if score != "attn" else []) + buffers[2:]
     if score != "attn":
-        in_specs.append(pool)
+        in_specs.append(pool_spec(v_pages))
         args.append(v_pages)
     if score in KEY_KINDS:
         in_specs.append(row_spec)
@@ -432,8 +460,8 @@ def _decode_kernel(
             head.start(0, 1 - slot, phase_pools[1], when=j + 1 == head.n_blocks)
         return common.key_tile(
             q_ref,
-            k_buf.at[slot],
-            v_buf.at[slot],
+            kv_at(k_buf, slot),
+            kv_at(v_buf, slot),
             spos_ref,
             qpos_ref[b],
             first_slot=j * bk,
@@ -489,7 +517,7 @@ def paged_decode_attention_tpu(
         q, k_pages, v_pages, page_table, n_pages, slot_pos, query_pos, query_weights
     )
     G = H // Hk
-    check_supported(K, P)
+    check_supported(K, P, kind_of(k_pages))
     rows, gp = common.decode_rows(q, Hk)
     bk, per_block, nb = key_blocks(M, P, block_k)
     pages = {"n_heads": Hk, "n_table": M, "page_size": P, "pages_per_block": per_block}
@@ -498,7 +526,6 @@ def paged_decode_attention_tpu(
 
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, p, j, *_: (b, h, 0, 0))
     stats_spec = pl.BlockSpec((None, None, gp, common.LANES), lambda b, h, p, j, *_: (b, h, 0, 0))
-    pool = pl.BlockSpec(memory_space=pl.ANY)
     out_specs = [head_spec, stats_spec]
     out_shape = [
         jax.ShapeDtypeStruct((B, Hk, gp, K), jnp.float32),
@@ -526,20 +553,15 @@ def paged_decode_attention_tpu(
             grid=(B, Hk, 2 if scoring else 1, nb),
             in_specs=[
                 head_spec,
-                pool,
-                pool,
+                pool_spec(k_pages),
+                pool_spec(v_pages),
                 pl.BlockSpec(
                     (None, None, 1, bk),
                     lambda b, h, p, j, qp, t, n: (b, h, 0, key_block(j, b, h, n)),
                 ),
             ],
             out_specs=out_specs,
-            scratch_shapes=[
-                pltpu.VMEM((2, bk, K), k_pages.dtype),
-                pltpu.VMEM((2, bk, K), v_pages.dtype),
-                pltpu.SemaphoreType.DMA((2,)),
-            ]
-            + common.softmax_scratch(gp, K),
+            scratch_shapes=page_buffers(k_pages, v_pages, bk, K) + common.softmax_scratch(gp, K),
         ),
         out_shape=out_shape,
         compiler_params=common.compiler_params(2),

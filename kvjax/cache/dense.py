@@ -21,6 +21,7 @@ from kvjax.cache.slots_view import SlotsView
 from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.moments import Moments, over_layers
 from kvjax.kernels import block_attention_with_scores, decode_attention_with_scores
+from kvjax.kernels.quantized import Quantized, stored, values, zeros
 from kvjax.model.config import ModelConfig
 from kvjax.model.segment import Segment
 from kvjax.sharding import per_shard
@@ -32,7 +33,7 @@ class BudgetCache(SlotsView):
     """The fixed-budget KV cache.
 
     Fields:
-        k, v: [L, B, Hk, S, K].
+        k, v: [L, B, Hk, S, K] in the model's dtype, or ``Quantized`` (``kv_dtype``).
         pos: [L, B, Hk, S] int32 original positions (-1 = empty).
         state: [L, B, Hk, G, S] float32 per-slot, per-query-head scorer state (zero in empty
             slots).
@@ -43,8 +44,8 @@ class BudgetCache(SlotsView):
     S (slots) = budget + spare, where spare holds the tokens of one step before eviction.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | Quantized
+    v: jax.Array | Quantized
     pos: jax.Array
     state: jax.Array
     order: jax.Array
@@ -61,13 +62,22 @@ class BudgetCache(SlotsView):
     LAYER_FIELDS = ("pos", "state", "order", "moments", "stats")
 
     @classmethod
-    def init(cls, cfg: ModelConfig, batch: int, slots: int, dtype, moment_dim: int) -> BudgetCache:
-        """Empty; ``moment_dim``: the K of its ``Moments`` (``Policy.moment_dim``)."""
+    def init(
+        cls,
+        cfg: ModelConfig,
+        batch: int,
+        slots: int,
+        dtype,
+        moment_dim: int,
+        kv_dtype: str | None = None,
+    ) -> BudgetCache:
+        """Empty; ``moment_dim``: the K of its ``Moments`` (``Policy.moment_dim``); keys and values
+        in ``dtype``, or quantized as ``kv_dtype`` says."""
         L, Hk, K = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         f32 = jnp.float32
         return cls(
-            k=jnp.zeros((L, batch, Hk, slots, K), dtype),
-            v=jnp.zeros((L, batch, Hk, slots, K), dtype),
+            k=zeros((L, batch, Hk, slots, K), dtype, kv_dtype),
+            v=zeros((L, batch, Hk, slots, K), dtype, kv_dtype),
             pos=jnp.full((L, batch, Hk, slots), -1, jnp.int32),
             state=jnp.zeros((L, batch, Hk, cfg.group_size, slots), f32),
             order=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (L, batch, Hk, slots)),
@@ -81,18 +91,27 @@ class BudgetCache(SlotsView):
     def resize(self, slots: int) -> BudgetCache:
         """Same contents in ``slots`` slots laid out in position order (the valid tokens must fit).
         Works on stacked or sliced caches."""
-        k, v = (jnp.take_along_axis(x, self.order[..., None], -2) for x in (self.k, self.v))
+        k, v = (
+            jax.tree.map(lambda x: jnp.take_along_axis(x, self.order[..., None], -2), kv)
+            for kv in (self.k, self.v)
+        )
         pos, state = self.sorted_pos, jnp.take_along_axis(self.state, self.order[..., None, :], -1)
         grow = slots - self.slots
         if grow <= 0:
-            cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, slots, axis=axis)  # noqa: E731
+
+            def cut(x, axis):
+                return jax.tree.map(lambda a: jax.lax.slice_in_dim(a, 0, slots, axis=axis), x)
+
             k, v, pos, state = cut(k, -2), cut(v, -2), cut(pos, -1), cut(state, -1)
         else:
-            pad = lambda x, axis, value=0: jnp.pad(  # noqa: E731
-                x,
-                [(0, 0)] * (x.ndim + axis) + [(0, grow)] + [(0, 0)] * (-axis - 1),
-                constant_values=value,
-            )
+
+            def pad(x, axis, value=0):
+                def one(a):
+                    widths = [(0, 0)] * (a.ndim + axis) + [(0, grow)] + [(0, 0)] * (-axis - 1)
+                    return jnp.pad(a, widths, constant_values=value)
+
+                return jax.tree.map(one, x)
+
             k, v, pos, state = pad(k, -2), pad(v, -2), pad(pos, -1, -1), pad(state, -1)
         order = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), pos.shape)
         return self.replace(k=k, v=v, pos=pos, state=state, order=order)
@@ -110,8 +129,8 @@ class BudgetCache(SlotsView):
         B, T, Hk, _ = k.shape
         count = (self.pos >= 0).sum(-1)  # [B, Hk]
         free = jnp.take_along_axis(self.order, count[..., None] + jnp.arange(T), -1)  # [B, Hk, T]
-        k_all, k_here = set_layer_slots(self.k, layer, free, k.swapaxes(1, 2).astype(self.k.dtype))
-        v_all, v_here = set_layer_slots(self.v, layer, free, v.swapaxes(1, 2).astype(self.v.dtype))
+        k_all, k_here = _write(self.k, layer, free, k)
+        v_all, v_here = _write(self.v, layer, free, v)
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
         here = self.replace(k=k_here, v=v_here, pos=set_slots(self.pos, free, new_pos))
         p = seg.policy
@@ -160,13 +179,14 @@ class BudgetCache(SlotsView):
         if self.slots <= b:  # everything fits: only the state reset remains
             return self.replace(state=_reset(self.state)) if p.scorer.reset_after_evict else self
         pos = self.pos
+        k, v = values(self.k), values(self.v)  # what attention reads (unused ones: dropped)
         key, prio, unprotected = eviction_keys(
-            p, self.state, pos, self.k, self.v, self.order, self.stats, seen
+            p, self.state, pos, k, v, self.order, self.stats, seen
         )
         n_drop = self.slots - b
         n_evict = jnp.maximum((pos >= 0).sum(-1) - b, 0)
         chosen = p.modifier_spec.choose(
-            prio, unprotected, n_evict, self.k, self.v, pos, self.moments, n_drop, p
+            prio, unprotected, n_evict, k, v, pos, self.moments, n_drop, p
         )
         if chosen is not None:  # the modifier chose: its evicted slots lowest, the rest above
             key = jnp.where(unprotected, jnp.where(chosen, 0.0, 1.0), key)
@@ -199,7 +219,10 @@ class BudgetCache(SlotsView):
         """Free the ``dropped`` [B, Hk, E] slots (empty ones among them are left as they are): their
         tokens join the moments, their position becomes -1 and their state 0; ``order`` is the new
         order."""
-        take = lambda x: jnp.take_along_axis(x, dropped[..., None], axis=-2)  # noqa: E731
+
+        def take(x):
+            return values(jax.tree.map(lambda a: jnp.take_along_axis(a, dropped[..., None], -2), x))
+
         weight = (jnp.take_along_axis(self.pos, dropped, -1) >= 0).astype(jnp.float32)
         freed = set_slots(jnp.zeros(self.pos.shape, bool), dropped, True)
         if p.scorer.reset_after_evict:
@@ -212,6 +235,19 @@ class BudgetCache(SlotsView):
             order=order,
             moments=self.moments.add(weight, take(self.k), take(self.v)),
         )
+
+
+def _write(store, layer: jax.Array, free: jax.Array, new: jax.Array):
+    """(``store`` [L, B, Hk, S, K] with new [B, T, Hk, K] written in layer ``layer`` at slots free
+    [B, Hk, T], that layer so updated): ``set_layer_slots`` of the stored form (cast, or quantized
+    with one scale per token and KV head) on each of its arrays."""
+    both = jax.tree.map(
+        lambda s, n: set_layer_slots(s, layer, free, n), store, stored(new.swapaxes(1, 2), store)
+    )
+    return (
+        jax.tree.map(lambda pair: pair[0], both, is_leaf=lambda x: isinstance(x, tuple)),
+        jax.tree.map(lambda pair: pair[1], both, is_leaf=lambda x: isinstance(x, tuple)),
+    )
 
 
 def _reset(state: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ from flax import struct
 
 from kvjax.cache.attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV
 from kvjax.kernels import attention_with_scores, causal_attention, decode_attention_with_scores
+from kvjax.kernels.quantized import Quantized, stored, values, zeros
 from kvjax.model.config import ModelConfig
 from kvjax.model.segment import Segment
 from kvjax.sharding import per_shard
@@ -25,14 +26,15 @@ class FullCache:
     """Uncompressed cache: slot s holds the token at position s.
 
     Fields:
-        k, v: [L, B, Hk, S, K] with S the static capacity (prompt bucket + new tokens).
+        k, v: [L, B, Hk, S, K] with S the static capacity (prompt bucket + new tokens), in the
+            model's dtype or ``Quantized`` (``kv_dtype``).
         impl: the attention's implementation (static; ``EvictionOptions.impl``): None = the
             platform's (XLA on CPU; on TPU and CUDA the decode kernel, and on CUDA cuDNN's
             flash attention for the prompt), "xla", "pallas".
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | Quantized
+    v: jax.Array | Quantized
     impl: str | None = struct.field(pytree_node=False, default=None)
 
     AXES = dict(
@@ -42,14 +44,26 @@ class FullCache:
 
     @classmethod
     def init(
-        cls, cfg: ModelConfig, batch: int, capacity: int, dtype, impl: str | None = None
+        cls,
+        cfg: ModelConfig,
+        batch: int,
+        capacity: int,
+        dtype,
+        impl: str | None = None,
+        kv_dtype: str | None = None,
     ) -> FullCache:
+        """Empty; keys and values in ``dtype``, or quantized as ``kv_dtype`` says."""
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), impl=impl)
+        return cls(k=zeros(shape, dtype, kv_dtype), v=zeros(shape, dtype, kv_dtype), impl=impl)
 
     @property
     def capacity(self) -> int:
         return self.k.shape[-2]
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """How keys and values are stored (None: the model's dtype)."""
+        return self.k.kind if isinstance(self.k, Quantized) else None
 
     @property
     def kv(self) -> tuple[jax.Array, jax.Array]:
@@ -61,10 +75,15 @@ class FullCache:
         """Layer ``layer`` with k, v [B, T, Hk, K] written at their ``positions`` [B, T] (in
         place)."""
         at = positions[:, None, :]
-        return self.replace(
-            k=scatter_at_layer(self.k, layer, at, k.swapaxes(1, 2).astype(self.k.dtype)),
-            v=scatter_at_layer(self.v, layer, at, v.swapaxes(1, 2).astype(self.v.dtype)),
-        )
+
+        def write(store, new):
+            return jax.tree.map(
+                lambda s, n: scatter_at_layer(s, layer, at, n),
+                store,
+                stored(new.swapaxes(1, 2), store),
+            )
+
+        return self.replace(k=write(self.k, k), v=write(self.v, v))
 
     def attend(
         self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, seg: Segment
@@ -88,9 +107,9 @@ class FullCache:
             )
             return out, cache
         if seg.from_start:  # a prompt into an empty cache: token t at slot t, causal
-            k_new, v_new = (x.swapaxes(1, 2).astype(self.k.dtype) for x in (k, v))  # as cached
-            return causal_attention(q, k_new, v_new, impl=self.impl), cache
-        k_layer, v_layer = cache.k[layer], cache.v[layer]
+            k_new, v_new = (values(stored(x.swapaxes(1, 2), self.k), q.dtype) for x in (k, v))
+            return causal_attention(q, k_new, v_new, impl=self.impl), cache  # as cached
+        k_layer, v_layer = (values(x[layer], q.dtype) for x in (cache.k, cache.v))
         slots = jnp.arange(self.capacity)
         mask = (slots[None, None, :] <= seg.positions[:, :, None])[:, None]  # [B, 1, T, S]
         return attention_with_scores(q, k_layer, v_layer, mask)[0], cache
@@ -98,5 +117,6 @@ class FullCache:
 
 def cache_bytes(cache, kv_only: bool = False) -> int:
     """Bytes a cache pytree allocates (abstract shapes from ``jax.eval_shape`` too): every array
-    leaf, or with ``kv_only`` its keys and values alone (``cache.kv``)."""
-    return sum(x.size * x.dtype.itemsize for x in (cache.kv if kv_only else jax.tree.leaves(cache)))
+    leaf, or with ``kv_only`` its keys and values alone (``cache.kv``, with their scales)."""
+    leaves = jax.tree.leaves(cache.kv if kv_only else cache)
+    return sum(x.size * x.dtype.itemsize for x in leaves)

@@ -68,9 +68,9 @@ class EvictingCache(Cache, Protocol):
 class Dense:
     """``BudgetCache``: budget + spare slots per (layer, row, KV head)."""
 
-    def empty(self, cfg, policy, batch: int, spare: int, dtype) -> BudgetCache:
+    def empty(self, cfg, policy, batch: int, spare: int, dtype, kv_dtype=None) -> BudgetCache:
         return BudgetCache.init(
-            cfg, batch, policy.budget + spare, dtype, policy.moment_dim(cfg.head_dim)
+            cfg, batch, policy.budget + spare, dtype, policy.moment_dim(cfg.head_dim), kv_dtype
         )
 
     def fit(self, cache: BudgetCache, cfg, policy, spare: int) -> BudgetCache:
@@ -115,7 +115,7 @@ class Paged:
             pool_pages(policy.total_budget(L, Hk), spare, L, Hk, P),
         )
 
-    def empty(self, cfg, policy, batch: int, spare: int, dtype) -> PagedCache:
+    def empty(self, cfg, policy, batch: int, spare: int, dtype, kv_dtype=None) -> PagedCache:
         pages_per_head, n_pool = self.geometry(cfg, policy, spare)
         return PagedCache.init(
             cfg,
@@ -125,6 +125,7 @@ class Paged:
             n_pool,
             dtype,
             policy.moment_dim(cfg.head_dim),
+            kv_dtype,
         )
 
     def fit(self, cache: PagedCache, cfg, policy, spare: int) -> PagedCache:

@@ -31,6 +31,7 @@ from kvjax.kernels.paged_attention import (
     paged_decode_attention_with_scores,
 )
 from kvjax.kernels.paged_attention.reference import gather_pages
+from kvjax.kernels.quantized import Quantized, stored, values, zeros
 from kvjax.model.config import ModelConfig
 from kvjax.model.layer_fields import join_layers, split_layers
 from kvjax.model.segment import Segment
@@ -53,7 +54,8 @@ class PagedCache(SlotsView):
     """The paged budget cache.
 
     Fields:
-        k_pages, v_pages: [B, N, P, K] each row's page pool.
+        k_pages, v_pages: [B, N, P, K] each row's page pool, in the model's dtype or
+            ``Quantized`` (``kv_dtype``).
         table: [L, B, Hk, M] int32 the pages of each (layer, row, KV head) in logical order.
         n_pages: [L, B, Hk] int32 pages in use.
         free: [B, N] bool.
@@ -68,8 +70,8 @@ class PagedCache(SlotsView):
             cannot read off its shapes.
     """
 
-    k_pages: jax.Array
-    v_pages: jax.Array
+    k_pages: jax.Array | Quantized
+    v_pages: jax.Array | Quantized
     table: jax.Array
     n_pages: jax.Array
     free: jax.Array
@@ -103,13 +105,15 @@ class PagedCache(SlotsView):
         n_pool: int,
         dtype,
         moment_dim: int,
+        kv_dtype: str | None = None,
     ) -> PagedCache:
-        """Empty; ``moment_dim``: the K of its ``Moments`` (``Policy.moment_dim``)."""
+        """Empty; ``moment_dim``: the K of its ``Moments`` (``Policy.moment_dim``); keys and values
+        in ``dtype``, or quantized as ``kv_dtype`` says."""
         L, Hk, K, M, P = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, pages_per_head, page_size
         C = M * P
         return cls(
-            k_pages=jnp.zeros((batch, n_pool, P, K), dtype),
-            v_pages=jnp.zeros((batch, n_pool, P, K), dtype),
+            k_pages=zeros((batch, n_pool, P, K), dtype, kv_dtype),
+            v_pages=zeros((batch, n_pool, P, K), dtype, kv_dtype),
             table=jnp.zeros((L, batch, Hk, M), jnp.int32),
             n_pages=jnp.zeros((L, batch, Hk), jnp.int32),
             free=jnp.ones((batch, n_pool), bool),
@@ -134,19 +138,22 @@ class PagedCache(SlotsView):
         pool (M = ⌈S / P⌉); those past its tokens are free.
 
         Args:
-            k, v: [L, B, Hk, S, K].
+            k, v: [L, B, Hk, S, K] (arrays or ``Quantized``).
             pos: [L, B, Hk, S] with each head's valid tokens in slots 0 … n−1 in position order.
             state: [L, B, Hk, G, S].
             moment_dim: the K of its (empty) ``Moments``.
         """
-        L, B, Hk, S, K = k.shape
+        L, B, Hk, S, _ = k.shape
         P = page_size
         M = -(-S // P)
         C = M * P
 
-        def pages(x):
-            x = jnp.pad(x, [(0, 0)] * 3 + [(0, C - S), (0, 0)]).reshape(L, B, Hk, M, P, K)
-            return x.transpose(1, 0, 2, 3, 4, 5).reshape(B, L * Hk * M, P, K)
+        def pages(store):
+            def one(x):
+                x = jnp.pad(x, [(0, 0)] * 3 + [(0, C - S), (0, 0)]).reshape(L, B, Hk, M, P, -1)
+                return x.transpose(1, 0, 2, 3, 4, 5).reshape(B, L * Hk * M, P, x.shape[-1])
+
+            return jax.tree.map(one, store)
 
         pos = jnp.pad(pos, [(0, 0)] * 3 + [(0, C - S)], constant_values=-1)
         n_pages = -(-(pos >= 0).sum(-1) // P)
@@ -179,16 +186,20 @@ class PagedCache(SlotsView):
 
     def _rows(self, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values [L, B, Hk, E, K] of logical slots [L, B, Hk, E] (their pages must be in
-        use)."""
+        use), as attention reads them (dequantized)."""
         P = self.page_size
         page = jnp.take_along_axis(self.table, slots // P, -1)
-        read = lambda pool: per_row(  # noqa: E731
-            lambda x, pg, off: x[pg, off],
-            pool,
-            page,
-            slots % P,
-            axes=(0, 1, 1),
-        ).swapaxes(0, 1)
+
+        def read(pool):
+            return values(
+                jax.tree.map(
+                    lambda x: per_row(
+                        lambda y, pg, off: y[pg, off], x, page, slots % P, axes=(0, 1, 1)
+                    ).swapaxes(0, 1),
+                    pool,
+                )
+            )
+
         return read(self.k_pages), read(self.v_pages)
 
     def _take_pages(self, tokens: int) -> PagedCache:
@@ -237,14 +248,21 @@ class PagedCache(SlotsView):
         pos, table, n_pages = cache.pos, cache.table, cache.n_pages
         slot = (pos >= 0).sum(-1)[..., None] + jnp.arange(T)  # [B, Hk, T]: valid slots are 0 … n−1
         page = jnp.take_along_axis(table, slot // P, -1)
-        write = lambda pool, new: per_row(  # noqa: E731
-            lambda x, pg, off, val: x.at[pg, off].set(val),
-            pool,
-            page,
-            slot % P,
-            new.swapaxes(1, 2).astype(pool.dtype),
-            axes=(0, 0, 0, 0),
-        )
+
+        def write(pool, new):
+            return jax.tree.map(
+                lambda x, val: per_row(
+                    lambda y, pg, off, w: y.at[pg, off].set(w),
+                    x,
+                    page,
+                    slot % P,
+                    val,
+                    axes=(0, 0, 0, 0),
+                ),
+                pool,
+                stored(new.swapaxes(1, 2), pool),
+            )
+
         k_pages, v_pages = write(cache.k_pages, k), write(cache.v_pages, v)
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
         pos = set_slots(pos, slot, new_pos)
@@ -331,8 +349,9 @@ class PagedCache(SlotsView):
         1), whose budgets are ``budgets``; ``group``: ``Policy.group_budget`` of the heads that
         share a budget."""
         kv = (None, None)
-        if p.reads_kv:  # reads every slot's keys, values
-            kv = jax.vmap(lambda t, n, s: gather_pages(self.k_pages, self.v_pages, t, n, s)[:2])(
+        if p.reads_kv:  # reads every slot's keys, values (as attention reads them)
+            k_pages, v_pages = values(self.k_pages), values(self.v_pages)
+            kv = jax.vmap(lambda t, n, s: gather_pages(k_pages, v_pages, t, n, s)[:2])(
                 self.table, self.n_pages, self.pos
             )
         key, prio, unprotected = jax.vmap(
@@ -392,8 +411,11 @@ class PagedCache(SlotsView):
             def row(x, dst, dst_off, src, src_off):
                 return x.at[dst, dst_off].set(x[src, src_off], mode="drop")
 
-            return per_row(
-                row, pool, dst_page, holes % P, page_of(tails), tails % P, axes=(0, 1, 1, 1, 1)
+            return jax.tree.map(
+                lambda x: per_row(
+                    row, x, dst_page, holes % P, page_of(tails), tails % P, axes=(0, 1, 1, 1, 1)
+                ),
+                pool,
             )
 
         k_pages, v_pages = move(self.k_pages), move(self.v_pages)
@@ -457,7 +479,12 @@ class PagedCache(SlotsView):
             by_row(self.table),
             axes=(0, 0, 0),
         )
-        gather = lambda pages: jnp.take_along_axis(pages, source[:, :, None, None], 1)  # noqa: E731
+
+        def gather(pages):
+            return jax.tree.map(
+                lambda x: jnp.take_along_axis(x, source[:, :, None, None], 1), pages
+            )
+
         table = start[..., None] + jnp.arange(M2)
         total = self.n_pages.sum((0, 2))  # [B]
         fit = lambda x, fill: (  # noqa: E731

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 
@@ -11,9 +10,11 @@ from kvjax.cli.ask_chat import FROM_FILE, add_ask_chat_parsers, read_text
 from kvjax.eval.cli import add_eval_parser
 from kvjax.runtime.compilation_cache import enable as enable_compilation_cache
 from kvjax.runtime.options import (
+    SIZE_UNITS,
     add_arguments,
     eviction_from,
     from_arguments,
+    size_number,
     with_tokenizer,
 )
 
@@ -159,21 +160,14 @@ def _serve(args) -> int:
 def memory_bytes(text: str) -> int:
     """``--kv-memory``: bytes ("60GiB", "512MiB", "2GB", "1e9") or a fraction in (0, 1] of the
     device memory still free once the weights are loaded ("0.9")."""
-    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20}
-    units |= {"GIB": 2**30, "TB": 1e12, "TIB": 2**40}
-    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]*)\s*", text)
-    unit = match and match[2].upper()
-    try:
-        value = float(match[1]) if match and unit in units else None
-    except ValueError:
-        value = None
+    value, unit = size_number(text) or (None, None)
     if value is None or not value > 0:
         raise ValueError(
             f"--kv-memory {text!r}: give bytes with a unit (60GiB, 512MiB, 2GB) or a fraction "
             "in (0, 1] of the free device memory"
         )
     if unit or value > 1:
-        return int(value * units[unit])
+        return int(value * SIZE_UNITS[unit])
     import jax
 
     stats = jax.devices()[0].memory_stats()
@@ -202,8 +196,9 @@ def capacity_line(engine) -> str:
 
 def _context_service(args, params, tokenizer, name: str):
     """The contexts of ``kvjax serve`` (``--context-*``): a store under ``--contexts-dir``,
-    ``--context-slots`` slots of the geometry of ``--context-scorer`` at ``--context-budget`` and
-    ``--context-evict-slots`` slots that evict under exactly those settings."""
+    ``--context-slots`` slots of the geometry of ``--context-scorer`` at ``--context-budget`` (and
+    the server's ``--kv-dtype``) and ``--context-evict-slots`` slots that evict under exactly those
+    settings."""
     import os
 
     from kvjax.loading import checkpoint_root
@@ -211,6 +206,8 @@ def _context_service(args, params, tokenizer, name: str):
     from kvjax.serving.contexts import ContextService, ContextStore
 
     defaults = {"budget": args.context_budget, "scorer": args.context_scorer}
+    if getattr(args, "kv_dtype", None) is not None:  # contexts stored as the slots store tokens
+        defaults["kv_dtype"] = args.kv_dtype
     template = eviction_from(**with_tokenizer(tokenizer, **defaults))
     engines = [
         Engine(

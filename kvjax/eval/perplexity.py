@@ -31,11 +31,12 @@ def _nll(params: Params, hidden: jax.Array, targets: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
-@jit
-def full_cache_nll(params: Params, tokens: jax.Array) -> jax.Array:
-    """[N - 1] negative log-likelihoods of tokens [N] with the full cache (one causal pass)."""
+@jit(static_argnames=("kv_dtype",))
+def full_cache_nll(params: Params, tokens: jax.Array, kv_dtype: str | None = None) -> jax.Array:
+    """[N - 1] negative log-likelihoods of tokens [N] with the full cache (one causal pass; keys
+    and values stored as ``kv_dtype`` says)."""
     N = tokens.shape[0]
-    cache = FullCache.init(params.config, 1, N, params.dtype)
+    cache = FullCache.init(params.config, 1, N, params.dtype, kv_dtype=kv_dtype)
     positions = jnp.arange(N, dtype=jnp.int32)[None]
     hidden, _ = decode_hidden(
         params, tokens[None], cache, Segment(positions=positions, from_start=True)
@@ -109,7 +110,7 @@ def run_perplexity(
         "length": length,
         "edges": edges,
         "options": options,
-        "full": segments(np.asarray(full_cache_nll(params, tokens))),
+        "full": segments(np.asarray(full_cache_nll(params, tokens, options.get("kv_dtype")))),
         "runs": [],
     }
     for scorer, budget in tqdm(configs, desc="ppl", disable=not progress):

@@ -183,13 +183,20 @@ def run(
             ]
             if not here:
                 continue
-            shared, shared_s = None, 0.0
-            if any(m.protocol in ("prefill", "-") for _, m in here):
-                start = time.perf_counter()
-                shared = kvjax.prefill_full(params, [list(s.prompt) for s in group])
-                jax.block_until_ready(shared.cache)
-                shared_s = (time.perf_counter() - start) / len(group)
+            shared, shared_s = {}, {}  # one full prefill per kv_dtype, made when first needed
+
+            def prefilled(kv_dtype):
+                if kv_dtype not in shared:
+                    start = time.perf_counter()
+                    prompts = [list(s.prompt) for s in group]
+                    shared[kv_dtype] = kvjax.prefill_full(params, prompts, kv_dtype=kv_dtype)
+                    jax.block_until_ready(shared[kv_dtype].cache)
+                    shared_s[kv_dtype] = (time.perf_counter() - start) / len(group)
+                return shared[kv_dtype]
+
             for setting, m in here:
+                kv_dtype = mine(m).get("kv_dtype")
+                one = prefilled(kv_dtype) if m.protocol in ("prefill", "-") else None
                 start = time.perf_counter()
                 eviction = (
                     {}
@@ -201,7 +208,7 @@ def run(
                         **scorer_options(m.scorer, mine(m)),
                     )
                 )
-                answers = _answers(params, group, setting, m, shared, eviction, block_size)
+                answers = _answers(params, group, setting, m, one, eviction, block_size)
                 seconds = (time.perf_counter() - start) / len(group)
                 for sample, answer in zip(group, answers, strict=True):
                     if key(sample, setting, m) not in todo:
@@ -221,9 +228,7 @@ def run(
                         prediction=prediction,
                         score=score(prediction, sample.answers),
                         seconds=seconds,
-                        prefill_seconds=shared_s
-                        if shared is not None and m.protocol != "blockwise"
-                        else 0.0,
+                        prefill_seconds=0.0 if one is None else shared_s[kv_dtype],
                         label=m.label,
                     )
                     f.write(json.dumps(dataclasses.asdict(row)) + "\n")

@@ -12,6 +12,7 @@ from kvjax.eviction.allocations import ALLOCATIONS, FLOOR_MODES
 from kvjax.eviction.kvzip import DEFAULT_FORM, FORMS, RepeatPrompt
 from kvjax.eviction.priority import AGGREGATES, POOLS
 from kvjax.kernels import IMPLS
+from kvjax.kernels.quantized import KV_DTYPES
 
 PROTOCOLS = ("blockwise", "prefill")
 # A decode step's order: "attend-first" (every layer attends over its kept tokens and the new one;
@@ -50,6 +51,20 @@ class EvictionKeywords:
         "KV slots kept per layer and KV head (on average, under a "
         "non-uniform allocation); a float f in (0, 1) is a fraction of the longest "
         "prompt, kept as kvpress keeps it at compression_ratio=1-f; None keeps the full cache",
+    )
+    budget_bytes: int | None = _option(
+        None,
+        "instead of budget: the bytes of keys and values (scales included) one sequence keeps, "
+        "over every layer and KV head; the budget is as many slots per head as they hold in "
+        "kv_dtype (kvjax.budget_for_bytes)",
+    )
+    kv_dtype: str | None = _option(
+        None,
+        "how the cache stores keys (after RoPE) and values: None = the model's dtype; int8 and "
+        "float8_e4m3fn with one bfloat16 scale per token and KV head; int4 (two a byte, one "
+        "scale per token and KV head); the full cache too (docs: Using kvjax, 'Quantized keys "
+        "and values')",
+        KV_DTYPES,
     )
     scorer: str = _option(
         "snapkv", "a base or base+modifier (kvjax.SCORERS; docs: Using kvjax, 'Scorer names')"

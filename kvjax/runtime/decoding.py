@@ -86,7 +86,7 @@ def start_state(
     )
 
 
-@jit(static_argnames=("capacity", "out_width", "impl"))
+@jit(static_argnames=("capacity", "out_width", "impl", "kv_dtype"))
 def feed_full(
     params: Params,
     tokens: jax.Array,
@@ -95,11 +95,13 @@ def feed_full(
     capacity: int,
     out_width: int,
     impl: str | None = None,
+    kv_dtype: str | None = None,
 ) -> DecodeState:
     """The decode state after feeding prompts tokens [B, P] (right-padded, ``lengths`` [B] valid
-    tokens each) into a new full cache of ``capacity`` slots (``impl``: ``FullCache.impl``)."""
+    tokens each) into a new full cache of ``capacity`` slots (``impl``, ``kv_dtype``: as
+    ``FullCache.init``)."""
     B, P = tokens.shape
-    cache = constrain(FullCache.init(params.config, B, capacity, params.dtype, impl))
+    cache = constrain(FullCache.init(params.config, B, capacity, params.dtype, impl, kv_dtype))
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     hidden, cache = decode_hidden(
         params, tokens, cache, Segment(positions=positions, from_start=True)
@@ -265,10 +267,11 @@ class Generation:
         ev: Eviction | None,
         mesh: Mesh | None = None,
         impl: str | None = None,
+        kv_dtype: str | None = None,
     ) -> Generation:
         """Pad validated prompt rows (``kvjax.generate`` checks them and ``max_new_tokens``) to
-        their bucket and prefill them (full cache, whose decode attention is ``impl``, or the
-        eviction protocol) on ``mesh``."""
+        their bucket and prefill them (full cache, whose decode attention is ``impl`` and storage
+        ``kv_dtype``, or the eviction protocol) on ``mesh``."""
         cfg = params.config
         longest = max(len(r) for r in rows)
         bucket = prompt_bucket(longest, 1 if ev is None else ev.block_size)
@@ -284,6 +287,7 @@ class Generation:
                     capacity=round_capacity(bucket + max_new_tokens),
                     out_width=out_width,
                     impl=impl,
+                    kv_dtype=kv_dtype,
                 )
             else:
                 state = feed_budget(

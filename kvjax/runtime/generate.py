@@ -128,7 +128,7 @@ def _generation(
     the batch up to a multiple of its ``data`` axis (their outputs come last)."""
     longest = max(len(r) for r in rows)
     options = EvictionOptions.of(**eviction)
-    ev = options.resolve(context=longest)
+    ev = options.resolve(context=longest, model=params)
     mesh = auto_mesh(mesh)
     max_new = check_max_new(max_new_tokens)
     check_context(params.config, longest, max_new)
@@ -141,5 +141,5 @@ def _generation(
         context = compress_rows(params, rows, True, ev, options.scoring_data(params.config), mesh)
         return resume(params, context, None, max_new, sampling, seed, stop_ids)
     return Generation.from_prompts(
-        params, rows, max_new, sampling, seed, stop_ids, ev, mesh, impl=options.full_cache_impl
+        params, rows, max_new, sampling, seed, stop_ids, ev, mesh, **options.full_cache
     )

@@ -28,6 +28,7 @@ from flax import struct
 from kvjax.cache.full import FullCache
 from kvjax.eviction.kvzip import TRAIL, RepeatPrompt
 from kvjax.kernels import NEG_INF
+from kvjax.kernels.quantized import values as read
 from kvjax.model.config import ModelConfig
 from kvjax.model.decoder import decode_hidden
 from kvjax.model.params import Params
@@ -92,7 +93,8 @@ class RepeatScoring:
         Hk = k.shape[2]
         C = self.scores.shape[-1]
         full = self.full.write(layer, k, v, seg.positions)
-        keys, values = full.k[layer].astype(q.dtype), full.v[layer].astype(q.dtype)  # [B, Hk, S, K]
+        # [B, Hk, S, K], as attention reads them
+        keys, values = (read(x[layer], q.dtype) for x in (full.k, full.v))
         qg = q.reshape(B, T, Hk, H // Hk, K)
         best, outs, far = jnp.zeros((B, Hk, C), jnp.float32), [], self.far
         for lo in range(0, T, QUERY_BLOCK):  # no [T, S] matrix at once
@@ -169,8 +171,9 @@ def kvzip_scores(
     L, _, Hk, C, _ = full.k.shape
     # a copy with room for a repeat input
     grow = [(0, 0)] * 3 + [(0, max(0, longest + width - C)), (0, 0)]
+    k, v = (jax.tree.map(lambda x: jnp.pad(x, grow), kv) for kv in (full.k, full.v))
     scoring = RepeatScoring(
-        full=full.replace(k=jnp.pad(full.k, grow), v=jnp.pad(full.v, grow)),
+        full=full.replace(k=k, v=v),
         scores=jnp.zeros((L, B, Hk, C), jnp.float32),
         start=jnp.zeros(B, jnp.int32),
         stop=jnp.zeros(B, jnp.int32),

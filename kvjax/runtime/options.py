@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
+import re
 from typing import Any
+
+import jax.numpy as jnp
 
 from kvjax.eviction import (
     BASES,
@@ -22,6 +25,7 @@ from kvjax.eviction import (
     split_name,
 )
 from kvjax.eviction.keywords import EvictionKeywords
+from kvjax.kernels.quantized import KV_DTYPES, bytes_per_token
 from kvjax.runtime.kvzip_pass import load_head_scores
 from kvjax.runtime.protocol import PAGE_SIZE, Eviction
 
@@ -43,16 +47,36 @@ class EvictionOptions(EvictionKeywords):
         return cls(**options)
 
     @property
-    def full_cache_impl(self) -> str | None:
-        """The full cache's decode attention (``FullCache.impl``): ``impl`` without a budget, else
-        None (no full cache)."""
-        return self.impl if self.budget is None else None
+    def evicts(self) -> bool:
+        """A budget is given (``budget`` or ``budget_bytes``); else the full cache."""
+        return self.budget is not None or self.budget_bytes is not None
 
-    def resolve(self, context: int | None = None) -> Eviction | None:
-        """The validated engine configuration (None for budget=None: the full cache). ``context``:
-        the longest prompt, which a fractional budget is a fraction of (without it, only the
-        fraction is checked)."""
+    @property
+    def full_cache(self) -> dict:
+        """The full cache's settings (``FullCache.init``'s ``impl``, its decode attention, and
+        ``kv_dtype``) without a budget, else {} (no full cache)."""
+        check_kv_dtype(self.kv_dtype)
+        return {} if self.evicts else {"impl": self.impl, "kv_dtype": self.kv_dtype}
+
+    def resolve(self, context: int | None = None, model=None) -> Eviction | None:
+        """The validated engine configuration (None without a budget: the full cache).
+        ``context``: the longest prompt, which a fractional budget is a fraction of (without it,
+        only the fraction is checked); ``model``: the ``Params`` (or their config and dtype, as
+        ``(cfg, dtype)``) that ``budget_bytes`` is counted for (without them, only checked)."""
+        check_kv_dtype(self.kv_dtype)
         budget = self.budget
+        if self.budget_bytes is not None:
+            if budget is not None:
+                raise ValueError(
+                    f"budget={budget!r} and budget_bytes={self.budget_bytes!r}: give one of them"
+                )
+            if not (isinstance(self.budget_bytes, int) and self.budget_bytes >= 1):
+                raise ValueError(f"budget_bytes={self.budget_bytes!r} must be an integer >= 1")
+            budget = (
+                BUDGET_FOR_CHECKS
+                if model is None
+                else budget_for_bytes(model, self.budget_bytes, self.kv_dtype)
+            )
         if self.repeat not in (None, *FORMS):
             raise ValueError(f"repeat={self.repeat!r} must be one of {FORMS}")
         made = self.repeat_prompt.form if self.repeat_prompt is not None else ""
@@ -61,7 +85,7 @@ class EvictionOptions(EvictionKeywords):
                 f"repeat={self.repeat!r}, but repeat_prompt was made in the {made!r} form: "
                 f"pass kvjax.kvzip_prompt(tokenizer, {self.repeat!r})"
             )
-        if budget is None:  # the full cache: ``impl`` is its decode step's (``full_cache_impl``)
+        if budget is None:  # the full cache: ``impl``, ``kv_dtype`` are its own (``full_cache``)
             return None
         scoring_pass = BASES[split_name(self.scorer)[1]].scoring_pass
         if (self.repeat_prompt is not None) != (scoring_pass == "kvzip"):
@@ -108,6 +132,7 @@ class EvictionOptions(EvictionKeywords):
             decode_evict=decode_evict,
             page_size=page_size,
             decode_order=self.decode_order,
+            kv_dtype=self.kv_dtype,
         )
 
     def scoring_data(self, cfg) -> ScoringData:
@@ -115,6 +140,31 @@ class EvictionOptions(EvictionKeywords):
         its head scores loaded and checked against the model; empty for other scorers)."""
         scores = None if self.head_scores is None else load_head_scores(self.head_scores, cfg)
         return ScoringData(repeat_prompt=self.repeat_prompt, head_scores=scores)
+
+
+def check_kv_dtype(kv_dtype) -> None:
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise ValueError(
+            f"kv_dtype={kv_dtype!r} must be None (the model's dtype) or one of {KV_DTYPES}"
+        )
+
+
+def budget_for_bytes(model, nbytes: int, kv_dtype: str | None = None) -> int:
+    """Slots per layer and KV head that ``nbytes`` of keys and values hold for one sequence of
+    ``model`` (``Params``, or ``(config, dtype)``), stored as ``kv_dtype`` says (scales included):
+    ``nbytes // (n_layers · n_kv_heads · bytes per token and head)``, so that methods and dtypes
+    compare at equal memory. Under a non-uniform allocation it is the mean budget (the total is the
+    same); positions, scorer state and a paged cache's spare pages are not counted."""
+    cfg, dtype = (model.config, model.dtype) if hasattr(model, "config") else model
+    per_token = bytes_per_token(cfg.head_dim, jnp.dtype(dtype).itemsize, kv_dtype)
+    budget = nbytes // (cfg.n_layers * cfg.n_kv_heads * per_token)
+    if budget < 1:
+        one = cfg.n_layers * cfg.n_kv_heads * per_token
+        raise ValueError(
+            f"budget_bytes={nbytes} holds no token: one costs {one} bytes over every layer and "
+            f"KV head in kv_dtype={kv_dtype!r}"
+        )
+    return int(budget)
 
 
 def compression_ratio(fraction: float) -> float:
@@ -131,10 +181,10 @@ BUDGET_FOR_CHECKS = 1 << 20
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(EvictionOptions)}
 
 
-def eviction_from(context: int | None = None, **options) -> Eviction | None:
-    """``EvictionOptions.of(**options).resolve(context)``: the engine configuration of eviction
-    keywords."""
-    return EvictionOptions.of(**options).resolve(context)
+def eviction_from(context: int | None = None, model=None, **options) -> Eviction | None:
+    """``EvictionOptions.of(**options).resolve(context, model)``: the engine configuration of
+    eviction keywords."""
+    return EvictionOptions.of(**options).resolve(context, model)
 
 
 def options_table() -> str:
@@ -151,7 +201,8 @@ def with_tokenizer(tokenizer, **options) -> dict[str, Any]:
     """``options`` with what a scorer takes from the model's tokenizer filled in: kvzip's repeat
     prompt (``tokenizer=None``: an empty one, enough to check the other options before a model is
     loaded)."""
-    if options.get("budget") is None or options.get("repeat_prompt") is not None:
+    budgeted = options.get("budget") is not None or options.get("budget_bytes") is not None
+    if not budgeted or options.get("repeat_prompt") is not None:
         return options
     if BASES[split_name(options.get("scorer", DEFAULTS["scorer"]))[1]].scoring_pass != "kvzip":
         return options
@@ -188,9 +239,13 @@ def add_arguments(group, defaults: bool = True, skip: tuple[str, ...] = ()) -> N
                 help=text,
             )
         else:
-            kind = {"budget": budget_value, "scorer": str, "floor": float, "head_scores": str}.get(
-                f.name, int
-            )
+            kind = {
+                "budget": budget_value,
+                "budget_bytes": size_value,
+                "scorer": str,
+                "floor": float,
+                "head_scores": str,
+            }.get(f.name, int)
             group.add_argument(flag, type=kind, default=default, help=text)
 
 
@@ -200,6 +255,30 @@ def budget_value(text: str) -> int | float:
         return int(text)
     except ValueError:
         return float(text)
+
+
+SIZE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def size_number(text: str) -> tuple[float, str] | None:
+    """(number, upper-case unit) of a size such as "60GiB", "512MiB", "2GB", "1e9"; None if it is
+    not one."""
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match[2].upper() not in SIZE_UNITS:
+        return None
+    try:
+        return float(match[1]), match[2].upper()
+    except ValueError:
+        return None
+
+
+def size_value(text: str) -> int:
+    """A command-line size in bytes: "123456", "64MiB", "1.5GiB", "2GB"."""
+    found = size_number(text)
+    if found is None or not found[0] > 0:
+        raise ValueError(f"{text!r} is not a size (for example 123456, 64MiB, 1.5GiB)")
+    return int(found[0] * SIZE_UNITS[found[1]])
 
 
 def from_arguments(args, names: tuple[str, ...] = NAMES) -> dict[str, Any]:

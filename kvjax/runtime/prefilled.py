@@ -25,6 +25,7 @@ from kvjax.cache.layout import EvictingCache
 from kvjax.eviction import Policy, RepeatPrompt, ScoringData
 from kvjax.eviction.allocations import whole_head_count
 from kvjax.kernels import PREFILL_CHUNK, attention_with_scores
+from kvjax.kernels.quantized import values
 from kvjax.model.decoder import decode_hidden, logits_from_hidden
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment
@@ -40,7 +41,7 @@ from kvjax.runtime.inputs import (
 )
 from kvjax.runtime.jit import jit
 from kvjax.runtime.kvzip_pass import head_scores, kvzip_scores
-from kvjax.runtime.options import EvictionOptions
+from kvjax.runtime.options import EvictionOptions, check_kv_dtype
 from kvjax.runtime.protocol import Eviction
 from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import auto_mesh, check_batch, constrain, on_mesh, shard
@@ -65,13 +66,15 @@ class RecordingCache:
         return out, RecordingCache(full=full, q=self.q.at[layer].set(q.astype(self.q.dtype)))
 
 
-@jit(static_argnames=("room",))
-def _full_pass(params: Params, tokens: jax.Array, room: int) -> tuple[RecordingCache, jax.Array]:
+@jit(static_argnames=("room", "kv_dtype"))
+def _full_pass(
+    params: Params, tokens: jax.Array, room: int, kv_dtype: str | None
+) -> tuple[RecordingCache, jax.Array]:
     cfg = params.config
     B, P = tokens.shape
     cache = constrain(
         RecordingCache(
-            full=FullCache.init(cfg, B, P + room, params.dtype),
+            full=FullCache.init(cfg, B, P + room, params.dtype, kv_dtype=kv_dtype),
             q=jnp.zeros((cfg.n_layers, B, P, cfg.n_heads, cfg.head_dim), params.dtype),
         )
     )
@@ -208,7 +211,8 @@ class Prefilled:
     ``compress(**eviction)`` returns the ``kvjax.Context`` that ``kvjax.prefill(...,
     protocol="prefill")`` would, optionally for a prefix of each prompt (``upto``: queries and keys
     are causal, so the prefix's are already here). ``generate`` decodes from the full cache itself.
-    ``mesh``: the device mesh everything runs on (None: one device).
+    ``mesh``: the device mesh everything runs on (None: one device). ``kv_dtype``: how the full
+    cache stores keys and values, which its compressions keep (``compress`` takes the same).
     """
 
     def __init__(
@@ -218,6 +222,7 @@ class Prefilled:
         batched: bool,
         room: int = 256,
         mesh: Mesh | None = None,
+        kv_dtype: str | None = None,
     ):
         """The full-cache prefill of ``rows``.
 
@@ -226,7 +231,10 @@ class Prefilled:
                 over ``mesh``.
             batched: whether the caller gave a batch.
             room: slots for decoding.
+            kv_dtype: as ``EvictionOptions.kv_dtype``.
         """
+        check_kv_dtype(kv_dtype)
+        self.kv_dtype = kv_dtype
         self.batched = batched
         padded, self.lengths = pad_rows(
             rows, prompt_bucket(max(len(r) for r in rows)), params.config.pad_token_id
@@ -234,7 +242,7 @@ class Prefilled:
         self.params = params if mesh is None else shard(params, mesh)
         self.rows, self.mesh = rows, mesh
         with on_mesh(mesh):
-            self.cache, self.hidden = _full_pass(self.params, jnp.asarray(padded), room)
+            self.cache, self.hidden = _full_pass(self.params, jnp.asarray(padded), room, kv_dtype)
         self._states: dict = {}
 
     def _state(self, policy: Policy, data: ScoringData, lengths: np.ndarray) -> jax.Array:
@@ -254,7 +262,8 @@ class Prefilled:
             return self._states[key]
         cfg = self.params.config
         if spec.scoring_pass is None:
-            state = _scoring_state(policy, self.cache.q, full.k, full.v, jnp.asarray(lengths))
+            k, v = values(full.k), values(full.v)  # as attention read them
+            state = _scoring_state(policy, self.cache.q, k, v, jnp.asarray(lengths))
         else:
             if spec.scoring_pass == "kvzip":
                 rows = [r[:n] for r, n in zip(self.rows, lengths, strict=True)]
@@ -287,9 +296,14 @@ class Prefilled:
         if np.any(lengths < 1):
             raise ValueError(f"upto={upto!r} must keep at least one token of every prompt")
         options = EvictionOptions.of(**(eviction | {"protocol": "prefill"}))
-        ev = options.resolve(context=int(lengths.max()))
+        ev = options.resolve(context=int(lengths.max()), model=self.params)
         if ev is None:
             raise ValueError("budget=None: compress needs a budget")
+        if ev.kv_dtype != self.kv_dtype:
+            raise ValueError(
+                f"kv_dtype={ev.kv_dtype!r}, but this prefill stored keys and values as "
+                f"kv_dtype={self.kv_dtype!r} (kvjax.prefill_full(..., kv_dtype=...))"
+            )
         return self.compressed(ev, options.scoring_data(self.params.config), lengths)
 
     def compressed(self, ev: Eviction, data: ScoringData, lengths: np.ndarray) -> Context:
@@ -362,15 +376,24 @@ class Prefilled:
         return out if self.batched else out[0]
 
 
-def prefill_full(params: Params, tokens, room: int = 256, *, mesh: Mesh | None = None) -> Prefilled:
+def prefill_full(
+    params: Params,
+    tokens,
+    room: int = 256,
+    *,
+    mesh: Mesh | None = None,
+    kv_dtype: str | None = None,
+) -> Prefilled:
     """Run the full-cache prefill of ``tokens`` (1-D or a batch) once.
 
     Args:
         room: extra slots for decoding.
         mesh: a device mesh to run on.
+        kv_dtype: how the cache stores keys and values (``EvictionOptions.kv_dtype``); its
+            compressions keep it.
     """
     rows, batched = check_tokens(tokens, params.config.vocab_size)
-    return Prefilled(params, rows, batched, room, _placed(params, rows, mesh))
+    return Prefilled(params, rows, batched, room, _placed(params, rows, mesh), kv_dtype)
 
 
 def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> Context:
@@ -385,7 +408,7 @@ def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> 
     rows, batched = check_tokens(tokens, params.config.vocab_size)
     longest = max(len(r) for r in rows)
     options = EvictionOptions.of(**eviction)
-    ev = options.resolve(context=longest)
+    ev = options.resolve(context=longest, model=params)
     if ev is None:
         raise ValueError(
             "budget=None: prefill builds a compressed context and needs a budget; use "
@@ -417,7 +440,7 @@ def compress_rows(
     own reads (``EvictionOptions.scoring_data``)."""
     # KVzip: a scoring pass over the whole prefilled prompt
     if ev.policy.scorer.scoring_pass is not None:
-        prefilled = Prefilled(params, rows, batched, mesh=mesh)
+        prefilled = Prefilled(params, rows, batched, mesh=mesh, kv_dtype=ev.kv_dtype)
         # a scoring pass runs under "prefill"
         return prefilled.compressed(ev, data, prefilled.lengths)
     return compress_by_protocol(params, rows, batched, ev, mesh)

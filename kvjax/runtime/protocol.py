@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from kvjax.cache.layout import Dense, EvictingCache, Paged, cache_layout
 from kvjax.eviction import Policy
 from kvjax.eviction.keywords import DECODE_ORDERS, PROTOCOLS
+from kvjax.kernels.quantized import check_kind
 from kvjax.model.decoder import forward
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment, when
@@ -38,6 +39,8 @@ class Eviction:
             ``decode_order`` (``DECODE_ORDERS``).
         page_size: tokens per page of a paged cache (``kvjax.cache.paged``), None for the dense
             ``BudgetCache`` (uniform allocation only).
+        kv_dtype: how the cache stores keys and values (None: the model's dtype; else one of
+            ``kvjax.kernels.quantized.KV_DTYPES``).
     """
 
     policy: Policy
@@ -47,10 +50,13 @@ class Eviction:
     decode_evict: bool = True
     page_size: int | None = None
     decode_order: str = "attend-first"
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         if self.protocol not in PROTOCOLS + (APPEND,):
             raise ValueError(f"protocol={self.protocol!r} must be one of {PROTOCOLS}")
+        if self.kv_dtype is not None:
+            check_kind(self.kv_dtype)
         if self.decode_order not in DECODE_ORDERS:
             raise ValueError(f"decode_order={self.decode_order!r} must be one of {DECODE_ORDERS}")
         if self.decode_order == "evict-first" and self.policy.allocation_spec.shared == "all":
@@ -97,7 +103,7 @@ class Eviction:
     def empty_cache(self, cfg, batch: int, spare: int, dtype) -> EvictingCache:
         """An empty cache with room for the budget plus ``spare`` new tokens per head."""
         self.policy.check_model(cfg.n_layers)
-        cache = self.layout.empty(cfg, self.policy, batch, spare, dtype)
+        cache = self.layout.empty(cfg, self.policy, batch, spare, dtype, self.kv_dtype)
         return cache.replace(stats=self.policy.scorer.init_stats(cfg, batch))
 
     def fit(self, cache: EvictingCache, cfg, spare: int) -> EvictingCache:
@@ -147,6 +153,7 @@ class Eviction:
             block_size=self.block_size,
             decode_evict=False,
             page_size=self.page_size,
+            kv_dtype=self.kv_dtype,
         )
 
 

@@ -17,13 +17,14 @@ import os
 
 import jax
 import numpy as np
-from flax.serialization import from_state_dict, to_state_dict
+from flax.serialization import from_state_dict, register_serialization_state, to_state_dict
 
 from kvjax.cache.dense import BudgetCache
 from kvjax.cache.paged import PagedCache
 from kvjax.checkpoint.errors import CheckpointError
 from kvjax.checkpoint.store import atomic_directory, damage, record_files
 from kvjax.eviction import Policy
+from kvjax.kernels.quantized import Quantized
 from kvjax.model.config import ModelConfig
 from kvjax.model.params import Params
 from kvjax.runtime.context import Context
@@ -34,6 +35,13 @@ META_FILE = "kvjax_context.json"
 CONTEXTS = "contexts"  # the folder of contexts saved by name, in kvjax.loading.checkpoint_root()
 FORMAT = 1
 CACHE_KINDS = {"budget": BudgetCache, "paged": PagedCache}
+
+# quantized keys and values (kv_dtype) are saved as their codes and scales
+register_serialization_state(
+    Quantized,
+    lambda q: {"data": q.data, "scale": q.scale},
+    lambda q, state: Quantized(state["data"], state["scale"], q.kind, q.dtype),
+)
 
 
 def _eviction_to_json(ev: Eviction) -> dict:

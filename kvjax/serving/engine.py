@@ -158,10 +158,11 @@ def _cache_batch_axes(cache):
         value = getattr(cache, f.name)
         if f.metadata.get("pytree_node", True) is False or value is None:
             continue
+        axis = None if hasattr(type(value), "AXES") else type(cache).AXES[f.name].index("batch")
         fields[f.name] = (
             _cache_batch_axes(value)
-            if hasattr(type(value), "AXES")
-            else type(cache).AXES[f.name].index("batch")
+            if axis is None
+            else jax.tree.map(lambda _, a=axis: a, value)  # quantized: codes and scales alike
         )
     return cache.replace(**fields)
 
@@ -273,6 +274,7 @@ def mixed(
 def begin(filling: Filling, row: jax.Array, cache, start: jax.Array) -> Filling:
     """The rows with row ``row`` (an int32 scalar) replaced by ``cache`` (batch 1, the rows'
     geometry: empty, or a context's) holding ``start`` tokens."""
+
     def put(full, one, axis):
         return jax.lax.dynamic_update_slice_in_dim(full, one, row, axis)
 
@@ -437,7 +439,7 @@ class Engine:
             )
         if contexts is None:
             options = EvictionOptions.of(**eviction)
-            ev = options.resolve()
+            ev = options.resolve(model=params)
         else:
             # room for whole contexts in a head where one may keep them (kvzip-head, global+kvzip)
             contexts = dataclasses.replace(
@@ -464,7 +466,9 @@ class Engine:
             mesh,
         )
         self.ev, self.decode_ev = ev, None if ev is None else ev.decoding()
-        self.full_impl = options.full_cache_impl if contexts is None else None
+        # the full cache's (impl, kv_dtype) (``FullCache.init``)
+        full = options.full_cache if contexts is None else {}
+        self.full = (full.get("impl"), full.get("kv_dtype"))
         if prefill_rows is None:  # several where a row holds a budget and a chunk, else one
             small = ev is not None and ev.protocol == "blockwise"
             prefill_rows = -(-min(slots, 4 if small else 1) // data_size(mesh)) * data_size(mesh)
@@ -618,7 +622,7 @@ class Engine:
         spare = self.fill_spare if prompt else self.decode_spare
         cfg, dtype = self.params.config, self.params.dtype
         shape = jax.eval_shape(
-            lambda: _empty_cache(cfg, dtype, rows, self.ev, self.capacity, spare, self.full_impl)
+            lambda: _empty_cache(cfg, dtype, rows, self.ev, self.capacity, spare, self.full)
         )
         return cache_bytes(shape)
 
@@ -672,7 +676,7 @@ class Engine:
                         self.ev,
                         self.capacity,
                         self.fill_spare,
-                        self.full_impl,
+                        self.full,
                     )
                 cache, start = self._empty_row, 0
             return begin(filling, np.int32(row), cache, np.int32(start))
@@ -717,10 +721,10 @@ class Engine:
         args = (self.params.config, self.params.dtype)
         with on_mesh(self.mesh):
             state = _init_state(
-                *args, self.slots, self.ev, self.capacity, self.decode_spare, self.full_impl
+                *args, self.slots, self.ev, self.capacity, self.decode_spare, self.full
             )
             cache = _empty_cache(
-                *args, self.prefill_rows, self.ev, self.capacity, self.fill_spare, self.full_impl
+                *args, self.prefill_rows, self.ev, self.capacity, self.fill_spare, self.full
             )
             lengths = jnp.zeros(self.prefill_rows, jnp.int32)
             filling = constrain(Filling(cache=cache, lengths=lengths))
@@ -741,24 +745,24 @@ class Engine:
         jax.block_until_ready(self.generate(state))
 
 
-@jit(static_argnames=("cfg", "dtype", "rows", "ev", "capacity", "spare", "impl"))
+@jit(static_argnames=("cfg", "dtype", "rows", "ev", "capacity", "spare", "full"))
 def _empty_cache(
-    cfg, dtype, rows: int, ev: Eviction | None, capacity: int, spare: int, impl: str | None
+    cfg, dtype, rows: int, ev: Eviction | None, capacity: int, spare: int, full: tuple
 ):
-    """An empty cache of ``rows`` rows: the full cache of ``capacity`` slots (ev=None; decode
-    attention ``impl``), else ``ev``'s budget cache with ``spare`` slots per head."""
+    """An empty cache of ``rows`` rows: the full cache of ``capacity`` slots (ev=None; ``full``:
+    its decode attention and kv_dtype), else ``ev``'s budget cache with ``spare`` slots per head."""
     return constrain(
-        FullCache.init(cfg, rows, capacity, dtype, impl)
+        FullCache.init(cfg, rows, capacity, dtype, *full)
         if ev is None
         else ev.empty_cache(cfg, rows, spare, dtype)
     )
 
 
-@jit(static_argnames=("cfg", "dtype", "slots", "ev", "capacity", "spare", "impl"))
+@jit(static_argnames=("cfg", "dtype", "slots", "ev", "capacity", "spare", "full"))
 def _init_state(
-    cfg, dtype, slots: int, ev: Eviction | None, capacity: int, spare: int, impl: str | None
+    cfg, dtype, slots: int, ev: Eviction | None, capacity: int, spare: int, full: tuple
 ) -> Slots:
-    cache = _empty_cache(cfg, dtype, slots, ev, capacity, spare, impl)
+    cache = _empty_cache(cfg, dtype, slots, ev, capacity, spare, full)
     settings = Settings(
         max_new=jnp.zeros(slots, jnp.int32),
         stop=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),

@@ -79,4 +79,3 @@ class Modifier:
         most ``max_drop``, by the priority ``prio`` and what it reads, under ``policy``), or None:
         the allocation's count of the lowest priorities."""
         return None
-
