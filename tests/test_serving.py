@@ -212,6 +212,36 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_decode_step(tiny_llama):
             ]
 
 
+def test_a_prompt_promoted_into_a_cancelled_slot_gets_only_its_own_tokens(tiny_llama):
+    """Two slots: A decodes, B is cancelled mid-decode (its row is not done, so the engine still
+    decodes it), C takes B's slot, prefilled in chunks while A decodes and promoted in a step
+    whose decode tokens for that slot were B's. C's tokens equal kvjax.generate alone (found by
+    the soak: such a stale token was handed to C as its first)."""
+    rng = np.random.default_rng(5)
+    a, b, c = (rng.integers(4, 97, n) for n in (9, 11, 40))
+    for eviction in (TINY, {}):
+        engine = Engine(
+            tiny_llama,
+            **(TINY_ENGINE | dict(slots=2, max_new_tokens=60)),
+            prefill_chunk=16,
+            **eviction,
+        )
+        driver = Driver(engine).start()
+        try:
+            first = driver.submit(a, max_new_tokens=60, stop_ids=())
+            second = driver.submit(b, max_new_tokens=60, stop_ids=())
+            wait_for(lambda: len(second.tokens) >= 2, what="both slots decoding")
+            third = driver.submit(c, max_new_tokens=6, stop_ids=())  # waits for a free slot
+            second.cancel()
+            out = third.result(120)
+            first.result(120)
+        finally:
+            driver.stop()
+        assert driver.counts["cancelled"] == 1
+        alone = kvjax.generate(tiny_llama, c, max_new_tokens=6, stop_ids=(), **eviction)
+        assert out == [int(t) for t in alone]
+
+
 def test_slots_from_memory(tiny_llama):
     """Engine.for_memory: as many slots as the bytes hold with the prompt rows (one more would not
     fit), the full cache's slots sized by its context, a budget cache's by its budget; too little

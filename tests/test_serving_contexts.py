@@ -124,6 +124,33 @@ def test_garbage_under_the_root_is_skipped(tiny_llama, tmp_path, caplog):
     assert store.records() == [] and "junk" in caplog.text and "empty" in caplog.text
 
 
+def test_what_a_killed_write_leaves_is_removed_when_the_store_opens(tiny_llama, tmp_path, caplog):
+    """The states a SIGKILL can leave a write in (tests/test_server_kills.py kills real servers):
+    a half-filled temporary directory, a context directory renamed into place before its record,
+    a record's temporary file, and a deletion cut between the record and the directory. A new
+    store removes them, keeps the complete context and compresses the cut one again."""
+    store = ContextStore(tiny_llama, str(tmp_path), BIG)
+    done, _ = store.add(document(1), **SNAPKV)
+    cut, _ = store.add(document(2), **SNAPKV)
+    deleted, _ = store.add(document(3), **SNAPKV)
+    os.remove(tmp_path / f"{cut.id}.json")  # renamed into place, record never written
+    (tmp_path / f".{cut.id}.json.tmp4242").write_text('{"id": "')
+    half = tmp_path / f".{done.id}.k2j3h4.tmp"  # atomic_directory's temporary, half-filled
+    shutil.copytree(tmp_path / done.id, half)
+    os.remove(half / "kvjax_context.json")
+    os.remove(tmp_path / f"{deleted.id}.json")  # delete() removes the record first
+    (tmp_path / "notes").mkdir()  # not the store's: skipped, kept
+    with caplog.at_level(logging.WARNING, logger="kvjax.serving.contexts"):
+        reopened = ContextStore(tiny_llama, str(tmp_path), BIG)
+    assert reopened.records() == [done]
+    assert sorted(os.listdir(tmp_path)) == sorted([done.id, f"{done.id}.json", "notes"])
+    assert caplog.text.count("a write cut before it completed") == 4
+    assert_answers_like_fresh(tiny_llama, reopened.get(done.id), document(1), SNAPKV)
+    again, compressed = reopened.add(document(2), **SNAPKV)
+    assert compressed and again.id == cut.id
+    assert_answers_like_fresh(tiny_llama, reopened.get(cut.id), document(2), SNAPKV)
+
+
 def test_tokens_must_be_one_document(tiny_llama, tmp_path):
     store = ContextStore(tiny_llama, str(tmp_path), BIG)
     with pytest.raises(ValueError, match="tokens"):

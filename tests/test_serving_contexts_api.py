@@ -3,6 +3,8 @@
 ``/v1/contexts`` with the official ``openai`` client (``context_id`` in ``extra_body``), streaming,
 deduplication, a restart, deletion while a request runs, and the errors."""
 
+import dataclasses
+import os
 import subprocess
 import sys
 import threading
@@ -444,3 +446,103 @@ def test_ask_with_a_server(tiny, smollm2_tokenizer, tmp_path):
         assert refused.returncode == 2 and "another slot geometry" in refused.stderr
     finally:
         served.close()
+
+
+def exactly(contexts, n: int) -> str:
+    """A document of exactly ``n`` tokens once rendered (the template's tokens included)."""
+    words = n
+    while (got := len(contexts.document_tokens("a " * words))) != n:
+        words += n - got
+    return "a " * words
+
+
+def test_bad_input_at_the_contexts_resource(tiny, smollm2_tokenizer, tmp_path):
+    """docs/serving.md's table of bad input at /v1/contexts, row by row: each a clear 4xx (or the
+    documented behaviour), the server unharmed (it answers afterwards), nothing written outside
+    its directory."""
+    root = tmp_path / "contexts"
+    outside = tmp_path / "victim"
+    outside.mkdir()
+    (tmp_path / "victim.json").write_text("{}")
+    served = Served(tiny, smollm2_tokenizer, root, slots=1)
+    try:
+        made = served.http.post("/v1/contexts", json={"model": "tiny", "document": DOCUMENT})
+        good = made.json()["id"]
+        answer = served.ask(good, QUESTIONS[0])
+        n_ctx = tiny.config.max_seq_len
+
+        def post(content=None, **body):
+            if content is not None:
+                return served.http.post(
+                    "/v1/contexts", content=content, headers={"content-type": "application/json"}
+                )
+            return served.http.post("/v1/contexts", json={"model": "tiny"} | body)
+
+        def error(reply, status, param=None, code=None, says=""):
+            assert reply.status_code == status, reply.text
+            e = reply.json()["error"]
+            assert (param is None or e["param"] == param) and (code is None or e["code"] == code)
+            assert says in e["message"], e["message"]
+
+        error(post(document=""), 400, "document", says="document: empty")
+        error(post(document=" \n\t"), 400, "document", says="document: empty")
+        error(post(messages=[{"role": "user", "content": ""}]), 400, "messages", says="empty")
+        error(
+            post(document=exactly(served.contexts, n_ctx + 1)),
+            400,
+            "document",
+            "context_length_exceeded",
+            f"{n_ctx + 1} tokens exceed the model's context of {n_ctx}",
+        )
+        assert post(document=exactly(served.contexts, n_ctx)).status_code == 201
+        error(post(content=b'{"model": "tiny", "document": "\xff\xfe\x00"}'), 400)
+        error(post(content=b"\x89PNG\r\n\x1a\n\x00\x00"), 400)
+        lone = b'{"model": "tiny", "document": "ok \\udcff"}'  # JSON's escape of a lone surrogate
+        error(post(content=lone), 400, "document", says="not valid Unicode")
+        error(post(document=DOCUMENT, budget=0), 400, "budget", says="budget=0")
+        whole = post(document=DOCUMENT, budget=200)  # more than the document: keeps every token
+        assert whole.status_code == 201 and whole.json()["tokens"] < 200, whole.text
+        kept = whole.json()["kept_slots"]
+        assert kept == whole.json()["tokens"] * tiny.config.n_layers * tiny.config.n_kv_heads
+        error(post(document=DOCUMENT, budget=10**5), 400, says="another slot geometry")
+        error(post(document=DOCUMENT, scorer="magic"), 400, "scorer", says="magic")
+        error(post(document=DOCUMENT, temperature=3), 400, "temperature")
+        error(post(document=DOCUMENT, model="other"), 404, "model", "model_not_found")
+        for id in ("nope", "../victim", "..%2Fvictim", "%2E%2E%2Fvictim", good + "/x"):
+            assert served.http.get(f"/v1/contexts/{id}").status_code == 404, id
+            assert served.http.delete(f"/v1/contexts/{id}").status_code == 404, id
+        for id in ("../victim", "/etc/passwd", "nope"):
+            with pytest.raises(openai.NotFoundError):
+                served.ask(id, "hi")
+        assert outside.is_dir() and (tmp_path / "victim.json").read_text() == "{}"
+        with ThreadPoolExecutor(8) as pool:  # DELETE and asks on one id at once
+            asks = [pool.submit(ask_or_404, served, good) for _ in range(6)]
+            gone = pool.submit(served.http.delete, f"/v1/contexts/{good}")
+            got = [a.result() for a in asks]
+        assert gone.result().status_code == 200
+        assert all(a in (answer, 404) for a in got), got
+        error(served.http.get(f"/v1/contexts/{good}"), 404, code="context_not_found")
+        with pytest.raises(openai.NotFoundError):
+            served.ask(good, "hi")
+        again = post(document=DOCUMENT)
+        assert again.status_code == 201 and served.ask(again.json()["id"], QUESTIONS[0]) == answer
+        assert sorted(os.listdir(tmp_path)) == ["contexts", "victim", "victim.json"]
+    finally:
+        served.close()
+
+    other = dataclasses.replace(tiny.config, d_ff=tiny.config.d_ff * 2)  # another model, same dir
+    served = Served(kvjax.init_params(other, jax.random.key(1), scale=0.3), smollm2_tokenizer, root)
+    try:
+        assert served.http.get("/v1/contexts").json()["data"] == []
+        error(served.http.get(f"/v1/contexts/{again.json()['id']}"), 404)
+        with pytest.raises(openai.NotFoundError):
+            served.ask(again.json()["id"], "hi")
+    finally:
+        served.close()
+
+
+def ask_or_404(served, id):
+    try:
+        return served.ask(id, QUESTIONS[0])
+    except openai.NotFoundError:
+        return 404

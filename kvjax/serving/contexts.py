@@ -5,6 +5,10 @@ Each context lives on disk as ``<root>/<id>/`` (the saved-context format of
 recently used ones are also kept in memory, up to a byte limit. The id is a content hash of the
 tokens, the settings the eviction options resolve to and the model, so adding the same document
 twice compresses it once.
+
+A context is complete once its record is written (last, by a rename); one server owns a root at a
+time. What a killed process leaves (temporaries named ``.<id>...``, a context directory without its
+record) is removed when a store opens the root, so a cut write is absent, never half-read.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -33,6 +38,10 @@ from kvjax.runtime.prefilled import prefill
 from kvjax.runtime.saved_context import load_context, read_meta, save_context
 
 log = logging.getLogger(__name__)
+ID = re.compile(r"[0-9a-f]{24}")
+# what a write cut by a kill leaves: atomic_directory's ".<id>.<random>.tmp" and the record's
+# ".<id>.json.tmp<pid>"
+CUT_WRITE = re.compile(r"\.[0-9a-f]{24}\.(json\.tmp\d+|.+\.tmp)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +106,15 @@ class ContextStore:
         self._records: dict[str, ContextRecord] = {}
         self._memory: collections.OrderedDict[str, tuple[Context, int]] = collections.OrderedDict()
         os.makedirs(root, exist_ok=True)
-        for name in sorted(os.listdir(root)):
+        names = sorted(os.listdir(root))
+        for name in names:
             path = os.path.join(root, name)
-            if not name.startswith(".") and os.path.isdir(path):  # "." : temporary while written
+            if CUT_WRITE.fullmatch(name) or (
+                ID.fullmatch(name) and os.path.isdir(path) and f"{name}.json" not in names
+            ):
+                log.warning("removing %s: a write cut before it completed", path)
+                _remove(path)
+            elif not name.startswith(".") and os.path.isdir(path):
                 self._list(name, path)
 
     def _list(self, name: str, path: str) -> None:
@@ -125,7 +140,7 @@ class ContextStore:
         options = EvictionOptions.of(**eviction)
         h = hashlib.sha256(np.asarray(tokens, np.int64).tobytes())
         for part in (
-            repr(options.resolve(len(tokens))),
+            repr(options.resolve(len(tokens), self.params)),
             repr(options.scoring_data(self.params.config).key()),
             config_fingerprint(self.params.config),
             self._dtype,
@@ -195,6 +210,16 @@ class ContextStore:
             self._memory.popitem(last=False)
         self._memory[id] = (context, nbytes)
 
+    def usage(self) -> dict:
+        """Contexts stored and in memory, and the bytes these hold against ``memory_bytes``."""
+        with self._lock:
+            return {
+                "stored": len(self._records),
+                "in_memory": len(self._memory),
+                "memory_bytes": sum(n for _, n in self._memory.values()),
+                "memory_limit": self.memory_bytes,
+            }
+
     def in_memory(self) -> list[str]:
         """The ids held in memory, least recently used first."""
         with self._lock:
@@ -222,6 +247,13 @@ class ContextStore:
             self._memory.pop(id, None)
             os.remove(self._record_path(id))  # first: a crash leaves no listed half-deleted context
             shutil.rmtree(os.path.join(self.root, id), ignore_errors=True)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        os.remove(path)
 
 
 class ContextService:
@@ -299,7 +331,7 @@ class ContextService:
         KVzip's repeat prompt made from the tokenizer, validated, and of the slots' geometry
         (ValueError or TypeError naming what is wrong)."""
         options = with_tokenizer(self.tokenizer, **(self.eviction | given))
-        ev = eviction_from(context=n_tokens, **options)
+        ev = eviction_from(context=n_tokens, model=self.store.params, **options)
         if ev is None:
             raise ValueError("budget=None: a context is compressed under a budget")
         self.driver.engine.check_geometry(ev)

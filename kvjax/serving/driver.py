@@ -186,6 +186,7 @@ class Driver:
                     self._wake.wait()
                     continue
                 decoding = self.active - self.prefilling
+                promoted = set()
                 if self.prefilling:
                     rows = [None if r is None else (r[0].inputs, r[2]) for r in self._rows]
                     chunk = self.engine.chunk(rows)
@@ -195,7 +196,7 @@ class Driver:
                     else:
                         filling, logits = self.engine.fill(filling, chunk)
                     self.counts["chunks"] += 1
-                    state = self._promote(filling, chunk, logits, state)
+                    state, promoted = self._promote(filling, chunk, logits, state)
                 else:
                     state, tokens = self.engine.generate(state)
                 if not decoding:
@@ -204,11 +205,13 @@ class Driver:
                 self.counts["steps"] += 1
                 prefilling = {r[1] for r in self._rows if r is not None}
                 for i, r in enumerate(self._slots):
-                    if r is None or i in prefilling:
+                    # a slot promoted during this step decoded its previous occupant's row (one
+                    # cancelled mid-decode is still running): its own tokens start next step
+                    if r is None or i in prefilling or i in promoted:
                         continue
                     new = [int(t) for t in tokens[i] if t >= 0]
                     if not new and not done[i]:
-                        continue  # promoted during this step: its tokens start next step
+                        continue
                     if done[i]:
                         self._free(
                             i,
@@ -265,15 +268,17 @@ class Driver:
 
     def _promote(self, filling, chunk, logits, state):
         """After a chunk: advance each prompt row, and move a row whose prompt is done into its
-        slot."""
+        slot. Returns the state and the slots promoted."""
+        promoted = set()
         for j, row in enumerate(self._rows):
             if row is None:
                 continue
             row[2] += int(chunk.n[j])
             if chunk.final[j]:
                 state = self.engine.promote(filling, j, logits, state, row[1], row[0].inputs)
+                promoted.add(row[1])
                 self._rows[j] = None
-        return state
+        return state, promoted
 
     def _free(
         self, i: int, reason: str, tokens: list[int] = (), error: BaseException | None = None

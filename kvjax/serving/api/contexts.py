@@ -34,6 +34,7 @@ async def create_context(body: ContextBody, s: Service = Depends(service)):
     if body.messages is not None and body.system is not None:
         raise APIError(400, "system: goes with a document; put it in the messages", "system")
     messages = None if body.messages is None else plain(body.messages)
+    check_text(body.document, body.system, messages)
     try:
         tokens = (
             contexts.document_tokens(body.document, body.system)
@@ -54,8 +55,32 @@ async def create_context(body: ContextBody, s: Service = Depends(service)):
         options = contexts.options(given, len(tokens))
         record, created = await asyncio.wrap_future(contexts.compress(tokens, messages, options))
     except (ValueError, TypeError) as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=named(str(e))) from None
     return JSONResponse(s.context_card(record), status_code=201 if created else 200)
+
+
+def check_text(document: str | None, system: str | None, messages: list[dict] | None) -> None:
+    """A 400 for a document (or messages) with no text, or with text that is not Unicode (a lone
+    surrogate, which JSON's escapes can carry)."""
+    param = "document" if messages is None else "messages"
+    texts = [document, system] if messages is None else [m["content"] for m in messages]
+    if not "".join(t for t in texts if t).strip():
+        raise APIError(400, f"{param}: empty (no text to compress)", param=param)
+    for text in texts:
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(
+                400,
+                f"{param}: not valid Unicode (a lone surrogate at character {e.start})",
+                param=param,
+            ) from None
+
+
+def named(message: str) -> str | None:
+    """The eviction option an error message starts with (``budget=0 must ...``), if any."""
+    name = message.split("=", 1)[0]
+    return name if name in CONTEXT_OPTIONS else None
 
 
 @router.get("/v1/contexts")

@@ -19,6 +19,8 @@ async def health(s: Service = Depends(service)):
         "active": s.driver.active,
         "waiting": s.driver.waiting,
     }
+    if s.contexts is not None:
+        body["contexts"] = s.contexts.store.usage()
     return JSONResponse(body, status_code=200 if running else 503)
 
 
