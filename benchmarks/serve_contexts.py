@@ -2,16 +2,16 @@
 
 Run from the repository root (about 15 minutes on the 2-core development CPU):
 
-    .venv/bin/python benchmarks/serve_contexts.py
+    .venv/bin/python benchmarks/serve_contexts.py --out docs/results/serve/contexts
     .venv/bin/python benchmarks/serve_contexts.py --docs 2 --questions 16 --clients 8  # quick
 
 1. Documents: ``--docs`` documents of about ``--tokens`` tokens of real English prose
    (``kvjax.eval.haystack``'s pydoc sentences), each holding ``NEEDLES`` needles ("The special magic
    number for NAME is NUMBER."); ``--questions`` questions in all ask for them, spread over the
    documents.
-2. One server in this process (``kvjax.serving.server`` over loopback) with two engines: the
-   ordinary route (a full cache, ``--slots`` slots) and ``--context-slots`` slots for contexts
-   (``kvzip`` at ``--budget`` by default).
+2. One server in this process (``kvjax.serving.server`` over loopback) with two engines of
+   ``--slots`` slots each (the same count on both sides unless ``--context-slots`` says otherwise):
+   the ordinary route (a full cache) and the contexts' (``kvzip`` at ``--budget`` by default).
 3. Contexts: each document is posted once to ``/v1/contexts`` (timed), then ``--clients`` clients of
    the official ``openai`` client ask every question with its ``context_id`` (``extra_body``).
    Every answer must equal ``kvjax.decode(params, context, question_ids, evict=False)`` of the
@@ -20,7 +20,9 @@ Run from the repository root (about 15 minutes on the 2-core development CPU):
    request carrying its whole document (the same tokens as the context, uncompressed).
 5. The table: throughput (questions per second of the phase's wall time; for contexts also with
    the compressions counted), p50 / p99 latency per question, needle accuracy (the number in the
-   answer), and the cache memory of one active request (a slot's share of its engine's cache).
+   answer as a whole number, ``kvjax.eval.niah.score``), and the cache memory of one active request
+   (a slot's share of its engine's cache). With ``--out``, the table and the raw output (every
+   question's answer, its seconds and score, each compression) are written there.
 
 No request starts after ``--time-cap`` seconds from the start of a phase (those count as not
 answered). The Markdown table goes to stdout, progress to stderr.
@@ -29,18 +31,20 @@ answered). The Markdown table goes to stdout, progress to stderr.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import jax
 import numpy as np
 import openai
 
 import kvjax
 from kvjax.eval.haystack import sentences
+from kvjax.eval.niah import score
 from kvjax.loading import chat_parts
 from kvjax.runtime.options import eviction_from, with_tokenizer
 from kvjax.serving import Driver, Engine
@@ -98,9 +102,8 @@ def make_questions(docs, n: int) -> list[tuple[int, str, str]]:
 
 
 def cache_bytes_per_slot(engine: Engine) -> int:
-    """One slot's share of an engine's decode-state cache, in bytes."""
-    cache = jax.eval_shape(engine.init_state).cache
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) // engine.slots
+    """One slot's cache in bytes (``Engine.cache_bytes``: what ``--kv-memory`` counts)."""
+    return engine.cache_bytes(1)
 
 
 def run_phase(clients: int, jobs: list, ask, time_cap: float) -> tuple[list, float]:
@@ -123,7 +126,9 @@ def run_phase(clients: int, jobs: list, ask, time_cap: float) -> tuple[list, flo
 def summary(name, results, wall, extra_seconds, expected, memory) -> dict:
     done = [(a, s) for a, s in results if a is not None]
     seconds = np.array([s for _, s in done]) if done else np.zeros(1)
-    correct = sum(e in a for (a, _), e in zip(results, expected, strict=True) if a is not None)
+    correct = sum(
+        score(a, (e,)) for (a, _), e in zip(results, expected, strict=True) if a is not None
+    )
     return dict(
         route=name,
         answered=len(done),
@@ -146,11 +151,13 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--scorer", default="kvzip")
-    p.add_argument("--slots", type=int, default=4, help="slots of the ordinary route")
-    p.add_argument("--context-slots", type=int, default=16)
+    p.add_argument("--slots", type=int, default=16, help="slots of each route")
+    p.add_argument("--context-slots", type=int, help="slots of contexts (default: --slots)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--time-cap", type=float, default=900.0, help="seconds per phase")
+    p.add_argument("--out", help="a directory for table.md and raw.json")
     args = p.parse_args()
+    args.context_slots = args.context_slots or args.slots
 
     params = kvjax.load(MODEL)
     tokenizer = kvjax.load_tokenizer(MODEL)
@@ -183,7 +190,7 @@ def main() -> int:
             base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=args.time_cap
         )
         try:
-            ids = [None] * len(docs)
+            ids, made_cards = [None] * len(docs), [None] * len(docs)
 
             def post(i):
                 made = httpx.post(
@@ -192,7 +199,7 @@ def main() -> int:
                     json={"model": "smollm2", "document": docs[i][0]},
                 )
                 made.raise_for_status()
-                ids[i] = made.json()["id"]
+                ids[i], made_cards[i] = made.json()["id"], made.json()
                 log(
                     f"  {made.json()['tokens']} tokens -> {made.json()['kept_slots']} slots in "
                     f"{made.json()['seconds']:.1f}s"
@@ -268,35 +275,56 @@ def main() -> int:
         summary("whole documents", on_whole, wall_w, 0.0, expected, cache_bytes_per_slot(whole)),
     ]
     c, w = rows
-    print(
-        f"\n{args.docs} documents of about {args.tokens} tokens, {args.questions} questions from "
+    lines = [
+        f"{args.docs} documents of about {args.tokens} tokens, {args.questions} questions from "
         f"{args.clients} clients, SmolLM2-135M float32 on this machine; contexts compressed by "
         f"{args.scorer} at budget {args.budget} ({compress:.1f} s for all), "
         f"{args.context_slots} context slots; the ordinary route: a full cache, "
-        f"{args.slots} slots.\n"
-    )
-    print(
+        f"{args.slots} slots.",
+        "",
         "| route | answered | questions/s | questions/s, compression included | p50 s | p99 s "
-        "| needle accuracy | cache MiB per active request |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        "| needle accuracy | cache MiB per active request |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        print(
+        lines.append(
             f"| {r['route']} | {r['answered']}/{r['of']} | {r['qps']:.2f} | {r['qps_all']:.2f} "
             f"| {r['p50']:.2f} | {r['p99']:.2f} | {r['accuracy']:.0%} "
             f"| {r['memory'] / 2**20:.1f} |"
         )
     speed, memory = c["qps"] / w["qps"], w["memory"] / c["memory"]
-    print(
-        f"\nWhile a document is compressed, {len(probe)} questions on another context take "
-        f"{busy:.1f} s instead of {quiet:.1f} s ({busy / quiet:.1f}×)."
-    )
-    print(
-        f"\nContexts over whole documents: {speed:.1f}× the throughput "
+    lines += [
+        "",
+        f"While a document is compressed, {len(probe)} questions on another context take "
+        f"{busy:.1f} s instead of {quiet:.1f} s ({busy / quiet:.1f}×).",
+        "",
+        f"Contexts over whole documents: {speed:.1f}× the throughput "
         f"({c['qps_all'] / w['qps']:.1f}× with the compressions counted), {memory:.1f}× less cache "
         f"memory per active request (target {TARGET:.0f}× each); answers differing from "
-        f"kvjax.decode alone: {mismatches} of {c['answered']}."
-    )
+        f"kvjax.decode alone: {mismatches} of {c['answered']}.",
+    ]
+    text = "\n".join(lines)
+    print("\n" + text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "table.md"), "w") as f:
+            f.write(text + "\n")
+        answers = [
+            dict(route=route, doc=doc, question=q, expected=e, answer=a, seconds=sec,
+                 score=None if a is None else score(a, (e,)))
+            for route, results in (("contexts", on_contexts), ("whole documents", on_whole))
+            for (doc, q, e), (a, sec) in zip(questions, results, strict=True)
+        ]  # fmt: skip
+        raw = dict(
+            args=vars(args),
+            compressions=made_cards,
+            probe=dict(quiet_s=quiet, busy_s=busy, questions=len(probe)),
+            rows=rows,
+            mismatches=mismatches,
+            answers=answers,
+        )
+        with open(os.path.join(args.out, "raw.json"), "w") as f:
+            json.dump(raw, f, indent=1)
     return 0 if mismatches == 0 else 1
 
 

@@ -316,7 +316,7 @@ def test_nothing_compiles_after_warmup(tiny_llama, count_compiles):
         finally:
             driver.stop()
 
-    engine = Engine(tiny_llama, **(TINY_ENGINE | dict(max_prompt=200)), **TINY)
+    engine = Engine(tiny_llama, **(TINY_ENGINE | dict(max_prompt=200)), prefill_rows=4, **TINY)
     assert (engine.chunk_size, engine.prefill_rows) == (16, 4)  # prompts of up to 13 chunks
     engine.warmup()
     with count_compiles() as after_warmup:

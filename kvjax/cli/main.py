@@ -114,7 +114,12 @@ def _serve(args) -> int:
     start = time.perf_counter()
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
-    shape = dict(max_prompt=args.max_prompt, max_new_tokens=args.max_tokens, mesh=mesh)
+    shape = dict(
+        max_prompt=args.max_prompt,
+        max_new_tokens=args.max_tokens,
+        mesh=mesh,
+        prefill_rows=args.prefill_rows,
+    )
     if args.kv_memory is None:
         engine = Engine(params, slots=args.slots, **shape, **eviction)
     else:
@@ -352,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1024,
         help="longest prompt in tokens (default: %(default)s)",
+    )
+    s.add_argument(
+        "--prefill-rows",
+        type=int,
+        help="prompts prefilled together, a chunk each per decode step (default: up to 4 with a "
+        "budget, else 1; docs: Serving, 'Long prompts arriving while others decode')",
     )
     s.add_argument(
         "--max-tokens",

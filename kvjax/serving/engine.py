@@ -366,9 +366,10 @@ class Engine:
         steps: decode steps per ``generate`` call (while no prompt is being prefilled).
         mesh: a device mesh (slots and prompt rows split over its ``data`` axis, the params placed
             with ``kvjax.shard``).
-        prefill_rows: prompts prefilled together, a chunk each per step (None: up to 4 under the
-            blockwise protocol, whose prompt rows hold a budget and a chunk, else 1, whose rows
-            hold a whole prompt; a multiple of the mesh's ``data`` axis).
+        prefill_rows: prompts prefilled together, a chunk each per step (None: on an accelerator
+            up to 4 under the blockwise protocol, whose prompt rows hold a budget and a chunk, else
+            1, whose rows hold a whole prompt; 1 on a CPU; a multiple of the mesh's ``data``
+            axis).
         prefill_chunk: the full cache's chunk of prompt tokens (a budget cache's chunk is its
             eviction block, ``block_size``).
         eviction: the keywords of ``kvjax.EvictionOptions`` (budget=None: a full cache of
@@ -469,9 +470,14 @@ class Engine:
         # the full cache's (impl, kv_dtype) (``FullCache.init``)
         full = options.full_cache if contexts is None else {}
         self.full = (full.get("impl"), full.get("kv_dtype"))
-        if prefill_rows is None:  # several where a row holds a budget and a chunk, else one
+        if prefill_rows is None:
+            # several where a row holds a budget and a chunk and a step is bound by reading the
+            # weights (an accelerator); one on a CPU, whose steps are bound by compute, so that
+            # idle rows cost it nothing (docs/serving.md: "Long prompts arriving while others
+            # decode")
             small = ev is not None and ev.protocol == "blockwise"
-            prefill_rows = -(-min(slots, 4 if small else 1) // data_size(mesh)) * data_size(mesh)
+            several = small and jax.default_backend() != "cpu"
+            prefill_rows = -(-min(slots, 4 if several else 1) // data_size(mesh)) * data_size(mesh)
         if not (isinstance(prefill_rows, int) and 1 <= prefill_rows <= slots):
             raise ValueError(f"prefill_rows={prefill_rows!r} must be an integer in [1, {slots}]")
         check_batch(prefill_rows, mesh)
