@@ -48,8 +48,23 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert all(r["ok"] and r["max_err"] < 1e-2 for r in checks)
     assert {r["impl"] for r in parts["kernel_times"]} == {"pallas_gpu", "xla", "cudnn"}
     decode = parts["decode"]
-    assert {r["cache"] for r in decode if r.get("largest_batch")} == {"full", "snapkv 64"}
-    assert {r["cache"] for r in decode} >= {"full", "snapkv 64", "momentkv 64", "adakv 64"}
+    quantized = {f"{c} {kv}" for c in ("full", "snapkv 64") for kv in ("int8", "float8_e4m3fn")}
+    assert {r["cache"] for r in decode if r.get("largest_batch")} == {
+        "full",
+        "snapkv 64",
+    } | quantized
+    assert {r["cache"] for r in decode} >= {
+        "full",
+        "snapkv 64",
+        "momentkv 64",
+        "adakv 64",
+    } | quantized
+    # a quantized row's kept bytes count its scales: 8-bit codes and a bfloat16 scale per token
+    by = {(r["cache"], r["batch"], r["context"]): r for r in decode if not r.get("largest_batch")}
+    for kv in ("int8", "float8_e4m3fn"):
+        row, base = by[(f"snapkv 64 {kv}", 2, 256)], by[("snapkv 64", 2, 256)]
+        head_dim = 16  # the smoke model's
+        assert row["kv_bytes_kept"] * 2 * head_dim == base["kv_bytes_kept"] * (head_dim + 2)
     assert all(r["ms_per_step"] > 0 and r["floor_ms"] > 0 for r in decode)
     assert {r["impl"] for r in decode} == {"default"} and {r["impl"] for r in parts["prefill"]} == {
         "default",

@@ -60,6 +60,7 @@ from common import (
     prompt_attention,
     rel_error,
 )
+from kvjax.kernels.quantized import bytes_per_token, kind_of
 
 import kvjax
 from kvjax.cache.full import cache_bytes
@@ -139,21 +140,32 @@ def sizes(smoke: bool) -> Sizes:
     return Sizes(LLAMA_8B, (4096, 32768), (1024, 256), (1, 8, 32, 64), 16, 3 << 30)
 
 
-Cache = tuple  # ("full", None) or (scorer, index into Sizes.budgets)
-FULL: Cache = ("full", None)
+Cache = tuple  # (scorer or "full", index into Sizes.budgets or None, kv_dtype or None)
+FULL: Cache = ("full", None, None)
+# quantized keys and values (issue 58): the full cache and SnapKV 1024 in 8 bits
+QUANTIZED = ("int8", "float8_e4m3fn")
+FULL_Q = tuple(("full", None, kv) for kv in QUANTIZED)
+SNAP_Q = tuple(("snapkv", 0, kv) for kv in QUANTIZED)
 
 
 def eviction(cache: Cache, sz: Sizes, context: int, attention: str | None):
     """The Eviction of a cache (None for the full cache) whose attention is ``attention``
     (``ModelRun.attention``)."""
-    scorer, which = cache
+    scorer, which, kv_dtype = cache
     if scorer == "full":
         return None
-    return eviction_from(context=context, budget=sz.budgets[which], scorer=scorer, impl=attention)
+    return eviction_from(
+        context=context,
+        budget=sz.budgets[which],
+        scorer=scorer,
+        impl=attention,
+        kv_dtype=kv_dtype,
+    )
 
 
 def cache_label(cache: Cache, sz: Sizes) -> str:
-    return "full" if cache == FULL else f"{cache[0]} {sz.budgets[cache[1]]}"
+    name = "full" if cache[0] == "full" else f"{cache[0]} {sz.budgets[cache[1]]}"
+    return name if cache[2] is None else f"{name} {cache[2]}"
 
 
 def prompt(context: int, vocab: int) -> np.ndarray:
@@ -184,12 +196,11 @@ def tile_state(state: DecodeState, batch: int, moment_dim: int | None = None) ->
 
 
 def kept_kv_bytes(state: DecodeState, cfg: ModelConfig) -> int:
-    """Keys and values a decode step must read: every row's context (full cache) or kept tokens
-    (budget caches)."""
+    """Keys and values a decode step must read, their scales included: every row's context (full
+    cache) or kept tokens (budget caches)."""
     k = state.cache.kv[0]
-    per_token = (
-        2 * cfg.head_dim * jnp.dtype(k.dtype).itemsize
-    )  # one (layer, row, KV head) token's key and value
+    # one (layer, row, KV head) token's key and value (a quantized cache's codes and scales)
+    per_token = bytes_per_token(cfg.head_dim, 2, kind_of(k))
     if hasattr(state.cache, "pos"):  # BudgetCache and PagedCache: the valid slots
         return int(jnp.sum(state.cache.pos >= 0)) * per_token
     return int(jnp.sum(state.lengths)) * cfg.n_layers * cfg.n_kv_heads * per_token
@@ -258,6 +269,7 @@ class ModelRun:
                 capacity=round_capacity(context + NEW),
                 out_width=OUT_WIDTH,
                 impl=self.attention(impl),
+                kv_dtype=cache[2],
             )
             return feed_full, (self.params, tokens, lengths, key), static
         return (
@@ -269,7 +281,7 @@ class ModelRun:
     def call_prefill(self, compiled, cache: Cache, context: int, params) -> DecodeState:
         ids = jnp.asarray(prompt(context, self.sz.cfg.vocab_size))
         lengths = jnp.full((1,), context, jnp.int32)
-        if cache == FULL:
+        if cache[0] == "full":
             return compiled(params, ids, lengths, jax.random.key(0))
         return compiled(params, None, ids, jnp.zeros((1,), jnp.int32), lengths, jax.random.key(0))
 
@@ -277,7 +289,12 @@ class ModelRun:
         """(cache, context, impl) in priority order; the decode states come from the default-impl
         prefills."""
         c4, c32 = self.sz.contexts
-        snap, snap_lo, ada, ada_lo = ("snapkv", 0), ("snapkv", 1), ("adakv", 0), ("adakv", 1)
+        snap, snap_lo, ada, ada_lo = (
+            ("snapkv", 0, None),
+            ("snapkv", 1, None),
+            ("adakv", 0, None),
+            ("adakv", 1, None),
+        )
         plan = [
             (FULL, c4, None),
             (FULL, c4, "xla"),
@@ -293,6 +310,7 @@ class ModelRun:
             (snap_lo, c32, None),
             (ada_lo, c4, None),
             (ada_lo, c32, None),
+            *((q, c, None) for q in FULL_Q + SNAP_Q for c in (c4, c32)),
         ]
         # one budget, one impl="xla" (on CPU the default is XLA), AdaKV at the shorter context:
         if self.smoke:
@@ -330,7 +348,7 @@ class ModelRun:
             state = jax.block_until_ready(self.call_prefill(compiled, cache, context, self.params))
             times.append(time.perf_counter() - t0)
         extra = {}
-        if cache == FULL:
+        if cache[0] == "full":
             extra["prompt_attention"] = prompt_attention(compiled)
         if impl is None:
             self.states[cache, context] = state
@@ -438,18 +456,18 @@ class ModelRun:
         c4, c32 = sz.contexts
         plan = [
             (FULL, None, FULL),
-            (("snapkv", 0), None, ("snapkv", 0)),
-            (("snapkv", 0), "xla", ("snapkv", 0)),
-            (("momentkv", 0), None, ("snapkv", 0)),
-            (("adakv", 0), None, ("adakv", 0)),
-            (("snapkv", 1), None, ("snapkv", 1)),
-            (("momentkv", 1), None, ("snapkv", 1)),
-            (("adakv", 1), None, ("adakv", 1)),
+            (("snapkv", 0, None), None, ("snapkv", 0, None)),
+            (("snapkv", 0, None), "xla", ("snapkv", 0, None)),
+            (("momentkv", 0, None), None, ("snapkv", 0, None)),
+            (("adakv", 0, None), None, ("adakv", 0, None)),
+            (("snapkv", 1, None), None, ("snapkv", 1, None)),
+            (("momentkv", 1, None), None, ("snapkv", 1, None)),
+            (("adakv", 1, None), None, ("adakv", 1, None)),
         ]
         jobs = []
         for cache, impl, source in plan:
             for b in sz.batches:
-                if cache == FULL:
+                if cache[0] == "full":
                     jobs.append((cache, impl, source, b, (c4,)))
                     # larger batches of a 32K full cache do not fit (the largest that does: below)
                     if b <= sz.probe:
@@ -457,12 +475,20 @@ class ModelRun:
                 else:
                     # a budget cache's shape does not depend on the context: one program serves both
                     jobs.append((cache, impl, source, b, (c4, c32)))
+        # quantized caches (issue 58): at the largest batch of the plan, and at batch 1 and the
+        # probe at 32K, which size their largest batch there
+        largest, sizing = sz.batches[-1], (sz.batches[0], sz.probe)
+        for q in FULL_Q:
+            jobs.append((q, None, q, largest, (c4,)))
+            jobs += [(q, None, q, b, (c32,)) for b in sizing]
+        for q in SNAP_Q:
+            jobs += [(q, None, q, b, (c4, c32)) for b in sorted({*sizing, largest})]
         if not self.smoke:
             return jobs
         # smoke: as prefill_plan; MomentKV and AdaKV at the profiled batch alone
         jobs = [j for j in jobs if j[0][1] != 1 and j[1] != "xla"]
         return [
-            (cache, impl, source, b, (c4,) if cache == ("adakv", 0) else contexts)
+            (cache, impl, source, b, (c4,) if cache == ("adakv", 0, None) else contexts)
             for cache, impl, source, b, contexts in jobs
             if cache[0] not in ("momentkv", "adakv") or b == sz.batches[-1]
         ]
@@ -498,9 +524,9 @@ class ModelRun:
         sz = self.sz
         c4, c32 = sz.contexts
         jobs = self.decode_plan()
-        first = [
-            j for j in jobs if j[:3] in ((FULL, None, FULL), (("snapkv", 0), None, ("snapkv", 0)))
-        ]
+        snap = ("snapkv", 0, None)
+        first = [j for j in jobs if j[:3] in ((FULL, None, FULL), (snap, None, snap))]
+        sizers = [j for j in jobs if j[0] in FULL_Q + SNAP_Q and j[3] in (sz.batches[0], sz.probe)]
         ones = [j for j in first if j[3] == sz.batches[0]]
         for job in ones:  # batch 1 first: the target nearest its limit
             self.decode_job(futures, job)
@@ -515,14 +541,15 @@ class ModelRun:
         # allocator's pool (call 3c's searches found 108 GiB free and no block of 52 GiB for the
         # state's keys)
         on_device = memory_stats().get("bytes_in_use")
-        held, self.states = jax.device_get(self.states), {}
+        # (one state at a time: the keys, tuples with None and str, are no pytree dictionary's)
+        held, self.states = {k: jax.device_get(v) for k, v in self.states.items()}, {}
         gc.collect()
         log(
             "model: prefilled states on the host for the largest batches (bytes in use "
             f"{on_device} -> "
             f"{memory_stats().get('bytes_in_use')})"
         )
-        for cache in (FULL, ("snapkv", 0)):
+        for cache in (FULL, snap, *FULL_Q, *SNAP_Q):
             label = {
                 "cache": cache_label(cache, sz),
                 "impl": "default",
@@ -536,7 +563,11 @@ class ModelRun:
                 )
                 continue
             probes = [
-                next(futures[j] for j in first if j[0] == cache and j[3] == b and c32 in j[4])
+                next(
+                    futures[j]
+                    for j in first + sizers
+                    if j[0] == cache and j[3] == b and c32 in j[4]
+                )
                 for b in (sz.batches[0], sz.probe)
             ]
             guarded(
@@ -587,7 +618,7 @@ class ModelRun:
             return False
         return (cache == FULL and batch == sz.batches[0]) or (
             batch == sz.batches[-1]
-            and cache in (FULL, ("snapkv", 0), ("momentkv", 0), ("adakv", 0))
+            and cache in (FULL, ("snapkv", 0, None), ("momentkv", 0, None), ("adakv", 0, None))
         )
 
     def largest_batch_row(
