@@ -1,7 +1,7 @@
 """Quantized KVzip and Expected Attention against the unquantized cache and kvpress's default
 ``KVzipPress()`` at equal memory, on the prose needles of docs/results.md ("KVzip's global mode").
 
-    .venv/bin/python benchmarks/kv_dtype_niah.py                 # about an hour on 2 cores
+    .venv/bin/python benchmarks/kv_dtype_niah.py                 # 86 minutes on 2 shared cores
     .venv/bin/python benchmarks/kv_dtype_niah.py --table-only    # the table and plot from the rows
 
 The samples are those of ``prose_niah.py --length 2048 --haystacks licenses --samples 48`` (the
