@@ -495,8 +495,12 @@ def test_bad_input_at_the_contexts_resource(tiny, smollm2_tokenizer, tmp_path):
             f"{n_ctx + 1} tokens exceed the model's context of {n_ctx}",
         )
         assert post(document=exactly(served.contexts, n_ctx)).status_code == 201
-        error(post(content=b'{"model": "tiny", "document": "\xff\xfe\x00"}'), 400)
-        error(post(content=b"\x89PNG\r\n\x1a\n\x00\x00"), 400)
+        error(
+            post(content=b'{"model": "tiny", "document": "\xff\xfe\x00"}'),
+            400,
+            says="parsing the body",
+        )
+        error(post(content=b"\x89PNG\r\n\x1a\n\x00\x00"), 400, says="parsing the body")
         lone = b'{"model": "tiny", "document": "ok \\udcff"}'  # JSON's escape of a lone surrogate
         error(post(content=lone), 400, "document", says="not valid Unicode")
         error(post(document=DOCUMENT, budget=0), 400, "budget", says="budget=0")
