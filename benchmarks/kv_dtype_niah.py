@@ -27,13 +27,11 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import jax.numpy as jnp  # noqa: E402
 from kvjax.kernels.quantized import bytes_per_token  # noqa: E402
-from prose_niah import read_scores, setting_samples  # noqa: E402
+from prose_niah import paired_rows, read_scores, right_cell, setting_samples  # noqa: E402
 
 import kvjax  # noqa: E402
 from kvjax.eval import sweep  # noqa: E402
 from kvjax.eval.niah import make_samples  # noqa: E402
-from kvjax.eval.report import cell  # noqa: E402
-from kvjax.eval.stats import paired  # noqa: E402
 
 SETTINGS = ("query-agnostic", "query-aware")
 SCORERS = {"kvzip": "global+kvzip", "expected attention": "expected-attention"}
@@ -146,11 +144,7 @@ def table(samples, found: dict, budgets, cfg) -> str:
         for name in LABELS:
             cells = []
             for b in budgets:
-                got = found.get((name, b), {})
-                k = [got[i] for i in wanted if i in got]
-                cells.append(
-                    f"{sum(k):g}/{len(k)} ({cell(100 * sum(k) / len(k), len(k))})" if k else "–"
-                )
+                cells.append(right_cell(found.get((name, b), {}), wanted))
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += [
@@ -160,20 +154,7 @@ def table(samples, found: dict, budgets, cfg) -> str:
         "| first | second | setting | memory (bf16 slots) | wins / losses | p | same prediction |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
-    for first, second in PAIRS:
-        for st, wanted in ids.items():
-            for b in budgets:
-                a, c = found.get((first, b), {}), found.get((second, b), {})
-                both = [i for i in wanted if i in a and i in c]
-                if not both:
-                    continue
-                result = paired({i: c[i] for i in both}, {i: a[i] for i in both})
-                ta, tc = found[(first, b, "text")], found[(second, b, "text")]
-                same = sum(ta[i].strip() == tc[i].strip() for i in both)
-                lines.append(
-                    f"| {first} | {second} | {st} | {b} | {result.wins} / {result.losses} | "
-                    f"{result.p:.3g} | {same}/{len(both)} |"
-                )
+    lines += paired_rows(found, PAIRS, ids, budgets)
     return "\n".join(lines) + "\n"
 
 

@@ -247,6 +247,35 @@ def read_scores(samples, kvjax_path: str, kvpress_path: str) -> dict:
     return found
 
 
+def right_cell(got: dict, ids) -> str:
+    """Right answers of ``got`` (sample id -> score) among ``ids``, with their Wilson 95% interval;
+    "–" when none of them was answered."""
+    k = [got[i] for i in ids if i in got]
+    return f"{sum(k):g}/{len(k)} ({cell(100 * sum(k) / len(k), len(k))})" if k else "–"
+
+
+def paired_rows(found: dict, pairs, by_setting: dict, budgets) -> list[str]:
+    """Markdown rows of the paired sign tests: for each (first, second) of ``pairs``, setting and
+    budget, the first's wins / losses against the second on the samples both answered, p, and
+    how many predictions were the same text."""
+    rows = []
+    for first, second in pairs:
+        for st, ids in by_setting.items():
+            for b in budgets:
+                a, c = found.get((first, b), {}), found.get((second, b), {})
+                both = [i for i in ids if i in a and i in c]
+                if not both:
+                    continue
+                result = paired({i: c[i] for i in both}, {i: a[i] for i in both})
+                ta, tc = found[(first, b, "text")], found[(second, b, "text")]
+                same = sum(ta[i].strip() == tc[i].strip() for i in both)
+                rows.append(
+                    f"| {first} | {second} | {st} | {b} | {result.wins} / {result.losses} | "
+                    f"{result.p:.3g} | {same}/{len(both)} |"
+                )
+    return rows
+
+
 def table(samples, found: dict, budgets) -> str:
     """Markdown: accuracy (right answers of n, Wilson 95% interval) per setting, method and budget;
     the paired comparisons; kvjax's default against kvpress's KVzip answer for answer. found:
@@ -268,10 +297,8 @@ def table(samples, found: dict, budgets) -> str:
         for label in labels:
             cells = []
             for b in budgets:
-                got = found.get((label, None if label == "full" else b), {})
-                k = [got[i] for i in ids if i in got]
                 cells.append(
-                    f"{sum(k):g}/{len(k)} ({cell(100 * sum(k) / len(k), len(k))})" if k else "–"
+                    right_cell(found.get((label, None if label == "full" else b), {}), ids)
                 )
             name = f"kvpress `{PRESSES[label]}`" if label in PRESSES else f"kvjax `{label}`"
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -283,20 +310,7 @@ def table(samples, found: dict, budgets) -> str:
         "| first | second | setting | budget | wins / losses | p | same prediction |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
-    for first, second in PAIRS:
-        for st, ids in by_setting.items():
-            for b in budgets:
-                a, c = found.get((first, b), {}), found.get((second, b), {})
-                both = [i for i in ids if i in a and i in c]
-                if not both:
-                    continue
-                result = paired({i: c[i] for i in both}, {i: a[i] for i in both})
-                ta, tc = found[(first, b, "text")], found[(second, b, "text")]
-                same = sum(ta[i].strip() == tc[i].strip() for i in both)
-                lines.append(
-                    f"| {first} | {second} | {st} | {b} | {result.wins} / {result.losses} | "
-                    f"{result.p:.3g} | {same}/{len(both)} |"
-                )
+    lines += paired_rows(found, PAIRS, by_setting, budgets)
     return "\n".join(lines) + "\n"
 
 
