@@ -278,7 +278,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=300, help="seconds any request may take")
     parser.add_argument("--sample", type=float, default=10, help="seconds between samples")
-    parser.add_argument("--context-memory-mb", type=int, default=64)
+    parser.add_argument("--context-memory-mb", type=float, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="raw figures as JSON")
     args = parser.parse_args()
@@ -398,7 +398,8 @@ def table(r: dict) -> str:
         f"open files: {first['open_files']} after warm-up, {last['open_files']} at the end",
         f"context store in memory: at most "
         f"{max(x['store_memory_bytes'] for x in r['samples']) / 2**20:.1f} of "
-        f"{last['store_memory_limit'] / 2**20:.0f} MiB",
+        f"{last['store_memory_limit'] / 2**20:.2f} MiB; read back from disk "
+        f"{last['store_loads_from_disk']} times",
         f"SIGTERM: exit {r['exit code on SIGTERM']}; leftover temporaries: "
         f"{r['leftover files in the contexts directory'] or 'none'}",
         "",

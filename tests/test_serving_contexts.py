@@ -94,10 +94,12 @@ def test_memory_keeps_the_most_recently_used_contexts_within_the_limit(tiny_llam
     assert_answers_like_fresh(tiny_llama, store.get(a.id), document(3), SNAPKV)
     assert store.in_memory() == [a.id]
     assert_answers_like_fresh(tiny_llama, store.get(b.id), document(4), SNAPKV)
-    assert store.in_memory() == [b.id]
+    assert store.in_memory() == [b.id] and store.usage()["loads_from_disk"] == 2
     small = ContextStore(tiny_llama, str(tmp_path / "store"), size - 1)  # none fits: served only
     assert_answers_like_fresh(tiny_llama, small.get(a.id), document(3), SNAPKV)
     assert small.in_memory() == []
+    with pytest.raises(ValueError, match=r"memory_bytes \(--context-memory-mb\) must be >= 0"):
+        ContextStore(tiny_llama, str(tmp_path / "store"), -1)
 
 
 def test_a_deleted_context_is_gone_but_a_context_already_got_still_answers(tiny_llama, tmp_path):

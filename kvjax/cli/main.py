@@ -229,7 +229,7 @@ def _context_service(args, params, tokenizer, name: str):
     for engine in engines if args.warmup else ():
         engine.warmup()
     root = args.contexts_dir or os.path.join(checkpoint_root(), "served-contexts", name)
-    store = ContextStore(params, root, args.context_memory_mb << 20)
+    store = ContextStore(params, root, int(args.context_memory_mb * 2**20))
     print(f"[contexts: {len(store.records())} stored in {root}]", file=sys.stderr)
     driver, *evicting = [Driver(engine, queue_size=args.queue).start() for engine in engines]
     return ContextService(store, driver, tokenizer, defaults, *evicting)
@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--context-memory-mb",
-        type=int,
+        type=float,
         default=1024,
         help="contexts held in memory; the least recently used leave it, not the disk "
         "(default: %(default)s)",

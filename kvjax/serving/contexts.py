@@ -96,6 +96,10 @@ class ContextStore:
         """params: the model every context is compressed for; root: the directory of the contexts
         (created if missing; contexts already there are listed, from their metadata only);
         memory_bytes: the most bytes of contexts kept in memory."""
+        if memory_bytes < 0:
+            raise ValueError(
+                f"memory_bytes (--context-memory-mb) must be >= 0, got {memory_bytes} bytes"
+            )
         self.params = params
         self.root = root
         self.memory_bytes = memory_bytes
@@ -105,6 +109,7 @@ class ContextStore:
         self._compressing = threading.Lock()
         self._records: dict[str, ContextRecord] = {}
         self._memory: collections.OrderedDict[str, tuple[Context, int]] = collections.OrderedDict()
+        self._loads = 0  # contexts read back from disk since this store opened
         os.makedirs(root, exist_ok=True)
         names = sorted(os.listdir(root))
         for name in names:
@@ -198,6 +203,7 @@ class ContextStore:
                 self._memory.move_to_end(id)
                 return self._memory[id][0]
             context = load_context(os.path.join(self.root, id), self.params)
+            self._loads += 1
             self._keep(id, context, self._records[id].bytes)
             return context
 
@@ -211,13 +217,15 @@ class ContextStore:
         self._memory[id] = (context, nbytes)
 
     def usage(self) -> dict:
-        """Contexts stored and in memory, and the bytes these hold against ``memory_bytes``."""
+        """Contexts stored and in memory, the bytes these hold against ``memory_bytes``, and how
+        many times a context was read back from disk since the store opened."""
         with self._lock:
             return {
                 "stored": len(self._records),
                 "in_memory": len(self._memory),
                 "memory_bytes": sum(n for _, n in self._memory.values()),
                 "memory_limit": self.memory_bytes,
+                "loads_from_disk": self._loads,
             }
 
     def in_memory(self) -> list[str]:
