@@ -11,6 +11,9 @@ online softmax, the score pass of every score kind, tile sizes): ``tpu_common``,
   ``block_attention.reference.attention_with_scores``.
 * ``decode_attention_with_scores`` — one query per sequence, plus MomentKV's normalization
   correction.
+* ``moment_residual_norms`` — MomentKV's residual norm of every slot under one layer's statistics
+  of the evicted tokens (a decoding step's moment-informed eviction), read in place from the stacked
+  cache.
 * ``causal_attention`` — a prompt over itself without scores (the full cache's prefill): cuDNN's
   flash attention on CUDA, XLA's computation in query chunks elsewhere.
 
@@ -31,6 +34,7 @@ from kvjax.kernels.block_attention import block_attention_with_scores
 from kvjax.kernels.block_attention.reference import attention_with_scores
 from kvjax.kernels.decode_attention import decode_attention_with_scores
 from kvjax.kernels.decode_attention.reference import corrected_attention
+from kvjax.kernels.moment_residuals import moment_residual_norms
 from kvjax.kernels.prompt_attention import PREFILL_CHUNK, causal_attention
 from kvjax.kernels.quantized import KV_DTYPES, Quantized, quantize
 
@@ -46,5 +50,6 @@ __all__ = [
     "causal_attention",
     "corrected_attention",
     "decode_attention_with_scores",
+    "moment_residual_norms",
     "quantize",
 ]

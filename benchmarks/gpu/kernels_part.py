@@ -3,8 +3,9 @@ on fresh random inputs, and timed against the XLA reference and (attention outpu
 ``jax.nn.dot_product_attention``.
 
 Checks: block attention, decode attention (plain, with MomentKV's first- and zeroth-order
-correction), paged block and paged decode attention (plain and corrected), every score kind, at
-SmolLM2's heads (3 KV heads of 3 query heads, head dim 64) and Llama-3.1-8B's (8 of 4, head dim
+correction), MomentKV's residual norms (``moment_residual_norms``, op "moment_residuals": its
+decoding eviction), paged block and paged decode attention (plain and corrected), every score kind,
+at SmolLM2's heads (3 KV heads of 3 query heads, head dim 64) and Llama-3.1-8B's (8 of 4, head dim
 128), float32 and bfloat16, cache lengths of 1061 slots (a ragged last tile) and 32768 (then 4096 if
 time is left). Inputs: two batch rows, positions shuffled per head, 3% of the slots empty plus the
 last five, scoring weights on the last 32 queries of a 128-query block, a head with nothing evicted
@@ -48,6 +49,7 @@ from kvjax.kernels import (
     block_attention_with_scores,
     causal_attention,
     decode_attention_with_scores,
+    moment_residual_norms,
 )
 from kvjax.kernels.paged_attention import (
     paged_block_attention_with_scores,
@@ -73,7 +75,11 @@ OPS = {
     "paged_block": (True, False, None),
     "paged_decode": (True, True, None),
     "paged_decode+momentkv": (True, True, "first"),
+    # MomentKV's residual norms (a decoding step's moment-informed eviction) on the decode inputs;
+    # the row's "out" is the norms
+    "moment_residuals": (False, True, "first"),
 }
+MOMENT_RESIDUALS = "moment_residuals"
 # causal_attention: the full cache's prompt (cuDNN on CUDA), checked beside the kernels
 PROMPT = "prompt"
 
@@ -187,6 +193,14 @@ def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = Fa
     paged, decode, moments = OPS[case.op]
     score = "attn" if case.score == "none" else case.score
     opts = dict(impl=impl) if impl in (None, "xla") else dict(impl=impl, interpret=interpret)
+    if case.op == MOMENT_RESIDUALS:
+
+        def fn(q, k, v, sp, qp, w, mom):
+            stack = (jnp.stack([v, k, v]), jnp.stack([k, v, k]), jnp.int32(1))
+            k, v, layer = stack if in_stack else (k, v, None)
+            return moment_residual_norms(k, v, mom, layer=layer, **opts), None, None
+
+        return jax.jit(fn)
     if not paged:
         if decode and in_stack:
 

@@ -156,7 +156,12 @@ class BudgetCache(SlotsView):
             Hk,
         )
         out, here = attend_scored(
-            here, q, seg, decode, block, lambda h: h._evict_layer(p, seg.seen)
+            here,
+            q,
+            seg,
+            decode,
+            block,
+            lambda h: h._evict_layer(p, seg.seen, (k_all, v_all, layer)),
         )
         return out, here.replace(k=k_all, v=v_all)
 
@@ -173,8 +178,10 @@ class BudgetCache(SlotsView):
         )
         return small.replace(k=k, v=v)
 
-    def _evict_layer(self, p: Policy, seen: jax.Array) -> BudgetCache:
-        """One layer's slice ([B, Hk, ...] leaves)."""
+    def _evict_layer(self, p: Policy, seen: jax.Array, stack: tuple | None = None) -> BudgetCache:
+        """One layer's slice ([B, Hk, ...] leaves); ``stack``: (stored keys, values, layer) of
+        every layer, of which this slice's are that layer's (read in place by the modifier's
+        kernels)."""
         b = p.budget
         if self.slots <= b:  # everything fits: only the state reset remains
             return self.replace(state=_reset(self.state)) if p.scorer.reset_after_evict else self
@@ -186,7 +193,7 @@ class BudgetCache(SlotsView):
         n_drop = self.slots - b
         n_evict = jnp.maximum((pos >= 0).sum(-1) - b, 0)
         chosen = p.modifier_spec.choose(
-            prio, unprotected, n_evict, k, v, pos, self.moments, n_drop, p
+            prio, unprotected, n_evict, k, v, pos, self.moments, n_drop, p, stack
         )
         if chosen is not None:  # the modifier chose: its evicted slots lowest, the rest above
             key = jnp.where(unprotected, jnp.where(chosen, 0.0, 1.0), key)

@@ -12,6 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax.kernels import moment_residual_norms
+from kvjax.kernels.moment_residuals.reference import residual_norms
+from kvjax.sharding import per_shard
 from kvjax.slots import max_slots
 
 
@@ -120,6 +123,8 @@ def moment_informed_eviction(
     zeroth: bool,
     max_evict: int,
     batch: int = 1,
+    stack: tuple | None = None,
+    impl: str | None = None,
 ) -> jax.Array:
     """Algorithm 1's eviction loop: evict the candidate of lowest ``priority · ‖r_j‖`` with
     r_j = v_j − v̄ − S̃ k_j/(n√d) (r_j = v_j − v̄ if zeroth; r_j = v_j while nothing is evicted),
@@ -132,6 +137,10 @@ def moment_informed_eviction(
         k, v: [B, Hk, S, K].
         moments: one layer's Moments.
         max_evict: static bound on n_evict.
+        stack: (k, v, layer): the stored keys and values [L, B, Hk, S, K] of every layer (arrays or
+            ``Quantized``) of which k, v are layer ``layer``'s values; a decoding step's residual
+            norms then read them in place (``kvjax.kernels.moment_residual_norms``).
+        impl: the kernels' implementation (``kvjax.kernels.IMPLS``).
 
     Returns the evicted mask [B, Hk, S].
 
@@ -157,20 +166,16 @@ def moment_informed_eviction(
     f32 = jnp.float32
     # a decoding step: every candidate scored from its vectors, nothing to screen or update
     if max_evict == 1:
-        score = jnp.where(
-            candidates,
-            _exact_scores(
-                priority,
-                k.astype(f32),
-                v.astype(f32),
-                moments.count,
-                moments.k_sum,
-                moments.v_sum,
-                moments.vk_sum,
-                zeroth,
-            ),
-            jnp.inf,
+        k_all, v_all, layer = stack or (k, v, None)
+        lead = ("batch", "kv_heads") if layer is None else (None, "batch", "kv_heads")
+        norms = per_shard(
+            lambda k, v, m, i: moment_residual_norms(k, v, m, zeroth, layer=i, impl=impl),
+            (k_all, v_all, moments, layer),
+            (lead, lead, ("batch", "kv_heads"), ()),
+            (("batch", "kv_heads"),),
+            *priority.shape[:2],
         )
+        score = jnp.where(candidates, priority * norms, jnp.inf)
         tied = _tied_with_lowest(score)  # the earliest position among them, as the loop chooses
         first = jnp.where(tied, pos, jnp.iinfo(jnp.int32).max).min(-1, keepdims=True)
         return (
@@ -302,15 +307,8 @@ def _tied_with_lowest(score: jax.Array) -> jax.Array:
 def _exact_scores(priority, k, v, count, k_sum, v_sum, S, zeroth: bool) -> jax.Array:
     """priority · ‖r_j‖ [B, Hk, M] of the slots whose keys and values are k, v [B, Hk, M, K]
     (float32) under the statistics count [B, Hk], k_sum, v_sum [B, Hk, K], S [B, Hk, K, K], from the
-    vectors (no cancellation)."""
-    v_bar = (v_sum / jnp.maximum(count, 1.0)[..., None])[:, :, None]
-    r = v - v_bar
-    if not zeroth:
-        m = jnp.einsum("bhk,bhsk->bhs", k_sum, k)[..., None]
-        a = 1.0 / (jnp.maximum(count, 1.0) * jnp.sqrt(jnp.float32(k.shape[-1])))[..., None, None]
-        r = r - a * (jnp.einsum("bhij,bhsj->bhsi", S, k) - m * v_bar)
-    r = jnp.where((count > 0)[..., None, None], r, v)
-    return priority * jnp.linalg.norm(r, axis=-1)
+    vectors (no cancellation: ``residual_norms``)."""
+    return priority * residual_norms(k, v, count, k_sum, v_sum, S, zeroth)
 
 
 def _batched_eviction(

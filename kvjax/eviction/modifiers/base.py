@@ -74,8 +74,11 @@ class Modifier:
         """A block's attention output out [B, T, H, K] (lse [B, T, H], queries q) corrected."""
         return out
 
-    def choose(self, prio, unprotected, n_evict, k, v, pos, moments, max_drop: int, policy):
+    def choose(
+        self, prio, unprotected, n_evict, k, v, pos, moments, max_drop: int, policy, stack=None
+    ):
         """The slots [..., S] it evicts itself (``n_evict`` [...] of the ``unprotected`` ones, at
         most ``max_drop``, by the priority ``prio`` and what it reads, under ``policy``), or None:
-        the allocation's count of the lowest priorities."""
+        the allocation's count of the lowest priorities. ``stack``: (stored keys, values, layer)
+        of which k, v are the layer's values, for kernels that read the layer in place."""
         return None

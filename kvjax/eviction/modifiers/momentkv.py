@@ -54,11 +54,22 @@ class MomentKV(Modifier):
     def correct(self, out, lse, q, moments):
         return corrected_attention(out, lse, q, moments, self.zeroth) if self.nc else out
 
-    def choose(self, prio, unprotected, n_evict, k, v, pos, moments, max_drop, policy):
+    def choose(self, prio, unprotected, n_evict, k, v, pos, moments, max_drop, policy, stack=None):
         if not self.mi:
             return None
         return moment_informed_eviction(
-            prio, unprotected, n_evict, k, v, pos, moments, self.zeroth, max_drop, policy.mi_batch
+            prio,
+            unprotected,
+            n_evict,
+            k,
+            v,
+            pos,
+            moments,
+            self.zeroth,
+            max_drop,
+            policy.mi_batch,
+            stack=stack,
+            impl=policy.impl,
         )
 
 

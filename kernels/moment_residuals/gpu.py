@@ -1,0 +1,108 @@
+"""MomentKV's residual norms as a Pallas GPU kernel (Triton backend).
+
+Grid (B, Hk, key tiles): each program loads a tile of bk keys and values of its (row, KV head)
+straight out of the stacked [L, B, Hk, S, K] arrays at the layer given (masked loads,
+``gpu_common.load_tile``: the cache is never sliced or padded in HBM; ``Quantized`` codes and
+scales dequantized in registers), forms S k_j for the tile with one ``tl.dot`` against the head's
+[K, K] sums and writes ‖r_j‖ only: bk floats where the XLA form writes S k_j, [bk, K] float32, and
+reads it back twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from kvjax.kernels import gpu_common as common
+from kvjax.kernels._shared import NT_DIMS, kv_spec, next_pow2
+from kvjax.kernels.moment_residuals.tiles import check_inputs, check_unrotated, read_dtype
+
+
+def _kernel(
+    layer_ref,
+    k_ref,
+    v_ref,
+    count_ref,
+    k_sum_ref,
+    v_sum_ref,
+    vk_sum_ref,
+    out_ref,
+    *,
+    n_slots: int,
+    block_k: int,
+    zeroth: bool,
+    dtype,
+):
+    head = (layer_ref[0], pl.program_id(0), pl.program_id(1))
+    load = functools.partial(
+        common.load_tile, start=pl.program_id(2) * block_k, size=block_k, n_slots=n_slots, head=head
+    )
+    k = common.load_values(k_ref, dtype, load).astype(jnp.float32)
+    v = common.load_values(v_ref, dtype, load).astype(jnp.float32)
+    count = count_ref[...]  # [1]
+    n = jnp.maximum(count, 1.0)
+    v_bar = v_sum_ref[...][None, :] / n[:, None]  # [1, K]
+    r = v - v_bar
+    if not zeroth:
+        m = jnp.sum(k * k_sum_ref[...][None, :], axis=1, keepdims=True)  # [bk, 1]
+        sk = common.dot(k, vk_sum_ref[...], NT_DIMS)  # [bk, K]: S k_j
+        a = 1.0 / (n[:, None] * math.sqrt(k.shape[1]))
+        r = r - a * (sk - m * v_bar)
+    r = jnp.where(count[:, None] > 0, r, v)
+    out_ref[...] = jnp.sqrt(jnp.sum(r * r, axis=1))
+
+
+def moment_residual_norms_gpu(
+    k,
+    v,
+    count,
+    k_sum,
+    v_sum,
+    vk_sum,
+    zeroth: bool = False,
+    *,
+    layer=None,
+    block_k: int | None = None,
+    interpret=False,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+):
+    """‖r_j‖ [B, Hk, S] float32, as ``reference.residual_norms`` of k, v (arrays, or ``Quantized``
+    whose kind is not rotated) read in their model dtype; with ``layer`` (an int32 scalar), k, v
+    are [L, B, Hk, S, K] and layer ``layer`` is read. block_k is rounded up to a power of two
+    ≥ 16."""
+    k, v, layer, (B, Hk, S, K) = check_inputs(k, v, count, k_sum, v_sum, vk_sum, layer)
+    common.check_head_dim(K)
+    check_unrotated(k)
+    bk = max(common.MIN_DOT, next_pow2(block_k or common.DEFAULT_BLOCK_K))
+    nk = -(-S // bk)
+
+    def whole(x):
+        return kv_spec(x, x.shape, lambda b, h, j: (0,) * len(x.shape))
+
+    def head(*block):
+        return pl.BlockSpec((None, None, *block), lambda b, h, j: (b, h) + (0,) * len(block))
+
+    out = pl.pallas_call(
+        functools.partial(_kernel, n_slots=S, block_k=bk, zeroth=zeroth, dtype=read_dtype(k)),
+        grid=(B, Hk, nk),
+        in_specs=[
+            pl.BlockSpec((1,), lambda b, h, j: (0,)),
+            whole(k),
+            whole(v),
+            head(1),
+            head(K),
+            head(K),
+            head(K, K),
+        ],
+        out_specs=pl.BlockSpec((None, None, bk), lambda b, h, j: (b, h, j)),
+        out_shape=jax.ShapeDtypeStruct((B, Hk, nk * bk), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages),
+        interpret=interpret,
+        name="moment_residual_norms",
+    )(layer, k, v, count.astype(jnp.float32)[..., None], k_sum, v_sum, vk_sum)
+    return out[:, :, :S]

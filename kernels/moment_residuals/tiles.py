@@ -1,0 +1,37 @@
+"""Checks and read dtype shared by the residual-norm kernels and their API."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from kvjax.kernels._shared import stacked_layer
+from kvjax.kernels.quantized import ROTATED, Quantized
+
+
+def read_dtype(x):
+    """The dtype keys or values are read in before float32: a ``Quantized``'s model dtype (what
+    ``quantized.values`` gives), an array's own."""
+    return jnp.dtype(x.dtype)
+
+
+def check_inputs(k, v, count, k_sum, v_sum, vk_sum, layer):
+    """(k, v stacked, ``layer`` as [1] int32, (B, Hk, S, K)) after checking the statistics' shapes
+    against one layer of k, v (``stacked_layer``); raises ValueError naming the argument."""
+    k, v, layer, shape = stacked_layer(k, v, layer)
+    B, Hk, S, K = shape.shape
+    expected = dict(count=(B, Hk), k_sum=(B, Hk, K), v_sum=(B, Hk, K), vk_sum=(B, Hk, K, K))
+    for name, x in zip(expected, (count, k_sum, v_sum, vk_sum), strict=True):
+        if x.shape != expected[name]:
+            raise ValueError(
+                f"{name} must be {expected[name]} for keys of one layer {shape.shape}; got "
+                f"{x.shape}"
+            )
+    return k, v, layer, (B, Hk, S, K)
+
+
+def check_unrotated(k) -> None:
+    """The kernels read keys stored in the values' own domain: not rotated ``Quantized`` ones."""
+    if isinstance(k, Quantized) and k.kind in ROTATED:
+        raise ValueError(
+            f"kv_dtype={k.kind!r} keys and values are stored rotated: the kernels read them "
+            "unrotated only (the API runs the reference for them)"
+        )

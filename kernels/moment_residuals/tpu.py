@@ -1,0 +1,119 @@
+"""MomentKV's residual norms as a Pallas Mosaic-TPU kernel.
+
+Grid (B, Hk, key tiles), all parallel; the layer is prefetched into SMEM
+(``PrefetchScalarGridSpec``) and the tiles of keys and values are read out of the stacked
+[L, B, Hk, S, K] arrays in place (``Quantized`` codes and scales dequantized in VMEM,
+``tpu_common.load``). S k_j is one MXU product of the tile against the head's [K, K] sums at full
+float32 precision; the squared norms are summed along lanes on the MXU (``tpu_common.row_sums``)
+so that they land as the [1, bk] row written out. bk is a multiple of 128, or all of S; a ragged
+last tile's rows past S are zeroed before the sums.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from kvjax.kernels import tpu_common as common
+from kvjax.kernels._shared import NT_DIMS, kv_spec, round_up
+from kvjax.kernels.moment_residuals.tiles import check_inputs, check_unrotated, read_dtype
+
+
+def _kernel(
+    layer_ref,
+    k_ref,
+    v_ref,
+    count_ref,
+    k_sum_ref,
+    v_sum_ref,
+    vk_sum_ref,
+    out_ref,
+    *,
+    n_slots: int,
+    block_k: int,
+    zeroth: bool,
+    dtype,
+):
+    del layer_ref  # read by the index maps
+    first = pl.program_id(2) * block_k
+    k = common.load(k_ref, dtype).astype(jnp.float32)
+    v = common.load(v_ref, dtype).astype(jnp.float32)
+    count = count_ref[...]  # [1, 1]
+    n = jnp.maximum(count, 1.0)
+    v_bar = v_sum_ref[...] / n  # [1, K]
+    r = v - v_bar
+    if not zeroth:
+        m = jnp.sum(k * k_sum_ref[...], axis=1, keepdims=True)  # [bk, 1]
+        sk = jax.lax.dot_general(
+            k,
+            vk_sum_ref[...],
+            NT_DIMS,
+            preferred_element_type=jnp.float32,
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        a = 1.0 / (n * math.sqrt(k.shape[1]))
+        r = r - a * (sk - m * v_bar)
+    r = common.real_rows(jnp.where(count > 0, r, v), first, n_slots)
+    out_ref[...] = jnp.sqrt(common.row_sums(r * r))
+
+
+def moment_residual_norms_tpu(
+    k,
+    v,
+    count,
+    k_sum,
+    v_sum,
+    vk_sum,
+    zeroth: bool = False,
+    *,
+    layer=None,
+    block_k: int | None = None,
+    interpret=False,
+):
+    """‖r_j‖ [B, Hk, S] float32, as ``reference.residual_norms`` of k, v (arrays, or ``Quantized``
+    whose kind is not rotated) read in their model dtype; with ``layer`` (an int32 scalar), k, v
+    are [L, B, Hk, S, K] and layer ``layer`` is read. block_k is rounded up to a multiple of 128."""
+    k, v, layer, (B, Hk, S, K) = check_inputs(k, v, count, k_sum, v_sum, vk_sum, layer)
+    common.check_head_dim(K)
+    check_unrotated(k)
+    bk = min(S, round_up(block_k or common.DEFAULT_BLOCK_K, common.LANES))
+    nk = -(-S // bk)
+    tile = (None, None, None, bk, K)
+
+    def head(*block):
+        return pl.BlockSpec((None, None, *block), lambda b, h, j, *_: (b, h, 0, 0))
+
+    kinds = pltpu.GridDimensionSemantics
+    out = pl.pallas_call(
+        functools.partial(_kernel, n_slots=S, block_k=bk, zeroth=zeroth, dtype=read_dtype(k)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, Hk, nk),
+            in_specs=[
+                kv_spec(k, tile, lambda b, h, j, layer: (layer[0], b, h, j, 0)),
+                kv_spec(v, tile, lambda b, h, j, layer: (layer[0], b, h, j, 0)),
+                head(1, 1),
+                head(1, K),
+                head(1, K),
+                head(K, K),
+            ],
+            out_specs=pl.BlockSpec((None, None, 1, bk), lambda b, h, j, *_: (b, h, 0, j)),
+        ),
+        out_shape=jax.ShapeDtypeStruct((B, Hk, 1, S), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=(kinds.PARALLEL,) * 3),
+        interpret=interpret,
+        name="moment_residual_norms",
+    )(
+        layer,
+        k,
+        v,
+        count.astype(jnp.float32)[..., None, None],
+        k_sum[:, :, None],
+        v_sum[:, :, None],
+        vk_sum,
+    )
+    return out[:, :, 0]

@@ -1,0 +1,196 @@
+"""``kvjax.kernels.moment_residual_norms`` (MomentKV's residual norm of every slot, the decoding
+step's moment-informed eviction):
+
+* the XLA reference against a float64 NumPy oracle of MomentKV's residual (Eq. 9), first and zeroth
+  order, with rows that have evicted nothing;
+* the TPU and Triton kernels under the Pallas interpreter against the reference: one layer and
+  the middle layer of a stack, ragged key tiles, float32 and bfloat16, int8 and float8 codes (int4,
+  stored rotated, runs the reference);
+* ``jax.export`` lowers the kernels for TPU and CUDA over the whole stack (no slice of a layer), and
+  MomentKV's decoding step on the dense cache lowers to the kernel;
+* bad shapes name the argument.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kvjax.kernels import moment_residual_norms, quantize
+from kvjax.kernels.moment_residuals import gpu, reference, tpu
+from kvjax.kernels.quantized import values
+from test_kernels import GPU_EXPORT_CHECKS, TRITON_CALL
+
+import kvjax
+from kvjax.eviction.moments import Moments
+from kvjax.runtime.decoding import decode_steps, feed_budget
+from kvjax.runtime.options import eviction_from
+from kvjax.runtime.sampling import Sampling
+
+
+def oracle(k, v, count, k_sum, v_sum, vk_sum, zeroth):
+    """‖r_j‖ [B, Hk, S] in float64, one (row, head) at a time."""
+    k, v = np.asarray(k, np.float64), np.asarray(v, np.float64)
+    out = np.zeros(k.shape[:3])
+    for b in range(k.shape[0]):
+        for h in range(k.shape[1]):
+            n = float(count[b, h])
+            if n == 0:
+                r = v[b, h]
+            else:
+                v_bar = np.asarray(v_sum[b, h], np.float64) / n
+                r = v[b, h] - v_bar
+                if not zeroth:
+                    s_tilde = np.asarray(vk_sum[b, h], np.float64) - np.outer(
+                        v_bar, np.asarray(k_sum[b, h], np.float64)
+                    )
+                    r = r - k[b, h] @ s_tilde.T / (n * np.sqrt(k.shape[-1]))
+            out[b, h] = np.linalg.norm(r, axis=-1)
+    return out
+
+
+def case(seed=0, L=3, B=2, Hk=3, S=150, K=64, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    k = jax.random.normal(ks[0], (L, B, Hk, S, K)).astype(dtype)
+    v = jax.random.normal(ks[1], (L, B, Hk, S, K)).astype(dtype)
+    count = jnp.where(
+        jnp.arange(B * Hk).reshape(B, Hk) == 1, 0.0, 5.0 + jnp.arange(B * Hk).reshape(B, Hk)
+    )
+    moments = Moments(
+        count=count,
+        k_sum=jax.random.normal(ks[2], (B, Hk, K)) * 3,
+        v_sum=jax.random.normal(ks[3], (B, Hk, K)) * 3,
+        vk_sum=jax.random.normal(ks[4], (B, Hk, K, K)) * 4,
+    )
+    return k, v, moments
+
+
+def stats(m):
+    return m.count, m.k_sum, m.v_sum, m.vk_sum
+
+
+@pytest.mark.parametrize("zeroth", [False, True])
+def test_the_reference_is_momentkv_residual_norm(zeroth):
+    k, v, m = case()
+    got = reference.residual_norms(k[1], v[1], *stats(m), zeroth)
+    want = oracle(k[1], v[1], *map(np.asarray, stats(m)), zeroth)
+    assert np.abs(got[0, 1] - np.linalg.norm(np.asarray(v[1][0, 1]), axis=-1)).max() < 1e-5  # n = 0
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+
+
+KERNELS = {"tpu": tpu.moment_residual_norms_tpu, "gpu": gpu.moment_residual_norms_gpu}
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("zeroth", [False, True])
+def test_kernels_equal_the_reference(kernel, dtype, zeroth):
+    """Ragged tiles (150 slots: 128 + 22 on TPU, 64 + 64 + 22 on GPU), a stack's middle layer and a
+    lone layer."""
+    k, v, m = case(dtype=dtype)
+    want = reference.residual_norms(k[1], v[1], *stats(m), zeroth)
+    fn = KERNELS[kernel]
+    got = fn(k, v, *stats(m), zeroth, layer=jnp.int32(1), interpret=True)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+    got = fn(k[2], v[2], *stats(m), zeroth, interpret=True)
+    want = reference.residual_norms(k[2], v[2], *stats(m), zeroth)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3fn", "int4"])
+def test_quantized_keys_and_values_are_read_as_their_values(kind):
+    """Codes and scales dequantized in the kernel as ``quantized.values`` does (in the model's
+    dtype, then float32). Within a bfloat16 rounding of the keys: XLA may keep a dequantized key in
+    float32 through the interpreted kernel's fused round trip (excess precision); int4 is stored
+    rotated and runs the reference (exactly)."""
+    k, v, m = case(dtype=jnp.bfloat16)
+    kq, vq = quantize(k, kind), quantize(v, kind)
+    want = reference.residual_norms(values(kq)[1], values(vq)[1], *stats(m), False)
+    for impl in ("pallas", "xla"):
+        got = moment_residual_norms(kq, vq, m, layer=jnp.int32(1), impl=impl)
+        if kind == "int4" or impl == "xla":
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=4e-3)
+    if kind != "int4":
+        got = KERNELS["gpu"](kq, vq, *stats(m), layer=jnp.int32(1), interpret=True)
+        np.testing.assert_allclose(got, want, rtol=4e-3)
+
+
+LOWERINGS = [("tpu", "pallas_tpu", "tpu_custom_call"), ("cuda", "pallas_gpu", TRITON_CALL)]
+
+
+@pytest.mark.parametrize("platform,impl,call", LOWERINGS)
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_kernels_lower_over_the_whole_stack(platform, impl, call, kv_dtype):
+    """SmolLM2's layer geometry (30 layers, 3 KV heads, head dim 64) at 1,040 slots: one kernel
+    call, handed the whole stack, no dynamic slice of it."""
+    stack = jax.ShapeDtypeStruct((30, 2, 3, 1040, 64), jnp.bfloat16)
+    m = jax.eval_shape(lambda: Moments.zeros((2, 3), 64))
+
+    def fn(k, v, m, layer):
+        if kv_dtype:
+            k, v = quantize(k, kv_dtype), quantize(v, kv_dtype)
+        return moment_residual_norms(k, v, m, layer=layer, impl=impl)
+
+    checks = GPU_EXPORT_CHECKS if platform == "cuda" else []
+    text = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
+        stack, stack, m, jax.ShapeDtypeStruct((), jnp.int32)
+    ).mlir_module()
+    calls = [line for line in text.splitlines() if f"custom_call @{call}" in line]
+    assert len(calls) == 1, calls
+    whole = "30x2x3x1040x64x" + ("i8" if kv_dtype else "bf16")
+    assert whole in calls[0], calls[0]
+    if not kv_dtype:
+        assert "dynamic_slice" not in text
+
+
+def test_bad_shapes_name_the_argument():
+    k, v, m = case()
+    with pytest.raises(ValueError, match=r"vk_sum must be \(2, 3, 64, 64\)"):
+        moment_residual_norms(k, v, m.replace(vk_sum=m.vk_sum[..., :3]), layer=0)
+    with pytest.raises(ValueError, match="with layer, k and v must be"):
+        moment_residual_norms(k[0], v[0], m, layer=0)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_momentkv_decoding_lowers_to_the_kernel_over_the_stacked_cache(platform):
+    """MomentKV's decoding loop on the dense budget cache (it evicts inside the layer scan) calls
+    the residual-norm kernel on the whole stacked keys and values; SnapKV's does not call it."""
+    cfg = kvjax.ModelConfig(
+        arch="llama",
+        vocab_size=256,
+        d_model=128,
+        n_layers=3,
+        n_heads=6,
+        n_kv_heads=2,
+        head_dim=64,
+        d_ff=256,
+        max_seq_len=1024,
+    )
+    params = jax.eval_shape(lambda: kvjax.init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    tokens, lengths = (
+        jax.ShapeDtypeStruct((1, 200), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    )
+    n = jax.ShapeDtypeStruct((), jnp.int32)
+    checks = GPU_EXPORT_CHECKS if platform == "cuda" else []
+    for scorer in ("momentkv", "snapkv"):
+        ev = eviction_from(context=200, budget=64, scorer=scorer)
+        feed = functools.partial(feed_budget, ev=ev, out_width=16, decode_spare=ev.decode_spare(16))
+        state = jax.eval_shape(feed, params, None, tokens, lengths, lengths, jax.random.key(0))
+        fn = jax.jit(lambda p, s, a, b: decode_steps(p, s, a, b, Sampling(), (), ev.decoding()))  # noqa: B023
+        text = jax.export.export(fn, platforms=[platform], disabled_checks=checks)(
+            params, state, n, n
+        ).mlir_module()
+        calls = [
+            line
+            for line in text.splitlines()
+            if "custom_call" in line and "moment_residual_norms" in line
+        ]
+        if scorer == "snapkv":
+            assert not calls
+        else:
+            assert calls and all(re.search(r"3x1x2x\d+x64xbf16", line) for line in calls), calls
