@@ -125,15 +125,18 @@ def tile_logits(q, qpos, tile: KeyTile, scale: float):
     return logits, visible, z
 
 
-def online_softmax(q, qpos, tiles: Callable[[Any], KeyTile], start, stop, scale: float):
+def online_softmax(q, qpos, tiles: Callable[[Any], KeyTile], start, stop, scale: float, store=None):
     """Online softmax of the query rows q [R, K] (positions qpos [R]) over the key tiles
     ``tiles(j)``, j = start .. stop − 1 (the first one starts with a real slot) -> (unnormalised
-    output acc [R, K] float32, max m [R], sum l [R]); -inf, 0 and 0 for an empty range."""
+    output acc [R, K] float32, max m [R], sum l [R]); -inf, 0 and 0 for an empty range.
+    ``store(j, logits)``, if given, receives each tile's masked logits [R, bk]."""
 
     def body(j, carry):
         acc, m, l = carry
         tile = tiles(j)
         logits, _, _ = tile_logits(q, qpos, tile, scale)
+        if store is not None:
+            store(j, logits)
         m_next = jnp.maximum(m, jnp.max(logits, axis=1))  # finite from the first tile on
         p = jnp.exp(logits - m_next[:, None])
         alpha = jnp.exp(m - m_next)
@@ -175,6 +178,7 @@ def softmax_kernel(
     o_ref,
     m_ref,
     l_ref,
+    z_ref=None,
     *,
     n_slots: int,
     block_k: int,
@@ -182,19 +186,27 @@ def softmax_kernel(
     scale: float,
     split_axis: int | None = None,
     head: tuple = (),
+    z_rows: int = 0,
 ):
     """Online softmax of a tile of query rows over ``n_tiles`` key tiles of the whole-head refs
     k_ref, v_ref [S, K] (or ``Quantized`` of refs; or their head at the leading indices ``head``)
     and spos_ref [S]: from slot 0, or — with split_axis — from the split chosen by that grid axis
     (n_tiles tiles per split; every split starts with a real slot). Writes the normalised o and m,
-    l."""
+    l, and, given z_ref [R, ≥ S], the masked logits of the first ``z_rows`` rows at each tile's
+    slots."""
     offset = 0 if split_axis is None else pl.program_id(split_axis) * (n_tiles * block_k)
 
     def tile(j):
         start = offset + j * block_k
         return dense_tile(k_ref, v_ref, spos_ref, start, block_k, n_slots, q_ref.dtype, head)
 
-    acc, m, l = online_softmax(q_ref[...], qpos_ref[...], tile, 0, n_tiles, scale)
+    def store(j, logits):
+        rows = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 0) < z_rows
+        plgpu.store(z_ref.at[:, pl.ds(offset + j * block_k, block_k)], logits, mask=rows)
+
+    acc, m, l = online_softmax(
+        q_ref[...], qpos_ref[...], tile, 0, n_tiles, scale, None if z_ref is None else store
+    )
     o_ref[...] = acc / l[:, None]
     m_ref[...] = m
     l_ref[...] = l

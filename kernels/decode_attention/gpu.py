@@ -9,9 +9,13 @@ A decode step has little parallelism per (row, KV head), so the softmax pass spl
 ("flash-decoding"): grid (B, Hk, splits), each program runs the online softmax over its run of key
 tiles (``gpu_common.softmax_kernel``) and writes partial (o, m, l); the partials are merged in jnp
 (a log-sum-exp over the splits of [G, K]; ``gpu_common.decode_splits``: 8, more for a few rows over
-a long cache). The scores pass, grid (B, Hk, key tiles), recomputes each tile's logits with the
-merged statistics and writes the per-slot scores of the G rows (rows padded to 16, the minimum of
-``tl.dot``; ``gpu_common.head_scores``). Unweighted: the wrapper multiplies by the query's weight.
+a long cache). The "attn" score (the attention column) needs nothing but each slot's logit and the
+merged statistics: the softmax pass also writes the G real rows' masked logits, float32 [G, S] per
+(row, KV head), and XLA forms exp(z − m) / l from them, so the keys are read once. The other score
+kinds read the values and the output too: a scores pass, grid (B, Hk, key tiles), recomputes each
+tile's logits with the merged statistics and writes the per-slot scores of the G rows (rows padded
+to 16, the minimum of ``tl.dot``; ``gpu_common.head_scores``). Unweighted: the wrapper multiplies by
+the query's weight.
 The cache is read in masked power-of-two tiles (``gpu_common.load_tile``), never padded in HBM, from
 the stacked [L, B, Hk, S, K] arrays at the layer given (a [1] input each program reads): the layer's
 keys and values are never sliced out into a copy. ``Quantized`` ones are read alike — codes and
@@ -114,7 +118,11 @@ def decode_attention_gpu(
 
     whole = pl.BlockSpec((1,), lambda b, h, s: (0,))
     head_pos = pl.BlockSpec((None, None, S), lambda b, h, s: (b, h, 0))
-    o_part, m_part, l_part = pl.pallas_call(
+    # "attn" scores from the softmax pass's logits: no second read of the keys
+    logits_out = query_weights is not None and score == "attn"
+    z_spec = [pl.BlockSpec((None, None, gp, nk * bk), lambda b, h, s: (b, h, 0, 0))]
+    z_shape = [jax.ShapeDtypeStruct((B, Hk, gp, nk * bk), jnp.float32)]
+    o_part, m_part, l_part, *z = pl.pallas_call(
         functools.partial(
             _softmax_kernel,
             n_slots=S,
@@ -122,6 +130,7 @@ def decode_attention_gpu(
             n_tiles=per_split,
             scale=scale,
             split_axis=2,
+            z_rows=G,
         ),
         grid=(B, Hk, n_splits),
         in_specs=[
@@ -136,11 +145,13 @@ def decode_attention_gpu(
             pl.BlockSpec((None, None, None, gp, K), lambda b, h, s: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
             pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
+            *(z_spec if logits_out else []),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((B, Hk, n_splits, gp, K), jnp.float32),
             jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32),
             jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32),
+            *(z_shape if logits_out else []),
         ],
         compiler_params=params,
         interpret=interpret,
@@ -152,6 +163,10 @@ def decode_attention_gpu(
     out, lse = common.decode_outputs(o, m, l, G)
     if query_weights is None:
         return out, lse, None
+    weights = query_weights.astype(jnp.float32).reshape(B, 1, 1, 1)
+    if logits_out:  # A = exp(z − m) / l at the merged statistics, as the scores pass forms it
+        a = jnp.exp(z[0][:, :, :G, :S] - m[:, :, :G, None]) / l[:, :, :G, None]
+        return out, lse, a * weights
 
     head_pos = pl.BlockSpec((None, None, S), lambda b, h, j: (b, h, 0))
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, j: (b, h, 0, 0))
@@ -178,4 +193,4 @@ def decode_attention_gpu(
         interpret=interpret,
         name="decode_attention_scores",
     )(layer, rows, k, v, spos, qpos, o, m, l)
-    return out, lse, col[:, :, :G, :S] * query_weights.astype(jnp.float32).reshape(B, 1, 1, 1)
+    return out, lse, col[:, :, :G, :S] * weights
