@@ -584,10 +584,9 @@ LOWERINGS = [("tpu", "pallas_tpu", "tpu_custom_call"), ("cuda", "pallas_gpu", TR
 @pytest.mark.parametrize("platform,impl,call", LOWERINGS)
 def test_paged_kernels_lower_at_model_shapes(geometry, platform, impl, call):
     block, decode = _structs("block", geometry), _structs("decode", geometry)
-    decode_passes = (
-        1 if platform == "tpu" else 2
-    )  # TPU: one call, both phases; GPU: split softmax + scores
     for score in SCORE_KINDS:
+        # TPU: one call, both phases; GPU: split softmax + scores, "attn" from the softmax's logits
+        decode_passes = 1 if platform == "tpu" or score == "attn" else 2
         calls = _custom_calls(
             lambda *a, s=score: paged_block_attention_with_scores(*a, s, impl=impl),
             platform,

@@ -19,7 +19,8 @@ is needed.
   ⌈n_pages / splits⌉ used pages (so a head's work is spread by its own page count), the partials are
   merged in XLA, unused slots added there;
 * decode, pass 2, grid (B, Hk, M): one page's scores for the G query heads (rows padded to 16;
-  ``gpu_common.head_scores``).
+  ``gpu_common.head_scores``); not for "attn": pass 1 writes the G real rows' logits of the pages
+  it reads and XLA forms exp(z − m) / l from them, so the keys are read once.
 
 The wrapper sets the score columns of unused pages (``reference.fill_unused_pages``). Quantized
 pools are loaded a page of codes and scales at a time and dequantized in registers
@@ -84,15 +85,19 @@ def _stats_kernel(
     o_ref,
     m_ref,
     l_ref,
+    z_ref=None,
     *,
     page_size: int,
     n_table: int,
     scale: float,
     split_axis: int | None = None,
+    z_rows: int = 0,
 ):
     """Online softmax of a tile of query rows over the head's used pages, then the unused pages'
     slots (o normalised, final m, l). With split_axis: over that grid axis' run of used pages only,
-    writing the partial (o, m, l) — o = 0 and l = 0 for an empty run."""
+    writing the partial (o, m, l) — o = 0 and l = 0 for an empty run. Given z_ref [R, M·P], the
+    masked logits of the first ``z_rows`` rows at each used page's slots (unused pages' left
+    unwritten)."""
     n = n_ref[0]
     start, stop = 0, n
     if split_axis is not None:
@@ -104,7 +109,13 @@ def _stats_kernel(
     def tiles(j):
         return page_tile(table_ref, j, k_ref, v_ref, spos_ref, slot, page_size, q_ref.dtype)
 
-    acc, m, l = common.online_softmax(q_ref[...], qpos_ref[...], tiles, start, stop, scale)
+    def store(j, logits):
+        rows = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 0) < z_rows
+        plgpu.store(z_ref.at[:, pl.ds(j * page_size, page_size)], logits, mask=rows)
+
+    acc, m, l = common.online_softmax(
+        q_ref[...], qpos_ref[...], tiles, start, stop, scale, None if z_ref is None else store
+    )
     if split_axis is None:
         m, l, alpha = with_unread_slots(m, l, (n_table - n) * page_size)
         o_ref[...] = acc * (alpha / l)[:, None]
@@ -363,19 +374,27 @@ def paged_decode_attention_gpu(
     paged_specs = _paged_specs(k_pages, v_pages, M)
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, x: (b, h, 0, 0))
     row_qpos = pl.BlockSpec((None, gp), lambda b, h, x: (b, 0))
-    o_part, m_part, l_part = pl.pallas_call(
-        functools.partial(_stats_kernel, page_size=P, n_table=M, scale=scale, split_axis=2),
+    # "attn" scores from the softmax pass's logits: no second read of the keys
+    logits_out = query_weights is not None and score == "attn"
+    z_spec = [pl.BlockSpec((None, None, gp, M * P), lambda b, h, s: (b, h, 0, 0))]
+    z_shape = [jax.ShapeDtypeStruct((B, Hk, gp, M * P), jnp.float32)]
+    o_part, m_part, l_part, *z = pl.pallas_call(
+        functools.partial(
+            _stats_kernel, page_size=P, n_table=M, scale=scale, split_axis=2, z_rows=G
+        ),
         grid=(B, Hk, n_splits),
         in_specs=paged_specs[:2] + [head_spec] + paged_specs[2:] + [row_qpos],
         out_specs=[
             pl.BlockSpec((None, None, None, gp, K), lambda b, h, s: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
             pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
+            *(z_spec if logits_out else []),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((B, Hk, n_splits, gp, K), jnp.float32),
             jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32),
             jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32),
+            *(z_shape if logits_out else []),
         ],
         compiler_params=params,
         interpret=interpret,
@@ -390,6 +409,11 @@ def paged_decode_attention_gpu(
     out, lse = common.decode_outputs(o, m, l, G)
     if query_weights is None:
         return out, lse, None
+    weights = query_weights.astype(jnp.float32).reshape(B, 1, 1, 1)
+    stats = m[:, :, :G, None], l[:, :, :G, None]
+    if logits_out:  # A = exp(z − m) / l at the merged statistics; unused pages' slots filled below
+        col = jnp.exp(z[0][:, :, :G] - stats[0]) / stats[1] * weights
+        return out, lse, fill_unused_pages(col, n_pages, P, score, *stats, query_weights)
 
     col = pl.pallas_call(
         functools.partial(_decode_scores_kernel, score=score, n_heads=G, page_size=P, scale=scale),
@@ -409,11 +433,5 @@ def paged_decode_attention_gpu(
         interpret=interpret,
         name="paged_decode_attention_scores",
     )(*paged[:2], rows, *paged[2:], qpos, o, m, l)
-    col = col[:, :, :G] * query_weights.astype(jnp.float32).reshape(B, 1, 1, 1)
-    return (
-        out,
-        lse,
-        fill_unused_pages(
-            col, n_pages, P, score, m[:, :, :G, None], l[:, :, :G, None], query_weights
-        ),
-    )
+    col = col[:, :, :G] * weights
+    return out, lse, fill_unused_pages(col, n_pages, P, score, *stats, query_weights)
