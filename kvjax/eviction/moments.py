@@ -168,8 +168,8 @@ def moment_informed_eviction(
     if max_evict == 1:
         k_all, v_all, layer = stack or (k, v, None)
         lead = ("batch", "kv_heads") if layer is None else (None, "batch", "kv_heads")
-        norms = per_shard(
-            lambda k, v, m, i: moment_residual_norms(k, v, m, zeroth, layer=i, impl=impl),
+        (norms,) = per_shard(
+            lambda k, v, m, i: (moment_residual_norms(k, v, m, zeroth, layer=i, impl=impl),),
             (k_all, v_all, moments, layer),
             (lead, lead, ("batch", "kv_heads"), ()),
             (("batch", "kv_heads"),),
