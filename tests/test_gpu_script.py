@@ -2,6 +2,7 @@
 runs every part on CPU with tiny shapes (the Pallas GPU kernels under the interpreter), and its
 report combines runs."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import pytest
 from helpers import GPU_SCRIPT, gpu_script
 
 ROOT = Path(__file__).resolve().parent.parent
+# kvpress's own environment (benchmarks/kvpress_baseline/setup.sh): torch, transformers 5.2, kvpress
+KVPRESS_PYTHON = ROOT / "benchmarks" / "kvpress_baseline" / ".venv" / "bin" / "python"
 
 
 def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
@@ -66,6 +69,17 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
         head_dim = 16  # the smoke model's
         assert row["kv_bytes_kept"] * 2 * head_dim == base["kv_bytes_kept"] * (head_dim + 2)
     assert all(r["ms_per_step"] > 0 and r["floor_ms"] > 0 for r in decode)
+    # the floor two ways: over the copy rate and over the read rate, both measured in the part
+    for part, rows in (("model", decode), ("layers", parts["layers"])):
+        ceilings = merged["meta"][part]["ceilings"]
+        assert ceilings["copy_gb_s"] > 0 and ceilings["read_gb_s"] > 0, ceilings
+        for r in rows:
+            assert r["read_floor_ms"] / r["floor_ms"] == pytest.approx(
+                ceilings["copy_gb_s"] / ceilings["read_gb_s"]
+            ), r
+            assert r["ms_per_step"] / r["read_floor_ms"] == pytest.approx(
+                r["step_over_read_floor"]
+            ), r
     assert {r["impl"] for r in decode} == {"default"} and {r["impl"] for r in parts["prefill"]} == {
         "default",
         "xla",
@@ -106,13 +120,20 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
         "matches XLA's" in merged["meta"][part]["decode_attention"] for part in ("layers", "model")
     )
     peer = parts["peer"]
-    assert (
-        "error" not in peer and peer["decode"] and not [r for r in peer["decode"] if "error" in r]
-    )
+    assert "error" not in peer and "stopped" not in peer
+    for table in ("prefill", "decode"):
+        assert peer[table] and not [r for r in peer[table] if "error" in r], peer[table]
+    # eager rows first (the earlier calls' record), then the compiled ones, their warm-up apart
+    modes = [r["mode"] for r in peer["decode"]]
+    assert modes == sorted(modes, key=["eager", "compiled"].index) and modes[-1] == "compiled"
+    compiled = [r for t in ("prefill", "decode") for r in peer[t] if r["mode"] == "compiled"]
+    assert {(r["context"], r.get("batch")) for r in compiled} == {(256, 1), (256, 4), (256, None)}
+    assert all(r["compile_s"] > 0 and r["tokens_per_s"] > 0 for r in compiled)
     report = (tmp_path / "results.md").read_text()
     assert (
         "### Targets" in report and report.strip() == done.stdout.strip()
     )  # the table is printed last
+    assert "step / read floor" in report and "| decode | compiled | 256 | 4 |" in report
 
 
 @pytest.mark.slow
@@ -285,3 +306,197 @@ def test_a_failing_decode_kernel_sends_every_row_to_xla(monkeypatch):
     monkeypatch.setattr(kvjax.kernels, "decode_attention_with_scores", off)
     impl, why = decode_attention()
     assert impl == "xla" and "off XLA's" in why
+
+
+def test_report_renders_stored_results_made_before_the_read_floor_and_compiled_peers():
+    """Calls 1–4's files have no read rate, no read floor and no peer mode: the report still
+    renders them, blanks where a figure is missing, every eager peer row beside kvjax's."""
+    report = gpu_script("report")
+    results = GPU_SCRIPT / "results"
+    names = ["2026-11-26-h200-call1", "2026-11-28-h200-call4a"]
+    text = report.render(report.combine([report.load(results / n) for n in names], names), names)
+    assert "read rate not measured (before call 5); the H200's specification: 4.8 TB/s" in text
+    # call 4a's batch-1 row: its floor, no read floor
+    assert "| full | default | 4096 | 1 | 5.35 | 187 | 4.70 | 1.14 |  |  | 0.54 |" in text
+    # transformers' batch 32 (eager), beside kvjax's full cache: 3198 / 336 tokens/s
+    assert "| decode | eager | 4096 | 32 | 336 | 95.32 |  | 3198 | 9.53 |" in text
+    assert "kvjax (full) decode >= transformers (eager) at batch 32, 4096 | 3198 vs 336" in text
+    assert "transformers (compiled)" not in text and "### kvpress" not in text
+
+
+def test_report_puts_both_floors_and_the_peers_beside_kvjax():
+    report = gpu_script("report")
+    full = {"cache": "full", "impl": "default", "context": 4096}
+    merged = {
+        "meta": {
+            "model": {
+                "device": "gpu:NVIDIA H200 x1",
+                "ceilings": {
+                    "copy_gb_s": 3300.0,
+                    "copy_bytes": 1,
+                    "read_gb_s": 4000.0,
+                    "read_bytes": 1,
+                    "matmul_tflops": 700.0,
+                    "matmul_n": 8192,
+                },
+            }
+        },
+        "parts": {
+            "decode": [
+                {
+                    **full,
+                    "batch": b,
+                    "ms_per_step": ms,
+                    "tokens_per_s": b / ms * 1e3,
+                    "floor_ms": 4.7,
+                    "step_over_floor": ms / 4.7,
+                    "read_floor_ms": 3.9,
+                    "step_over_read_floor": ms / 3.9,
+                    "kv_bytes_kept": 5e8,
+                    "compile_s": 3.0,
+                }
+                for b, ms in ((1, 5.0), (32, 10.0))
+            ],
+            "prefill": [
+                {
+                    **full,
+                    "cache": c,
+                    "tokens_per_s": t,
+                    "seconds": 0.1,
+                    "first_call_s": 1.0,
+                    "compile_s": 1.0,
+                }
+                for c, t in (("full", 40000.0), ("snapkv 1024", 17000.0), ("adakv 1024", 11000.0))
+            ],
+            "peer": {
+                "transformers": "5.17.0",
+                "torch": "2.11.0",
+                "device_name": "NVIDIA H200",
+                "compile": "torch.compile(model.forward, mode='reduce-overhead')",
+                "prefill": [],
+                "decode": [
+                    {
+                        "mode": "eager",
+                        "context": 4096,
+                        "batch": 32,
+                        "ms_per_step": 100.0,
+                        "tokens_per_s": 320.0,
+                    },
+                    {
+                        "mode": "compiled",
+                        "context": 4096,
+                        "batch": 32,
+                        "ms_per_step": 20.0,
+                        "tokens_per_s": 1600.0,
+                        "compile_s": 80.0,
+                    },
+                    {"mode": "compiled", "context": 4096, "batch": 8, "error": "not run: 3 s left"},
+                ],
+            },
+            "kvpress": {
+                "kvpress": "0.5.5",
+                "budget": 1024,
+                "stubbed": ["datasets"],
+                "prefill": [{"context": 4096, "seconds": 0.2, "tokens_per_s": 20480.0}],
+                "compress": [
+                    {
+                        "press": p,
+                        "context": 4096,
+                        "compression_ratio": 0.75,
+                        "kept_per_head": 1024.0,
+                        "seconds": s,
+                        "tokens_per_s": 4096 / s,
+                        "timed": 2,
+                        "prefill_s": 0.2,
+                        "overhead_s": s - 0.2,
+                    }
+                    for p, s in (("KVzipPress", 0.8), ("ExpectedAttentionPress", 0.256))
+                ],
+            },
+        },
+    }
+    text = report.render(merged)
+    assert (
+        "copy 3300 GB/s counting bytes read and written, read 4000 GB/s (a sum over the same "
+        "array, bytes read); the H200's specification: 4.8 TB/s (read at 83% of it)"
+    ) in text
+    assert "| full | default | 4096 | 1 | 5.00 | 200 | 4.70 | 1.06 | 3.90 | 1.28 |" in text
+    assert "5.00 ms vs floor 4.70 ms = 1.06x (read floor 3.90 ms: 1.28x) | yes |" in text
+    # each transformers row beside kvjax's full cache at its shape (3200 tokens/s at batch 32)
+    assert "| decode | eager | 4096 | 32 | 320 | 100.00 |  | 3200 | 10.00 |" in text
+    assert "| decode | compiled | 4096 | 32 | 1600 | 20.00 | 80.0 | 3200 | 2.00 |" in text
+    assert "| decode | compiled | 4096 | 8 | not run: 3 s left |" in text
+    assert "kvjax (full) decode >= transformers (compiled) at batch 32, 4096 | 3200 vs 1600" in text
+    assert "| KVzipPress | 4096 | 0.75000 | 1024.0 | 0.800 | 5120 | 2 | 0.200 | 0.600 |" in text
+    # kvpress's presses beside kvjax's prefills at the same budget
+    assert (
+        "| context | kvjax full | kvjax snapkv 1024 | kvjax adakv 1024 | transformers, no press "
+        "| KVzipPress | ExpectedAttentionPress |"
+    ) in text
+    assert "| 4096 | 40000 | 17000 | 11000 | 20480 | 5120 | 16000 |" in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_peer_script_starts_no_row_after_its_deadline(tmp_path):
+    """peer_transformers.py at a deadline already passed: every row, eager and compiled, is a "not
+    run" row, the object says where it stopped, and the file it keeps is what it prints."""
+    out = tmp_path / "peer.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(GPU_SCRIPT / "peer_transformers.py"),
+            "--smoke",
+            "--seconds",
+            "0",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    peer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert json.loads(out.read_text()) == peer
+    rows = peer["prefill"] + peer["decode"]
+    assert len(rows) == 2 + 6 + 2 + 1 and all(r["error"].startswith("not run") for r in rows)
+    assert {r["mode"] for r in rows} == {"eager", "compiled"} and "stopped" in peer
+
+
+@pytest.mark.slow  # needs kvpress's own environment, like the kvpress evaluations
+@pytest.mark.skipif(not KVPRESS_PYTHON.exists(), reason="benchmarks/kvpress_baseline/setup.sh")
+def test_kvpress_part_compresses_to_the_budget_under_its_interpreter(tmp_path):
+    """The kvpress part, run by run.py under kvpress's own environment (``--peer-python``): both
+    presses at both contexts keep kvjax's smoke budget (64) per KV head, KVzip through its chunked
+    path, and the report shows them."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(GPU_SCRIPT / "run.py"),
+            "--smoke",
+            "--parts",
+            "kvpress",
+            "--peer-python",
+            str(KVPRESS_PYTHON),
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    kv = json.loads((tmp_path / "results.json").read_text())["parts"]["kvpress"]
+    assert "error" not in kv and kv["kvpress"] == "0.5.5" and kv["budget"] == 64, kv
+    rows = kv["compress"]
+    assert [(r["press"], r["context"]) for r in rows] == [
+        (p, c) for c in (256, 512) for p in ("KVzipPress", "ExpectedAttentionPress")
+    ]
+    assert all("error" not in r and r["kept_per_head"] == 64 and r["seconds"] > 0 for r in rows)
+    assert [r["compression_ratio"] for r in rows] == [0.75, 0.75, 0.875, 0.875]
+    assert (
+        "### kvpress 0.5.5" in done.stdout
+        and "| KVzipPress | 512 | 0.87500 | 64.0 |" in done.stdout
+    )

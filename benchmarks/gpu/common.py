@@ -1,5 +1,5 @@
 """What every part of the GPU run shares: the deadline, the results file, timing, compiling in
-parallel and the two ceilings (copy bandwidth and bf16 matrix rate) measured on the machine of the
+parallel and the ceilings (copy and read bandwidth, bf16 matrix rate) measured on the machine of the
 run."""
 
 from __future__ import annotations
@@ -339,13 +339,17 @@ def decode_attention() -> tuple[str | None, str]:
 class Ceilings:
     copy_gb_s: float  # device-to-device copy, bytes read plus bytes written per second
     copy_bytes: int
+    read_gb_s: float  # a reduction of the same array: bytes read per second
+    read_bytes: int
     matmul_tflops: float  # bf16 square matrix product
     matmul_n: int
 
 
 def measure_ceilings(smoke: bool) -> Ceilings:
-    """The two ceilings of METHOD.md on this device: a copy of a large array (read + written bytes
-    over the median time; fresh random data, never zeros) and a bf16 n×n×n matrix product."""
+    """The ceilings of METHOD.md on this device: a copy of a large array (read + written bytes over
+    the median time; fresh random data, never zeros), a read of the same array (its rows of 64K
+    summed in float32: the bytes read over the median time; the partial sums written, 1/32768 of
+    that, are not counted) and a bf16 n×n×n matrix product."""
     cpu = jax.default_backend() == "cpu"
     # bf16 elements: 8 MiB (smoke), 256 MiB on a CPU, 4 GiB on a GPU
     n_copy = (1 << 22) if smoke else (1 << 27) if cpu else (1 << 31)
@@ -355,6 +359,9 @@ def measure_ceilings(smoke: bool) -> Ceilings:
     )  # one read, one write; not elided like a plain copy
     seconds = median_seconds(functools.partial(copy, x), 7)
     copy_bytes = 2 * n_copy * 2
+    read = jax.jit(lambda a: jnp.sum(a.reshape(-1, 1 << 16), axis=1, dtype=jnp.float32))
+    read_s = median_seconds(functools.partial(read, x), 7)
+    read_bytes = n_copy * 2
     del x
     n = 512 if smoke else 1024 if cpu else 8192
     a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in (2, 3))
@@ -363,9 +370,24 @@ def measure_ceilings(smoke: bool) -> Ceilings:
     return Ceilings(
         copy_gb_s=copy_bytes / seconds / 1e9,
         copy_bytes=copy_bytes,
+        read_gb_s=read_bytes / read_s / 1e9,
+        read_bytes=read_bytes,
         matmul_tflops=2 * n**3 / mm_s / 1e12,
         matmul_n=n,
     )
+
+
+def floors(ceilings: Ceilings, nbytes: float) -> dict[str, float]:
+    """A step's floor two ways: ``nbytes`` over the copy rate (``floor_s``: the conservative one,
+    the copy counting its reads and writes) and over the read rate (``read_floor_s``)."""
+    return {
+        "floor_s": nbytes / (ceilings.copy_gb_s * 1e9),
+        "read_floor_s": nbytes / (ceilings.read_gb_s * 1e9),
+    }
+
+
+# the memory bandwidth a device's specification gives, GB/s (by a name in its device kind)
+SPEC_GB_S = {"H200": 4800.0}
 
 
 def device_text() -> str:

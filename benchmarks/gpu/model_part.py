@@ -20,13 +20,14 @@ GEMM fusions and of ``kvjax.unstack_layers`` answered their questions and are go
 aot.py still compile both.) JAX's profiler traces 4 more steps of a few rows
 (``ModelRun.profiled``): their device time by kind of op. Beside each figure its floor: the bytes a
 step must read (every weight but the embedding table, plus the kept keys and values of every row)
-over the copy bandwidth measured in the same run. Every row's attention is the kernels' unless
-``common.decode_attention`` finds the decode kernel failing on the device (then XLA's, said in the
-report's head). The largest batch that fits at 32K is found from two compiled programs' memory
-figures (batch 1 and 8: the state and temporaries one more row adds, and the temporaries that do not
-grow) against the allocator's free bytes (or its largest free block), then run (10% smaller, once,
-if it does not). Those searches run last, with the prefilled states moved to the host
-(``ModelRun.decode``).
+over the copy bandwidth measured in the same run (``floor_ms``: reads and writes counted, the
+conservative one) and over the read bandwidth measured beside it (``read_floor_ms``). Every
+row's attention is the kernels' unless ``common.decode_attention`` finds the decode kernel failing
+on the device (then XLA's, said in the report's head). The largest batch that fits at 32K is found
+from two compiled programs' memory figures (batch 1 and 8: the state and temporaries one more row
+adds, and the temporaries that do not grow) against the allocator's free bytes (or its largest free
+block), then run (10% smaller, once, if it does not). Those searches run last, with the prefilled
+states moved to the host (``ModelRun.decode``).
 
 Every program is compiled in the background first; timed runs wait for the compilations (XLA
 autotunes on the device while it compiles) for at most a third of the part's time.
@@ -53,6 +54,7 @@ from common import (
     decode_attention,
     device_profile,
     error_text,
+    floors,
     guarded,
     log,
     loop_copies,
@@ -421,7 +423,7 @@ class ModelRun:
         state = tile_state(source, batch, moment_dim)
         seconds, state = self.time_decode(compiled, state, params)
         kept = kept_kv_bytes(state, self.sz.cfg)
-        floor = (self.weight_bytes + kept) / (self.ceilings.copy_gb_s * 1e9)
+        floor = floors(self.ceilings, self.weight_bytes + kept)
         mem = compiled.memory_analysis()
         extra = {}
         if profile:
@@ -439,8 +441,10 @@ class ModelRun:
             **extra,
             "ms_per_step": 1e3 * seconds,
             "tokens_per_s": batch / seconds,
-            "floor_ms": 1e3 * floor,
-            "step_over_floor": seconds / floor,
+            "floor_ms": 1e3 * floor["floor_s"],
+            "step_over_floor": seconds / floor["floor_s"],
+            "read_floor_ms": 1e3 * floor["read_floor_s"],
+            "step_over_read_floor": seconds / floor["read_floor_s"],
             "kv_bytes_allocated": cache_bytes(state.cache, kv_only=True),
             "kv_bytes_kept": kept,
             "compile_s": compile_s,
@@ -742,29 +746,35 @@ def tables(results: Results) -> list[str]:
     rows = results.rows("decode")
     if rows:
         lines += [
-            "### Decode (floor: weights + kept keys and values over the measured copy bandwidth)",
+            "### Decode (floor: weights + kept keys and values over the measured copy bandwidth; "
+            "read floor: over the measured read bandwidth)",
             "",
-            "| cache | impl | context | batch | ms/step | tokens/s | floor ms | step / floor | K/V "
-            "kept GB | "
+            "| cache | impl | context | batch | ms/step | tokens/s | floor ms | step / floor | "
+            "read floor ms | step / read floor | K/V kept GB | "
             "temporaries GB | copied in the layer scan GB | compile s |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+            "| ---: | ---: |",
         ]
 
         def gb(r, key):  # absent before call 3
             return "" if r.get(key) is None else f"{r[key] / 1e9:.2f}"
+
+        def num(r, key):  # the read floor: absent before call 5
+            return "" if r.get(key) is None else f"{r[key]:.2f}"
 
         for r in rows:
             batch = f"{r.get('batch', '')}{' (largest)' if r.get('largest_batch') else ''}"
             if "error" in r:
                 lines.append(
                     f"| {r['cache']} | {r['impl']} | {r['context']} | {batch} | {r['error'][:200]} "
-                    "| | | | | | | |"
+                    "| | | | | | | | | |"
                 )
             else:
                 lines.append(
                     f"| {r['cache']} | {r['impl']} | {r['context']} | {batch} | "
                     f"{r['ms_per_step']:.2f} | "
                     f"{r['tokens_per_s']:.0f} | {r['floor_ms']:.2f} | {r['step_over_floor']:.2f} | "
+                    f"{num(r, 'read_floor_ms')} | {num(r, 'step_over_read_floor')} | "
                     f"{r['kv_bytes_kept'] / 1e9:.2f} | {gb(r, 'temp_bytes')} | "
                     f"{gb(r, 'layer_scan_copy_bytes')} | "
                     f"{r['compile_s']:.1f} |"

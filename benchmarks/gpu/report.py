@@ -19,7 +19,9 @@ import layers_part
 import model_part
 import serve_part
 import server_part
-from common import Results
+from common import SPEC_GB_S, Results
+
+PEERS = ("peer", "kvpress")  # parts whose file is one object of the peer script's, not rows
 
 
 def load(out: Path) -> dict:
@@ -30,8 +32,8 @@ def load(out: Path) -> dict:
     for path in sorted((out / "parts").glob("*.json")):
         data = json.loads(path.read_text())
         merged["meta"][path.stem] = data.get("meta", {})
-        if path.stem == "peer":
-            merged["parts"]["peer"] = data
+        if path.stem in PEERS:
+            merged["parts"][path.stem] = data
         else:
             merged["parts"].update(data.get("parts", {}))
     return merged
@@ -81,30 +83,138 @@ def view(merged: dict) -> Results:
     return r
 
 
-def peer_table(peer: dict) -> list[str]:
+def mode(row: dict) -> str:
+    """A transformers row's mode ("eager" where the row has none: calls 1–4)."""
+    return row.get("mode", "eager")
+
+
+def ratio_cell(ours: dict | None, theirs: dict) -> tuple[str, str]:
+    """kvjax's tokens/s and its ratio to the peer row's, or blanks."""
+    if not ours or "tokens_per_s" not in theirs:
+        return "", ""
+    return f"{ours['tokens_per_s']:.0f}", f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}"
+
+
+def peer_table(peer: dict, parts: dict) -> list[str]:
+    """transformers' rows, eager then compiled, each beside kvjax's full cache at its shape."""
     if not peer:
         return []
-    if "error" in peer and not peer.get("decode"):
+    if "error" in peer and not peer.get("decode") and not peer.get("prefill"):
         return ["### transformers (torch) on the same card", "", f"not run: {peer['error']}", ""]
+    prefill, decode = parts.get("prefill", []), parts.get("decode", [])
+    compiled = (
+        f"; compiled: `{peer['compile']}`, its warm-up (the compile, the CUDA graph's recording) "
+        'in "compile s"'
+        if "compile" in peer
+        else " (no compiled rows before call 5)"
+    )
     lines = [
         f"### transformers {peer.get('transformers')} (torch {peer.get('torch')}, sdpa, "
-        "StaticCache, eager) "
-        f"on {peer.get('device_name')}",
+        f"StaticCache) on {peer.get('device_name')}, beside kvjax's full cache",
         "",
-        "| what | context | batch | tokens/s | ms/step |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        f"eager: as in calls 1–4{compiled}. kvjax: the model part's full-cache row at the same "
+        "shape.",
+        "",
+        "| what | mode | context | batch | tokens/s | ms/step | compile s | kvjax tokens/s | "
+        "kvjax / transformers |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in peer.get("prefill", []):
+        ours = find(prefill, cache="full", impl="default", context=r["context"])
         cell = r.get("error", "")[:200] or f"{r['tokens_per_s']:.0f}"
-        lines.append(f"| prefill | {r['context']} | 1 | {cell} | |")
+        compile_s = f"{r['compile_s']:.1f}" if "compile_s" in r else ""
+        lines.append(
+            f"| prefill | {mode(r)} | {r['context']} | 1 | {cell} | | {compile_s} | "
+            + " | ".join(ratio_cell(ours, r))
+            + " |"
+        )
     for r in peer.get("decode", []):
+        head = f"| decode | {mode(r)} | {r['context']} | {r['batch']} |"
         if "error" in r:
-            lines.append(f"| decode | {r['context']} | {r['batch']} | {r['error'][:200]} | |")
-        else:
-            lines.append(
-                f"| decode | {r['context']} | {r['batch']} | {r['tokens_per_s']:.0f} | "
-                f"{r['ms_per_step']:.2f} |"
-            )
+            lines.append(f"{head} {r['error'][:200]} | | | | |")
+            continue
+        ours = find(
+            decode,
+            cache="full",
+            impl="default",
+            context=r["context"],
+            batch=r["batch"],
+            largest_batch=None,
+        )
+        compile_s = f"{r['compile_s']:.1f}" if "compile_s" in r else ""
+        lines.append(
+            f"{head} {r['tokens_per_s']:.0f} | {r['ms_per_step']:.2f} | {compile_s} | "
+            + " | ".join(ratio_cell(ours, r))
+            + " |"
+        )
+    if "stopped" in peer:
+        lines += ["", f"Stopped {peer['stopped']}."]
+    if "error" in peer:
+        lines += ["", f"The script: {peer['error']}."]
+    return lines + [""]
+
+
+def kvpress_table(kv: dict, parts: dict) -> list[str]:
+    """kvpress's presses compressing a context, beside kvjax's prefills at the same budget."""
+    if not kv:
+        return []
+    title = "### kvpress (KVzip, Expected Attention) on the same card"
+    if "error" in kv and not kv.get("compress"):
+        return [title, "", f"not run: {kv['error']}", ""]
+    budget = kv.get("budget")
+    lines = [
+        f"### kvpress {kv.get('kvpress')} (transformers {kv.get('transformers')}, torch "
+        f"{kv.get('torch')}, sdpa) on {kv.get('device_name')}: a context compressed to {budget} "
+        "tokens per KV head",
+        "",
+        "One call `with press(model): model.model(ids, past_key_values=DynamicCache())`: the "
+        'prefill and the press; its median over "timed" calls after a warm-up. '
+        f"Stubbed (not installed, unused): {', '.join(kv.get('stubbed', [])) or 'none'}.",
+        "",
+        "| press | context | compression ratio | kept per head | s | tokens/s | timed | "
+        "prefill alone s | press overhead s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in kv.get("compress", []):
+        head = f"| {r['press']} | {r['context']} |"
+        if "error" in r:
+            lines.append(f"{head} {r['error'][:200]} | | | | | | |")
+            continue
+        prefill_s = f"{r['prefill_s']:.3f}" if "prefill_s" in r else ""
+        overhead = f"{r['overhead_s']:.3f}" if "overhead_s" in r else ""
+        lines.append(
+            f"{head} {r['compression_ratio']:.5f} | {r['kept_per_head']:.1f} | "
+            f"{r['seconds']:.3f} | {r['tokens_per_s']:.0f} | {r['timed']} | {prefill_s} | "
+            f"{overhead} |"
+        )
+    # beside kvjax's prefills: the model part has no KVzip or Expected Attention row, so its
+    # block-wise SnapKV and AdaKV at the same budget, and its full cache
+    prefill = parts.get("prefill", [])
+    caches = ("full", f"snapkv {budget}", f"adakv {budget}")
+    presses = sorted({r["press"] for r in kv.get("compress", [])}, reverse=True)
+    lines += [
+        "",
+        "Tokens/s of context, kvjax (the model part's prefill: the full cache, and block-wise "
+        "eviction to the same budget; kvjax has no KVzip or Expected Attention row there) beside "
+        "kvpress's:",
+        "",
+        "| context | "
+        + " | ".join(f"kvjax {c}" for c in caches)
+        + " | transformers, no press | "
+        + " | ".join(presses)
+        + " |",
+        "| ---: |" + " ---: |" * (len(caches) + 1 + len(presses)),
+    ]
+    for context in sorted({r["context"] for r in kv.get("compress", [])}):
+        ours = [find(prefill, cache=c, impl="default", context=context) for c in caches]
+        plain = find(kv.get("prefill", []), context=context)
+        theirs = [find(kv.get("compress", []), press=p, context=context) for p in presses]
+        cells = [f"{r['tokens_per_s']:.0f}" if r else "" for r in [*ours, plain, *theirs]]
+        lines.append(f"| {context} | " + " | ".join(cells) + " |")
+    if "stopped" in kv:
+        lines += ["", f"Stopped {kv['stopped']}."]
+    if "error" in kv:
+        lines += ["", f"The script: {kv['error']}."]
     return lines + [""]
 
 
@@ -143,10 +253,16 @@ def targets(merged: dict) -> list[str]:
         for cache in ("full", snap):
             r = find(decode, cache=cache, impl=impl, context=c4, batch=1)
             how = "" if impl == "default" else ", kvjax.unstack_layers"
+            # judged on the copy rate's floor; the read rate's beside it (absent before call 5)
+            read = (
+                f" (read floor {r['read_floor_ms']:.2f} ms: {r['step_over_read_floor']:.2f}x)"
+                if r and "read_floor_ms" in r
+                else ""
+            )
             add(
                 f"batch-1 decode within 1.3x of its floor ({cache}, {c4}{how})",
                 f"{r['ms_per_step']:.2f} ms vs floor {r['floor_ms']:.2f} ms = "
-                f"{r['step_over_floor']:.2f}x"
+                f"{r['step_over_floor']:.2f}x{read}"
                 if r
                 else "",
                 r["step_over_floor"] <= 1.3 if r else None,
@@ -180,17 +296,22 @@ def targets(merged: dict) -> list[str]:
         ratio >= 3 if ratio else None,
     )
     mid = 32 if 32 in batches else big  # batch 32 on the device
-    theirs = find(peer.get("decode", []), context=c4, batch=mid)
-    for cache in ("full", snap):
-        ours = find(decode, cache=cache, impl="default", context=c4, batch=mid)
-        ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if ours and theirs else None
-        add(
-            f"kvjax ({cache}) decode >= transformers at batch {mid}, {c4}",
-            f"{ours['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} tokens/s = {ratio:.2f}x"
-            if ratio
-            else "",
-            ratio >= 1 if ratio else None,
-        )
+    peer_decode = peer.get("decode", [])
+    for how in ("eager", "compiled"):
+        if how == "compiled" and not any(mode(r) == how for r in peer_decode):
+            continue  # no compiled row before call 5
+        theirs = find([r for r in peer_decode if mode(r) == how], context=c4, batch=mid)
+        for cache in ("full", snap):
+            ours = find(decode, cache=cache, impl="default", context=c4, batch=mid)
+            ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if ours and theirs else None
+            add(
+                f"kvjax ({cache}) decode >= transformers ({how}) at batch {mid}, {c4}",
+                f"{ours['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} tokens/s = "
+                f"{ratio:.2f}x"
+                if ratio
+                else "",
+                ratio >= 1 if ratio else None,
+            )
     one = next((r for r in serve if r.get("slots") == 1 and "tokens_per_s" in r), None)
     many = next((r for r in serve if r.get("slots", 1) > 1 and "tokens_per_s" in r), None)
     ratio = many["tokens_per_s"] / one["tokens_per_s"] if one and many else None
@@ -249,7 +370,7 @@ def server_targets(server: list[dict]) -> list[str]:
 def meta_lines(meta: dict, run: str = "") -> list[str]:
     lines = []
     for part, m in meta.items():
-        if part == "peer" or not isinstance(m, dict):
+        if part in PEERS or not isinstance(m, dict):
             continue
         lines.append(
             f"- {run}{part}: {m.get('device', '')} · jax {m.get('jax', '')} · "
@@ -259,12 +380,24 @@ def meta_lines(meta: dict, run: str = "") -> list[str]:
         if why := m.get("decode_attention"):
             lines.append(f"- {run}{part}'s decode attention: {why}")
         if ceilings := m.get("ceilings"):
-            lines.append(
-                f"- {run}ceilings: copy {ceilings['copy_gb_s']:.0f} GB/s counting bytes read and "
-                "written, "
-                f"bf16 {ceilings['matmul_n']}³ matmul {ceilings['matmul_tflops']:.0f} TFLOP/s"
-            )
+            lines.append(f"- {run}ceilings: {ceilings_text(ceilings, m.get('device', ''))}")
     return lines
+
+
+def ceilings_text(ceilings: dict, device: str) -> str:
+    """The copy rate and the read rate (the floors' two divisors; the read rate absent before call
+    5), the device's specified bandwidth where SPEC_GB_S knows it, and the matrix rate."""
+    text = f"copy {ceilings['copy_gb_s']:.0f} GB/s counting bytes read and written, "
+    read = ceilings.get("read_gb_s")
+    if read:
+        text += f"read {read:.0f} GB/s (a sum over the same array, bytes read)"
+    else:
+        text += "read rate not measured (before call 5)"
+    name = next((n for n in SPEC_GB_S if n in device), None)
+    if name:
+        text += f"; the {name}'s specification: {SPEC_GB_S[name] / 1e3:.1f} TB/s"
+        text += f" (read at {read / SPEC_GB_S[name]:.0%} of it)" if read else ""
+    return text + f"; bf16 {ceilings['matmul_n']}³ matmul {ceilings['matmul_tflops']:.0f} TFLOP/s"
 
 
 def render(merged: dict, runs: list[str] | None = None) -> str:
@@ -283,7 +416,8 @@ def render(merged: dict, runs: list[str] | None = None) -> str:
         + model_part.tables(r)
         + serve_part.tables(r)
         + server_part.tables(r)
-        + peer_table(merged["parts"].get("peer", {}))
+        + peer_table(merged["parts"].get("peer", {}), merged["parts"])
+        + kvpress_table(merged["parts"].get("kvpress", {}), merged["parts"])
         + targets(merged)
     )
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """kvjax on one GPU, in one call: every Pallas GPU kernel checked and timed, an 8B-shaped Llama's
-prefill and decode against its memory floor, transformers on the same card, and the serving engine.
+prefill and decode against its memory floor, transformers and kvpress on the same card, and the
+serving engine.
 
     python benchmarks/gpu/run.py --out $OUT  # on the device (bash benchmarks/gpu/device.sh)
     # every part on CPU, tiny shapes, under 2 minutes
@@ -8,11 +9,15 @@ prefill and decode against its memory floor, transformers on the same card, and 
 
 Parts, each in a process of its own (so that each has the whole card, and a crash ends only its
 part): kernels (``kernels_part``), layers (one decode step of the layers, five ways: where its bytes
-go, ``layers_part``), model (prefill and decode, ``model_part``; also measures the copy bandwidth
-and the bf16 matrix rate), serve (the engine's continuous batching, ``serve_part``), server
-(``kvjax serve`` over HTTP against ``benchmarks/serve_bench.py``, ``server_part``), peer
-(``peer_transformers``). ``--seconds`` is the whole run's budget: each part gets a share of what is
-left when it starts, stops starting new measurements at its deadline and is killed 60 s after it.
+go, ``layers_part``), model (prefill and decode, ``model_part``; also measures the copy and the
+read bandwidth and the bf16 matrix rate), serve (the engine's continuous batching, ``serve_part``),
+server (``kvjax serve`` over HTTP against ``benchmarks/serve_bench.py``, ``server_part``), peer
+(``peer_transformers``: eager, then compiled), kvpress (``peer_kvpress``: KVzip's and Expected
+Attention's compression of a context). The two peers run under ``--peer-python`` (default: this
+interpreter; it needs torch and transformers, and kvpress for its part) and write
+``OUT/parts/<part>.json`` themselves. ``--seconds`` is the whole run's budget: each part gets a
+share of what is left when it starts, stops starting new measurements at its deadline and is killed
+60 s after it.
 Every measurement is a row in ``OUT/parts/<part>.json`` (written as it is made, so a run cut short
 keeps what it measured; a failure is a row naming its error); at the end ``OUT/results.json`` merges
 them and ``OUT/results.md`` holds the tables, printed last (``report.py`` combines several runs). A
@@ -32,9 +37,19 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("kernels", "layers", "model", "serve", "server", "peer")
-# of the time left when the part starts
-SHARES = {"kernels": 0.32, "layers": 0.25, "model": 0.6, "serve": 0.4, "server": 0.8, "peer": 1.0}
+PARTS = ("kernels", "layers", "model", "serve", "server", "peer", "kvpress")
+# of the time left when the part starts (the last part named gets all of it)
+SHARES = {
+    "kernels": 0.32,
+    "layers": 0.25,
+    "model": 0.6,
+    "serve": 0.4,
+    "server": 0.8,
+    "peer": 0.75,
+    "kvpress": 1.0,
+}
+# the parts run by a script of their own, under --peer-python (torch, not JAX)
+PEERS = {"peer": "peer_transformers.py", "kvpress": "peer_kvpress.py"}
 GRACE_S = 60
 
 
@@ -69,6 +84,12 @@ def parse(argv=None):
     )
     parser.add_argument(
         "--kernel-ops", help="kernels: check only these ops, comma-separated (default: all)"
+    )
+    parser.add_argument(
+        "--peer-python",
+        default=os.environ.get("KVJAX_PEER_PYTHON", sys.executable),
+        help="the interpreter of the peer and kvpress parts "
+        "(default: $KVJAX_PEER_PYTHON, else this one)",
     )
     parser.add_argument("--part", help=argparse.SUPPRESS)  # run one part in this process
     args = parser.parse_args(argv)
@@ -156,6 +177,7 @@ def run_part(args) -> int:
             meta["ceilings"] = ceilings.__dict__
             log(
                 f"copy {ceilings.copy_gb_s:.0f} GB/s (read + written), "
+                f"read {ceilings.read_gb_s:.0f} GB/s, "
                 f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s"
             )
             model_part.run(results, deadline, compiler, ceilings, args.smoke)
@@ -173,19 +195,37 @@ def run_part(args) -> int:
     return 0
 
 
-def run_peer(args, seconds: float) -> None:
-    cmd = [sys.executable, str(HERE / "peer_transformers.py")] + (["--smoke"] if args.smoke else [])
-    path = args.out / "parts" / "peer.json"
-    try:
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, timeout=seconds, text=True)
-        data = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
-        if done.returncode:
-            data["error"] = f"exit status {done.returncode}"
-    except subprocess.TimeoutExpired:
-        data = {"error": f"timed out after {seconds:.0f} s"}
-    except (json.JSONDecodeError, OSError) as e:
-        data = {"error": f"{type(e).__name__}: {e}"}
+def run_peer(args, part: str, seconds: float) -> None:
+    """A peer's script under ``--peer-python``: it stops starting rows at ``seconds`` and writes its
+    object to ``OUT/parts/<part>.json`` after every row, so that a run killed GRACE_S after its
+    deadline keeps its rows; an exit status, a kill or no file at all is added as its "error"."""
+    path = args.out / "parts" / f"{part}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    cmd = [
+        args.peer_python,
+        str(HERE / PEERS[part]),
+        "--seconds",
+        f"{seconds:.0f}",
+        "--out",
+        str(path),
+    ] + (["--smoke"] if args.smoke else [])
+    error = None
+    try:
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, timeout=seconds + GRACE_S)
+        if done.returncode:
+            error = f"exit status {done.returncode}"
+    except subprocess.TimeoutExpired:
+        error = f"killed {GRACE_S} s after its deadline of {seconds:.0f} s"
+    except OSError as e:
+        error = f"{type(e).__name__}: {e}"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        data, error = {}, error or f"no results: {type(e).__name__}: {e}"
+    if error:
+        data["error"] = error
+        print(f"[run] {part}: {error}", file=sys.stderr, flush=True)
     path.write_text(json.dumps(data, indent=1))
 
 
@@ -206,8 +246,8 @@ def main(argv=None) -> int:
             continue
         share = left * SHARES[part] if part != args.parts[-1] else left
         print(f"[run] {part}: {share:.0f} s of {left:.0f} s left", file=sys.stderr, flush=True)
-        if part == "peer":
-            run_peer(args, share + GRACE_S)
+        if part in PEERS:
+            run_peer(args, part, share)
             continue
         cmd = [
             sys.executable,
