@@ -37,11 +37,17 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     merged = json.loads((tmp_path / "results.json").read_text())
     parts = merged["parts"]
-    for table in ("kernel_checks", "kernel_times", "layers", "prefill", "decode", "serve"):
+    tables = ("kernel_checks", "kernel_times", "layers", "prefill", "compress", "decode", "serve")
+    for table in tables:
         rows = parts[table]
         assert rows, table
         failed = [r for r in rows if "error" in r]
         assert not failed, (table, failed[:3])
+    # KVzip and Expected Attention by kvjax.prefill at both contexts, cut to the budget
+    assert sorted((r["scorer"], r["context"]) for r in parts["compress"]) == [
+        (s, c) for s in ("expected-attention", "kvzip") for c in (256, 512)
+    ]
+    assert all(r["kept_per_head"] == 64 for r in parts["compress"])
     kernels_part, VARIANTS = gpu_script("kernels_part"), gpu_script("layers_part").VARIANTS
     checks = parts["kernel_checks"]
     # every kernel (dense, paged, MomentKV-corrected) and the full cache's prompt attention (XLA's
@@ -368,6 +374,18 @@ def test_report_puts_both_floors_and_the_peers_beside_kvjax():
                 }
                 for c, t in (("full", 40000.0), ("snapkv 1024", 17000.0), ("adakv 1024", 11000.0))
             ],
+            "compress": [
+                {
+                    "scorer": c,
+                    "budget": 1024,
+                    "context": 4096,
+                    "kept_per_head": 1024.0,
+                    "seconds": 4096 / t,
+                    "tokens_per_s": t,
+                    "first_call_s": 9.0,
+                }
+                for c, t in (("kvzip", 12000.0), ("expected-attention", 30000.0))
+            ],
             "peer": {
                 "transformers": "5.17.0",
                 "torch": "2.11.0",
@@ -428,12 +446,13 @@ def test_report_puts_both_floors_and_the_peers_beside_kvjax():
     assert "| decode | compiled | 4096 | 8 | not run: 3 s left |" in text
     assert "kvjax (full) decode >= transformers (compiled) at batch 32, 4096 | 3200 vs 1600" in text
     assert "| KVzipPress | 4096 | 0.75000 | 1024.0 | 0.800 | 5120 | 2 | 0.200 | 0.600 |" in text
-    # kvpress's presses beside kvjax's prefills at the same budget
+    # kvpress's presses beside kvjax's compressions and prefills at the same budget
+    assert "| kvzip | 1024 | 4096 | 1024.0 | 0.341 | 12000 | 9.00 |" in text
     assert (
-        "| context | kvjax full | kvjax snapkv 1024 | kvjax adakv 1024 | transformers, no press "
-        "| KVzipPress | ExpectedAttentionPress |"
+        "| context | kvjax kvzip 1024 | kvjax expected-attention 1024 | kvjax full | "
+        "kvjax snapkv 1024 | transformers, no press | KVzipPress | ExpectedAttentionPress |"
     ) in text
-    assert "| 4096 | 40000 | 17000 | 11000 | 20480 | 5120 | 16000 |" in text
+    assert "| 4096 | 12000 | 30000 | 40000 | 17000 | 20480 | 5120 | 16000 |" in text
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")

@@ -39,7 +39,9 @@ import concurrent.futures
 import dataclasses
 import functools
 import gc
+import re
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +149,8 @@ FULL: Cache = ("full", None, None)
 # quantized keys and values (issue 58): the full cache and SnapKV 1024 in 8 bits
 QUANTIZED = ("int8", "float8_e4m3fn")
 FULL_Q = tuple(("full", None, kv) for kv in QUANTIZED)
+# compressed by kvjax.prefill at the first budget, beside kvpress's presses (issue 59)
+COMPRESSORS = ("kvzip", "expected-attention")
 SNAP_Q = tuple(("snapkv", 0, kv) for kv in QUANTIZED)
 
 
@@ -168,6 +172,22 @@ def eviction(cache: Cache, sz: Sizes, context: int, attention: str | None):
 def cache_label(cache: Cache, sz: Sizes) -> str:
     name = "full" if cache[0] == "full" else f"{cache[0]} {sz.budgets[cache[1]]}"
     return name if cache[2] is None else f"{name} {cache[2]}"
+
+
+class WordPieces:
+    """A stand-in tokenizer for KVzip's repeat prompt on random weights: word pieces as Llama 3's
+    pre-tokenizer splits them, each a fixed id from its text, no chat template (peer_kvpress's
+    ``WordTokenizer``, which the kvpress part gives ``KVzipPress``)."""
+
+    chat_template = None
+    PIECES = re.compile(r"\s*[\r\n]+| ?\w+| ?[^\s\w]+|\s+")
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        pieces = self.PIECES.findall(text)
+        return {"input_ids": [100 + zlib.crc32(p.encode()) % (self.vocab - 200) for p in pieces]}
 
 
 def prompt(context: int, vocab: int) -> np.ndarray:
@@ -374,6 +394,53 @@ class ModelRun:
             "first_call_s": times[0],
             "compile_s": compile_s,
             "kv_bytes_allocated": cache_bytes(state.cache, kv_only=True),
+        }
+
+    # --- compression by the prefill protocol (beside kvpress's presses) -----------------------
+
+    def compress(self) -> None:
+        """``kvjax.prefill`` (the prefill protocol: the whole prompt, its scoring, the cut to the
+        budget) with each of ``COMPRESSORS`` at the first budget, at both contexts: the rows the
+        report puts beside kvpress's ``KVzipPress()`` and ``ExpectedAttentionPress`` (part
+        "kvpress")."""
+        budget = self.sz.budgets[0]
+        for context in self.sz.contexts:
+            for scorer in COMPRESSORS:
+                label = {"scorer": scorer, "budget": budget, "context": context}
+                if self.deadline.passed():
+                    self.results.add(
+                        "compress", {**label, "error": "not run: the part's deadline passed"}
+                    )
+                    continue
+                guarded(
+                    self.results,
+                    "compress",
+                    label,
+                    functools.partial(self.compress_row, scorer, budget, context),
+                )
+
+    def compress_row(self, scorer: str, budget: int, context: int) -> dict:
+        """The first call (its compilations included), then the median of the next one or two.
+        KVzip's repeat prompt: kvpress's wording in ``WordPieces`` (no tokenizer with random
+        weights), as the kvpress part gives ``KVzipPress``."""
+        ids = prompt(context, self.sz.cfg.vocab_size)[0]
+        options = {"budget": budget, "scorer": scorer}
+        if scorer == "kvzip":
+            options["repeat_prompt"] = kvjax.kvzip_prompt(WordPieces(self.sz.cfg.vocab_size))
+        times = []
+        for _ in range(2 if context >= 16384 else 3):
+            t0 = time.perf_counter()
+            compressed = kvjax.prefill(self.params, ids, **options)
+            jax.block_until_ready(compressed.logits)
+            times.append(time.perf_counter() - t0)
+        cfg = self.sz.cfg
+        kept = int(jnp.sum(compressed.cache.pos >= 0)) / (cfg.n_layers * cfg.n_kv_heads)
+        seconds = float(np.median(times[1:]))
+        return {
+            "seconds": seconds,
+            "tokens_per_s": context / seconds,
+            "first_call_s": times[0],
+            "kept_per_head": kept,
         }
 
     # --- decode --------------------------------------------------------------------------------
@@ -699,7 +766,8 @@ class ModelRun:
 def run(
     results: Results, deadline: Deadline, compiler: Compiler, ceilings: Ceilings, smoke: bool
 ) -> None:
-    """Compile everything, then the prefills (within 40% of the time left), then the decodes."""
+    """Compile everything, then the prefills (within 40% of the time left), the compressions by
+    ``kvjax.prefill`` (15% of what is left), then the decodes."""
     model = ModelRun(results, deadline, compiler, ceilings, smoke)
     prefills, decodes = model.submit_all()
     concurrent.futures.wait(
@@ -712,6 +780,8 @@ def run(
     )
     model.deadline = Deadline(deadline.left() * 0.4)
     model.prefill(prefills)
+    model.deadline = Deadline(deadline.left() * 0.15)
+    model.compress()
     model.deadline = deadline
     model.decode(decodes)
 
@@ -741,6 +811,24 @@ def tables(results: Results) -> list[str]:
                     f"{head} {r['tokens_per_s']:.0f} | {r['seconds']:.3f} | "
                     f"{r['first_call_s']:.2f} | "
                     f"{r['compile_s']:.1f} | {vs} |"
+                )
+        lines.append("")
+    rows = results.rows("compress")
+    if rows:
+        lines += [
+            "### Compression by `kvjax.prefill` (the whole prompt, its scoring, the cut)",
+            "",
+            "| scorer | budget | context | kept per head | s | tokens/s | first call s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in rows:
+            head = f"| {r['scorer']} | {r['budget']} | {r['context']} |"
+            if "error" in r:
+                lines.append(f"{head} {r['error'][:200]} | | | |")
+            else:
+                lines.append(
+                    f"{head} {r['kept_per_head']:.1f} | {r['seconds']:.3f} | "
+                    f"{r['tokens_per_s']:.0f} | {r['first_call_s']:.2f} |"
                 )
         lines.append("")
     rows = results.rows("decode")

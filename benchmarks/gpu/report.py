@@ -187,26 +187,30 @@ def kvpress_table(kv: dict, parts: dict) -> list[str]:
             f"{r['seconds']:.3f} | {r['tokens_per_s']:.0f} | {r['timed']} | {prefill_s} | "
             f"{overhead} |"
         )
-    # beside kvjax's prefills: the model part has no KVzip or Expected Attention row, so its
-    # block-wise SnapKV and AdaKV at the same budget, and its full cache
-    prefill = parts.get("prefill", [])
-    caches = ("full", f"snapkv {budget}", f"adakv {budget}")
+    # beside kvjax's: its KVzip and Expected Attention by kvjax.prefill at the same budget (the
+    # model part's "compress" rows, from call 5 on), its full cache's prefill and block-wise SnapKV
+    prefill, compress = parts.get("prefill", []), parts.get("compress", [])
+    caches = ("full", f"snapkv {budget}")
+    scorers = ("kvzip", "expected-attention")
     presses = sorted({r["press"] for r in kv.get("compress", [])}, reverse=True)
     lines += [
         "",
-        "Tokens/s of context, kvjax (the model part's prefill: the full cache, and block-wise "
-        "eviction to the same budget; kvjax has no KVzip or Expected Attention row there) beside "
+        "Tokens/s of context, kvjax (`kvjax.prefill` with KVzip and Expected Attention to the same "
+        "budget; the model part's prefill of the full cache and block-wise SnapKV) beside "
         "kvpress's:",
         "",
         "| context | "
+        + " | ".join(f"kvjax {c} {budget}" for c in scorers)
+        + " | "
         + " | ".join(f"kvjax {c}" for c in caches)
         + " | transformers, no press | "
         + " | ".join(presses)
         + " |",
-        "| ---: |" + " ---: |" * (len(caches) + 1 + len(presses)),
+        "| ---: |" + " ---: |" * (len(scorers) + len(caches) + 1 + len(presses)),
     ]
     for context in sorted({r["context"] for r in kv.get("compress", [])}):
-        ours = [find(prefill, cache=c, impl="default", context=context) for c in caches]
+        ours = [find(compress, scorer=c, budget=budget, context=context) for c in scorers]
+        ours += [find(prefill, cache=c, impl="default", context=context) for c in caches]
         plain = find(kv.get("prefill", []), context=context)
         theirs = [find(kv.get("compress", []), press=p, context=context) for p in presses]
         cells = [f"{r['tokens_per_s']:.0f}" if r else "" for r in [*ours, plain, *theirs]]
