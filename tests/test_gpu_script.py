@@ -90,6 +90,8 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
         "default",
         "xla",
     }
+    # block-wise prefill in a larger block than CAOTE's 128 (the card: 512 and 2048, both contexts)
+    assert [r["context"] for r in parts["prefill"] if r["cache"] == "snapkv 64 block 512"] == [512]
     full = {r["impl"]: r for r in parts["prefill"] if r["cache"] == "full"}
     assert {r["prompt_attention"] for r in full.values()} == {"xla"}  # no cuDNN on a CPU
     assert max(full["xla"]["vs_default"].values()) < 1e-6  # the same computation here
