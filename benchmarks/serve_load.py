@@ -30,20 +30,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import numpy as np
 import openai
 
 import kvjax
 from kvjax.eval.haystack import pydoc_prose
+from kvjax.serving.launch import ServeProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
@@ -122,66 +119,24 @@ def run_phase(
     return dict(results=results, wall=time.perf_counter() - start)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, slots: int) -> tuple[subprocess.Popen, str]:
+def start_server(args, slots: int) -> ServeProcess:
     """``python -m kvjax serve`` with ``slots`` slots on a free loopback port, once it answers
     /health."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvjax",
-        "serve",
-        "--model",
-        args.model,
-        "--dtype",
-        args.dtype,
-        "--port",
-        str(port),
-        "--slots",
-        str(slots),
-        "--max-prompt",
-        str(args.max_prompt),
-        "--max-tokens",
-        str(args.max_tokens),
-        "--queue",
-        str(args.requests),
-        "--budget",
-        str(args.budget),
-        "--scorer",
-        args.scorer,
-        "--log-level",
-        "warning",
-    ]
-    log("server: python " + " ".join(cmd[1:]))
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 1800
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit("the server did not start")
-        time.sleep(1)
+    cmd = ["--model", args.model, "--dtype", args.dtype, "--slots", str(slots)]
+    cmd += ["--max-prompt", str(args.max_prompt), "--max-tokens", str(args.max_tokens)]
+    cmd += ["--queue", str(args.requests), "--budget", str(args.budget), "--scorer", args.scorer]
+    cmd += ["--log-level", "warning"]
+    log("server: kvjax serve " + " ".join(cmd))
+    return ServeProcess(cmd, timeout=1800, cwd=ROOT)
 
 
 def serve(args, slots: int, requests: list[dict], clients: int) -> dict:
     """A phase: start a server of ``slots`` slots, send the requests from ``clients`` clients, stop
     it."""
-    server, url = start_server(args, slots)
+    server = start_server(args, slots)
     try:
         phase = run_phase(
-            url,
+            server.url,
             requests,
             clients,
             os.path.basename(os.path.normpath(args.model)),
@@ -189,8 +144,7 @@ def serve(args, slots: int, requests: list[dict], clients: int) -> dict:
             args.time_cap,
         )
     finally:
-        server.send_signal(signal.SIGTERM)
-        phase_code = server.wait(120)
+        phase_code = server.stop()
     log(
         f"{clients} client(s), {slots} slot(s): {phase['wall']:.1f}s; server exited with "
         f"{phase_code}"

@@ -32,9 +32,6 @@ import collections
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +40,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from kvjax.serving.launch import ServeProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ("What is this about?", "Name one word it uses.", "Say it in five words.")
@@ -74,41 +73,20 @@ def prompts(n: int) -> list[str]:
     return [f"Write a sentence about the number {i} and the sea." for i in range(n)]
 
 
-class Server:
+class Server(ServeProcess):
     """``kvjax serve`` in a subprocess, its resident memory and open files from /proc."""
 
     def __init__(self, model: str, contexts_dir: str, extra: list[str]):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "kvjax", "serve", "--model", model, "--port", str(self.port)]
-        cmd += ["--contexts-dir", contexts_dir, "--log-level", "warning", *extra]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT)
-        deadline = time.monotonic() + 900
-        while True:
-            if self.proc.poll() is not None:
-                sys.exit(f"the server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                sys.exit("the server did not start in 900 s")
-            time.sleep(0.5)
+        args = ["--model", model, "--contexts-dir", contexts_dir, "--log-level", "warning", *extra]
+        super().__init__(args, timeout=900, cwd=ROOT)
 
     def resident_mib(self) -> float:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        status = Path(f"/proc/{self.pid}/status").read_text()
         line = next(x for x in status.splitlines() if x.startswith("VmRSS:"))
         return int(line.split()[1]) / 1024
 
     def open_files(self) -> int:
-        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(120)
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
 
 
 class Soak:

@@ -2,7 +2,6 @@
 
 import importlib
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -222,9 +221,3 @@ def wait_for(condition, timeout=60.0, what="condition"):
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -6,15 +6,15 @@ states a kill can cut a write in are also made one by one (tests/test_serving_co
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import free_port, wait_for
+from helpers import wait_for
+
+from kvjax.serving.launch import ServeProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "random:tiny"
@@ -33,24 +33,18 @@ class Server:
     """``python -m kvjax serve`` over ``random:tiny`` with contexts stored under ``root``."""
 
     def __init__(self, root: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(root.parent / f"serve-{self.port}.log", "w")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "kvjax", "serve", "--model", MODEL, "--port", str(self.port)]
-        cmd += ["--slots", "8", "--max-prompt", "64", "--max-tokens", str(STREAMED)]
-        cmd += ["--budget", "64", "--context-slots", "8", "--context-budget", "32"]
-        cmd += ["--context-max-prompt", "512", "--contexts-dir", str(root)]
-        cmd += ["--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=self.url, timeout=120)
-        wait_for(self._up, timeout=300, what="the server")
-
-    def _up(self) -> bool:
-        assert self.proc.poll() is None, self.output()
+        port = free_port()
+        self.log = open(root.parent / f"serve-{port}.log", "w")  # noqa: SIM115
+        args = ["--model", MODEL, "--slots", "8", "--max-prompt", "64"]
+        args += ["--max-tokens", str(STREAMED), "--budget", "64", "--context-slots", "8"]
+        args += ["--context-budget", "32", "--context-max-prompt", "512"]
+        args += ["--contexts-dir", str(root), "--log-level", "warning"]
         try:
-            return self.http.get("/health").status_code == 200
-        except httpx.TransportError:
-            return False
+            self.server = ServeProcess(args, timeout=300, cwd=ROOT, stdout=self.log, port=port)
+        except (RuntimeError, TimeoutError) as e:
+            raise AssertionError(f"{e}\n{self.output()}") from e
+        self.url = self.server.url
+        self.http = httpx.Client(base_url=self.url, timeout=120)
 
     def output(self) -> str:
         self.log.flush()
@@ -72,8 +66,7 @@ class Server:
         return reply.json()["choices"][0]["message"]["content"]
 
     def stop(self, sig=signal.SIGKILL) -> int:
-        self.proc.send_signal(sig)
-        code = self.proc.wait(120)
+        code = self.server.stop(sig)
         self.http.close()
         self.log.close()
         return code

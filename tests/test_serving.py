@@ -17,10 +17,11 @@ import jax
 import numpy as np
 import openai
 import pytest
-from helpers import free_port, wait_for, xla_flags
+from helpers import wait_for, xla_flags
 
 import kvjax
 from kvjax.serving import Driver, Engine, QueueFull
+from kvjax.serving.launch import ServeProcess
 from kvjax.serving.server import ServerThread, create_app
 
 TESTS = Path(__file__).resolve().parent
@@ -760,45 +761,11 @@ def test_cli_serve_finishes_requests_in_flight_on_sigterm(tiny, smollm2_tokenize
 
     model = tmp_path / "tiny-serve"
     write_checkpoint(str(model), tiny.config, params_to_flat(tiny), tokenizer=smollm2_tokenizer)
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvjax",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-        "--slots",
-        "1",
-        "--max-prompt",
-        "32",
-        "--max-tokens",
-        "100",
-        "--log-level",
-        "warning",
-        "--budget",
-        "24",
-        "--obs-window",
-        "8",
-        "--block-size",
-        "16",
-    ]
-    proc = subprocess.Popen(
-        cmd, cwd=TESTS.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def up():
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                return httpx.get(url + "/health").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(up, timeout=120, what="the server")
+    args = [str(model), "--slots", "1", "--max-prompt", "32", "--max-tokens", "100"]
+    args += ["--log-level", "warning", "--budget", "24", "--obs-window", "8", "--block-size", "16"]
+    log = (tmp_path / "serve.log").open("w")
+    with log, ServeProcess(["--model", *args], timeout=120, cwd=TESTS.parent, stdout=log) as server:
+        url = server.url
         events, first = [], threading.Event()
 
         def stream():
@@ -819,11 +786,9 @@ def test_cli_serve_finishes_requests_in_flight_on_sigterm(tiny, smollm2_tokenize
         reader = threading.Thread(target=stream)
         reader.start()
         assert first.wait(60)
-        proc.send_signal(signal.SIGTERM)
+        code = server.stop(signal.SIGTERM, timeout=60)
         reader.join(60)
-        assert proc.wait(60) == 0
-    finally:
-        proc.kill()
+    assert code == 0
     assert events[-1] == "data: [DONE]"
     usage = json.loads(events[-2][6:])["usage"]
     assert usage["completion_tokens"] == 100, events[-3:]

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from common import Deadline, Results, error_text, log
+
+from kvjax.serving.launch import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 8731
@@ -140,21 +141,6 @@ def cases(smoke: bool) -> tuple[str, str, list[Case]]:
     return model, dtype, run
 
 
-def wait_healthy(process: subprocess.Popen, url: str, deadline: Deadline) -> None:
-    import httpx
-
-    while not deadline.passed():
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with status {process.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise TimeoutError("the server did not become healthy before the part's deadline")
-
-
 def serve_case(out: Path, model: str, dtype: str, case: Case, deadline: Deadline) -> dict:
     """Start the server, run the benchmark against it, stop the server: the benchmark's result and
     the server's capacity line."""
@@ -163,28 +149,14 @@ def serve_case(out: Path, model: str, dtype: str, case: Case, deadline: Deadline
 
     log_path = out / "server" / f"{case.name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvjax",
-        "serve",
-        "--model",
-        model,
-        "--dtype",
-        dtype,
-        "--port",
-        str(PORT),
-        "--log-level",
-        "warning",
-        *case.server,
-    ]
-    with open(log_path, "w") as logf:
-        server = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{PORT}"
-    try:
-        start = time.monotonic()
-        wait_healthy(server, url, deadline)
-        ready_s = time.monotonic() - start
+    args = ["--model", model, "--dtype", dtype, "--log-level", "warning", *case.server]
+    with (
+        open(log_path, "w") as logf,
+        ServeProcess(
+            args, timeout=max(deadline.left(), 1.0), cwd=ROOT, stdout=logf, port=PORT
+        ) as server,
+    ):
+        url, ready_s = server.url, server.ready_s
         code = serve_bench.main(
             [
                 "--base-url",
@@ -204,12 +176,6 @@ def serve_case(out: Path, model: str, dtype: str, case: Case, deadline: Deadline
             ]
         )
         result = json.loads((out / "server" / f"{case.name}.json").read_text())
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
     capacity = next(
         (line for line in log_path.read_text().splitlines() if "slots, each keeping" in line), ""
     )
