@@ -808,3 +808,15 @@ def test_engine_on_a_mesh_of_two_devices():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "mesh ok" in result.stdout and "contexts on the mesh ok" in result.stdout
+
+
+def test_serve_process_says_when_the_server_exits_or_is_not_ready(tmp_path):
+    """``ServeProcess``: a server that exits before it is ready (an unknown model) is a RuntimeError
+    naming its exit status; one not ready in time is killed and a TimeoutError."""
+    log = (tmp_path / "serve.log").open("w")
+    with log, pytest.raises(RuntimeError, match="kvjax serve exited with status 2"):
+        ServeProcess(["--model", "no-such-model"], cwd=TESTS.parent, stdout=log)
+    assert "no-such-model" in (tmp_path / "serve.log").read_text()
+    log = (tmp_path / "slow.log").open("w")
+    with log, pytest.raises(TimeoutError, match="did not answer /health in 0 s"):
+        ServeProcess(["--model", "random:tiny"], timeout=0.01, cwd=TESTS.parent, stdout=log)

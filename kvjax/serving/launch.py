@@ -61,6 +61,7 @@ class ServeProcess:
                 pass
             if time.monotonic() - start > timeout:
                 self.proc.kill()
+                self.proc.wait()
                 raise TimeoutError(f"kvjax serve did not answer /health in {timeout:.0f} s")
             time.sleep(0.5)
 
