@@ -139,7 +139,25 @@ def test_smoke_sweep_writes_jsonl_table_and_plot_and_resumes(
         rows, key=str
     )
     table = report.markdown(rows, "smoke")
-    assert "**query-agnostic, 256 tokens**" in table and "| snapkv (blockwise) |" in table
+    assert "**query-agnostic, 256 tokens**" in table and "| snapkv (blockwise), block 64 |" in table
+    # another block size is another method: its block-wise answers are made, the rest reused
+    other = sweep.run(
+        tiny_smollm2_vocab,
+        tokenizer,
+        samples,
+        methods,
+        out=str(out),
+        options={"obs_window": 8},
+        block_size=32,
+        progress=False,
+    )
+    blockwise = [r for r in other if r.protocol == "blockwise"]
+    assert len(out.read_text().splitlines()) == len(lines) + len(blockwise) == len(lines) + 16
+    assert {r.label for r in blockwise} == {
+        "streamingllm (blockwise), block 32",
+        "snapkv (blockwise), block 32",
+    }
+    assert all(json.loads(r.options)["block_size"] == 32 for r in blockwise)
     report.plot(rows, str(tmp_path / "accuracy.png"))
     assert (tmp_path / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

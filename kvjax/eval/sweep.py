@@ -32,6 +32,7 @@ from kvjax.runtime.options import with_tokenizer
 
 SETTINGS = ("query-aware", "query-agnostic")
 FULL = "full"  # the uncompressed baseline's scorer name
+BLOCK_SIZE = 128  # the block-wise protocol's default block (CAOTE's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +129,7 @@ def run(
     *,
     out: str,
     options: dict | None = None,
-    block_size: int = 128,
+    block_size: int = BLOCK_SIZE,
     batch: int = 8,
     progress: bool = True,
 ) -> list[Row]:
@@ -150,7 +151,19 @@ def run(
         raise ValueError(f"batch={batch!r} must be an integer >= 1")
     shared_options = dict(options or {})
     mine = lambda m: shared_options | dict(m.options)  # noqa: E731
-    tag = lambda m: json.dumps(mine(m), sort_keys=True)  # noqa: E731
+
+    def block(m: Method) -> dict:
+        """A block-wise method's block size, in its tag and label when not CAOTE's 128 (rows made
+        before the block size was tagged were all made at 128: their keys stay valid)."""
+        blockwise = m.protocol == "blockwise" and block_size != BLOCK_SIZE
+        return {"block_size": block_size} if blockwise else {}
+
+    def tag(m: Method) -> str:
+        return json.dumps(mine(m) | block(m), sort_keys=True)
+
+    def label(m: Method) -> str:
+        return m.label + "".join(f", block {b}" for b in block(m).values())
+
     key = lambda s, setting, m: (  # noqa: E731
         s.id,
         setting,
@@ -229,7 +242,7 @@ def run(
                         score=score(prediction, sample.answers),
                         seconds=seconds,
                         prefill_seconds=0.0 if one is None else shared_s[kv_dtype],
-                        label=m.label,
+                        label=label(m),
                     )
                     f.write(json.dumps(dataclasses.asdict(row)) + "\n")
                     f.flush()
