@@ -5,7 +5,10 @@ layer index and written in place, so the layer loop carries them. The small per-
 cache names in ``LAYER_FIELDS`` (slot positions, scorer state, slot order, moments) are scanned over
 instead: ``cache.attend(layer, ...)`` gets and returns that layer's slice of them ([B, ...]), and
 the loop stacks the results. Updated in place, a field that a layer reads without its write-back
-depending on the read made XLA copy the whole stacked array in every layer (docs/performance.md).
+depending on the read made XLA:CPU copy the whole stacked array in every layer
+(docs/performance.md); XLA:GPU does the opposite (the stacked outputs are second buffers,
+zero-filled every step), so on CUDA the scan carries them and writes each layer's slice in place
+(``kvjax.model.decoder.FIELDS_CARRIED_ON``).
 """
 
 from __future__ import annotations
