@@ -153,16 +153,17 @@ def run(
     mine = lambda m: shared_options | dict(m.options)  # noqa: E731
 
     def block(m: Method) -> dict:
-        """A block-wise method's block size, in its tag and label when not CAOTE's 128 (rows made
-        before the block size was tagged were all made at 128: their keys stay valid)."""
+        """A block-wise method's block size, in its tag (and the label of an unnamed method) when
+        not CAOTE's 128 (rows made before the block size was tagged were all made at 128: their
+        keys stay valid)."""
         blockwise = m.protocol == "blockwise" and block_size != BLOCK_SIZE
         return {"block_size": block_size} if blockwise else {}
 
     def tag(m: Method) -> str:
         return json.dumps(mine(m) | block(m), sort_keys=True)
 
-    def label(m: Method) -> str:
-        return m.label + "".join(f", block {b}" for b in block(m).values())
+    def label(m: Method) -> str:  # a preset's named methods keep their names (its claims use them)
+        return m.label + ("" if m.name else "".join(f", block {b}" for b in block(m).values()))
 
     key = lambda s, setting, m: (  # noqa: E731
         s.id,
