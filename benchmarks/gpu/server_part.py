@@ -31,8 +31,6 @@ from pathlib import Path
 
 from common import Deadline, Results, error_text, log
 
-from kvjax.serving.launch import ServeProcess
-
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 8731
 
@@ -146,6 +144,8 @@ def serve_case(out: Path, model: str, dtype: str, case: Case, deadline: Deadline
     the server's capacity line."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import serve_bench
+
+    from kvjax.serving.launch import ServeProcess  # httpx: the serving extra's
 
     log_path = out / "server" / f"{case.name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
