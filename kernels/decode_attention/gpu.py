@@ -118,10 +118,13 @@ def decode_attention_gpu(
 
     whole = pl.BlockSpec((1,), lambda b, h, s: (0,))
     head_pos = pl.BlockSpec((None, None, S), lambda b, h, s: (b, h, 0))
-    # "attn" scores from the softmax pass's logits: no second read of the keys
+    # "attn" scores from the softmax pass's logits: no second read of the keys. Every split runs
+    # per_split tiles, so the last one may run past the key tiles: its logits (of no slot) land in
+    # columns the buffer has, never beyond it.
     logits_out = query_weights is not None and score == "attn"
-    z_spec = [pl.BlockSpec((None, None, gp, nk * bk), lambda b, h, s: (b, h, 0, 0))]
-    z_shape = [jax.ShapeDtypeStruct((B, Hk, gp, nk * bk), jnp.float32)]
+    width = n_splits * per_split * bk
+    z_spec = [pl.BlockSpec((None, None, gp, width), lambda b, h, s: (b, h, 0, 0))]
+    z_shape = [jax.ShapeDtypeStruct((B, Hk, gp, width), jnp.float32)]
     o_part, m_part, l_part, *z = pl.pallas_call(
         functools.partial(
             _softmax_kernel,
