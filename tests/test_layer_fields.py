@@ -3,7 +3,8 @@
 ``kvjax.model.decoder.FIELDS_CARRIED_ON``). The carried form is lowered only for CUDA, so here it is
 forced onto the CPU and must give the very tokens and logits of the scanned form, for every kind of
 cache field: positions and state (SnapKV), moments (MomentKV), page tables (AdaKV), quantized keys
-and values, and a batch of two prompts of different lengths."""
+and values, a batch of two prompts of different lengths, and the serving engine's steps (prompt
+chunks and decoding rows as groups of one forward)."""
 
 import jax
 import numpy as np
@@ -50,3 +51,27 @@ def test_fields_carried_in_place_equal_the_scanned_ones(tiny_llama, monkeypatch,
     np.testing.assert_array_equal(again.logits, context.logits)
     jax.tree.map(np.testing.assert_array_equal, again.cache, context.cache)
     jax.clear_caches()
+
+
+def test_the_serving_engine_with_fields_carried_answers_as_generate(tiny_llama, monkeypatch):
+    """The engine's steps run prompt chunks and decoding rows as groups of one forward: with the
+    carried form, every answer still equals ``kvjax.generate`` of its prompt alone."""
+    from kvjax.serving import Driver, Engine
+
+    ev = dict(budget=48, block_size=16, obs_window=8, scorer="momentkv")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, 97, n) for n in (60, 20, 45)]
+    want = [
+        [int(t) for t in kvjax.generate(tiny_llama, p, max_new_tokens=12, stop_ids=(), **ev)]
+        for p in prompts
+    ]
+    monkeypatch.setattr(decoder, "FIELDS_CARRIED_ON", ("cpu",))
+    jax.clear_caches()
+    driver = Driver(Engine(tiny_llama, slots=2, max_prompt=64, max_new_tokens=12, **ev)).start()
+    try:
+        requests = [driver.submit(p, max_new_tokens=12, stop_ids=()) for p in prompts]
+        got = [r.result(300) for r in requests]
+    finally:
+        driver.stop()
+        jax.clear_caches()
+    assert got == want
