@@ -11,7 +11,6 @@ reads it back twice.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from kvjax.kernels import gpu_common as common
 from kvjax.kernels._shared import NT_DIMS, kv_spec, next_pow2
-from kvjax.kernels.moment_residuals.tiles import check_inputs, check_unrotated, read_dtype
+from kvjax.kernels.moment_residuals.tiles import (
+    check_inputs,
+    check_unrotated,
+    read_dtype,
+    residuals,
+)
 
 
 def _kernel(
@@ -43,16 +47,13 @@ def _kernel(
     )
     k = common.load_values(k_ref, dtype, load).astype(jnp.float32)
     v = common.load_values(v_ref, dtype, load).astype(jnp.float32)
-    count = count_ref[...]  # [1]
-    n = jnp.maximum(count, 1.0)
-    v_bar = v_sum_ref[...][None, :] / n[:, None]  # [1, K]
-    r = v - v_bar
-    if not zeroth:
-        m = jnp.sum(k * k_sum_ref[...][None, :], axis=1, keepdims=True)  # [bk, 1]
-        sk = common.dot(k, vk_sum_ref[...], NT_DIMS)  # [bk, K]: S k_j
-        a = 1.0 / (n[:, None] * math.sqrt(k.shape[1]))
-        r = r - a * (sk - m * v_bar)
-    r = jnp.where(count[:, None] > 0, r, v)
+    stats = (  # [1, 1], [1, K], [1, K], [K, K]
+        count_ref[...][:, None],
+        k_sum_ref[...][None, :],
+        v_sum_ref[...][None, :],
+        vk_sum_ref[...],
+    )
+    r = residuals(k, v, *stats, zeroth, lambda a, b: common.dot(a, b, NT_DIMS))
     out_ref[...] = jnp.sqrt(jnp.sum(r * r, axis=1))
 
 

@@ -1,10 +1,26 @@
-"""Checks and read dtype shared by the residual-norm kernels and their API."""
+"""What the residual-norm kernels share: a tile's residuals, the checks and the read dtype."""
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 from kvjax.kernels._shared import stacked_layer
 from kvjax.kernels.quantized import ROTATED, Quantized
+
+
+def residuals(k, v, count, k_sum, v_sum, vk_sum, zeroth: bool, dot):
+    """r_j [bk, K] float32 of a tile's keys and values k, v [bk, K] (float32) under one head's
+    statistics count [1, 1], k_sum, v_sum [1, K] and vk_sum [K, K], as
+    ``reference.residual_norms`` forms them; dot(a, b) is a · bᵀ on the platform's matrix unit."""
+    n = jnp.maximum(count, 1.0)
+    v_bar = v_sum / n
+    r = v - v_bar
+    if not zeroth:
+        m = jnp.sum(k * k_sum, axis=1, keepdims=True)  # [bk, 1]
+        a = 1.0 / (n * math.sqrt(k.shape[1]))
+        r = r - a * (dot(k, vk_sum) - m * v_bar)  # dot: S k_j
+    return jnp.where(count > 0, r, v)
 
 
 def read_dtype(x):

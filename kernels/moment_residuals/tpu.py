@@ -12,7 +12,6 @@ last tile's rows past S are zeroed before the sums.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels import tpu_common as common
 from kvjax.kernels._shared import NT_DIMS, kv_spec, round_up
-from kvjax.kernels.moment_residuals.tiles import check_inputs, check_unrotated, read_dtype
+from kvjax.kernels.moment_residuals.tiles import (
+    check_inputs,
+    check_unrotated,
+    read_dtype,
+    residuals,
+)
 
 
 def _kernel(
@@ -42,22 +46,15 @@ def _kernel(
     first = pl.program_id(2) * block_k
     k = common.load(k_ref, dtype).astype(jnp.float32)
     v = common.load(v_ref, dtype).astype(jnp.float32)
-    count = count_ref[...]  # [1, 1]
-    n = jnp.maximum(count, 1.0)
-    v_bar = v_sum_ref[...] / n  # [1, K]
-    r = v - v_bar
-    if not zeroth:
-        m = jnp.sum(k * k_sum_ref[...], axis=1, keepdims=True)  # [bk, 1]
-        sk = jax.lax.dot_general(
-            k,
-            vk_sum_ref[...],
-            NT_DIMS,
-            preferred_element_type=jnp.float32,
-            precision=jax.lax.Precision.HIGHEST,
+
+    def dot(a, b):
+        precision = jax.lax.Precision.HIGHEST
+        return jax.lax.dot_general(
+            a, b, NT_DIMS, preferred_element_type=jnp.float32, precision=precision
         )
-        a = 1.0 / (n * math.sqrt(k.shape[1]))
-        r = r - a * (sk - m * v_bar)
-    r = common.real_rows(jnp.where(count > 0, r, v), first, n_slots)
+
+    stats = (count_ref[...], k_sum_ref[...], v_sum_ref[...], vk_sum_ref[...])  # [1, 1], [1, K]
+    r = common.real_rows(residuals(k, v, *stats, zeroth, dot), first, n_slots)
     out_ref[...] = jnp.sqrt(common.row_sums(r * r))
 
 
