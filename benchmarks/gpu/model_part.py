@@ -39,9 +39,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import gc
-import re
 import time
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +63,7 @@ from common import (
     rel_error,
 )
 from kvjax.kernels.quantized import bytes_per_token, kind_of
+from word_pieces import WordPieces
 
 import kvjax
 from kvjax.cache.full import cache_bytes
@@ -179,22 +178,6 @@ def cache_label(cache: Cache, sz: Sizes) -> str:
     name = "full" if cache[0] == "full" else f"{cache[0]} {sz.budgets[cache[1]]}"
     name = name if cache[2] is None else f"{name} {cache[2]}"
     return name if len(cache) < 4 else f"{name} block {cache[3]}"
-
-
-class WordPieces:
-    """A stand-in tokenizer for KVzip's repeat prompt on random weights: word pieces as Llama 3's
-    pre-tokenizer splits them, each a fixed id from its text, no chat template (peer_kvpress's
-    ``WordTokenizer``, which the kvpress part gives ``KVzipPress``)."""
-
-    chat_template = None
-    PIECES = re.compile(r"\s*[\r\n]+| ?\w+| ?[^\s\w]+|\s+")
-
-    def __init__(self, vocab: int):
-        self.vocab = vocab
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-        pieces = self.PIECES.findall(text)
-        return {"input_ids": [100 + zlib.crc32(p.encode()) % (self.vocab - 200) for p in pieces]}
 
 
 def prompt(context: int, vocab: int) -> np.ndarray:
@@ -431,8 +414,8 @@ class ModelRun:
 
     def compress_row(self, scorer: str, budget: int, context: int) -> dict:
         """The first call (its compilations included), then the median of the next one or two.
-        KVzip's repeat prompt: kvpress's wording in ``WordPieces`` (no tokenizer with random
-        weights), as the kvpress part gives ``KVzipPress``."""
+        KVzip's repeat prompt: kvpress's wording in ``word_pieces.WordPieces`` (no tokenizer with
+        random weights), the stand-in the kvpress part gives ``KVzipPress``."""
         ids = prompt(context, self.sz.cfg.vocab_size)[0]
         options = {"budget": budget, "scorer": scorer}
         if scorer == "kvzip":

@@ -23,9 +23,10 @@ context token, and masks the evicted ones: kvpress's "fake" eviction). ``seconds
 overhead: ``seconds − prefill_s``).
 
 KVzipPress loads a tokenizer (``AutoTokenizer.from_pretrained(model.config.name_or_path)``) for
-its repeat prompt; random weights have none and the card no network: ``WordTokenizer`` stands in
-(Llama 3-like word pieces: the first chunk's prompt "\\n\\nRepeat the previous context exactly." is
-7 tokens, as Llama 3's tokenizer makes it; no chat template, so the suffix is "\\n" and no prefix is
+its repeat prompt; random weights have none and the card no network: ``word_pieces.WordPieces``
+stands in, as for kvjax's KVzip in the model part (Llama 3-like word pieces: the first chunk's
+prompt "\\n\\nRepeat the previous context exactly." is 7 tokens, as Llama 3's tokenizer makes it;
+no chat template, so the suffix is "\\n" and no prefix is
 left unscored; Llama 3.1 Instruct's template would add about 5 header tokens per chunk). With
 ``--smoke``, tiny shapes on the CPU, contexts of 256 and 512 and KVzip's chunks of 128 (so that its
 chunked path runs).
@@ -42,22 +43,19 @@ kvpress 0.5.5 asks for transformers < 5.3; for the image's 5.17, ``pass_cache_po
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import importlib.util
 import json
-import re
 import statistics
 import sys
 import time
 import types
-import zlib
-from pathlib import Path
 
 import torch
 import transformers
-from peer_transformers import Peer, config, error_text, log, sync
+from peer_transformers import Peer, arguments, config, error_text, log, sync
 from transformers import DynamicCache, LlamaForCausalLM
+from word_pieces import WordPieces
 
 UNUSED_IMPORTS = ("datasets", "fire", "requests")
 PRESSES = ("KVzipPress", "ExpectedAttentionPress")
@@ -84,22 +82,6 @@ def stub_unused_imports() -> list[str]:
         sys.modules[name] = module
         stubbed.append(name)
     return stubbed
-
-
-class WordTokenizer:
-    """What KVzipPress asks of a tokenizer: ``chat_template`` and ``encode``. Word pieces as Llama
-    3's pre-tokenizer splits them (newlines, a word with its leading space, punctuation), each a
-    fixed id from its text."""
-
-    chat_template = None
-    PIECES = re.compile(r"\s*[\r\n]+| ?\w+| ?[^\s\w]+|\s+")
-
-    def __init__(self, vocab: int):
-        self.vocab = vocab
-
-    def encode(self, text: str, return_tensors=None, add_special_tokens=False):
-        ids = [100 + zlib.crc32(p.encode()) % (self.vocab - 200) for p in self.PIECES.findall(text)]
-        return torch.tensor([ids], dtype=torch.long) if return_tensors == "pt" else ids
 
 
 def ratio_for(n: int, budget: int, rows: int) -> float:
@@ -152,11 +134,7 @@ def kept_per_head(model, cache, press: str, context: int) -> float:
 
 @torch.inference_mode()
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--seconds", type=float, help="no row starts after this (default: none)")
-    parser.add_argument("--out", type=Path, help="the JSON object, written after every row")
-    args = parser.parse_args()
+    args = arguments(__doc__)
     smoke = args.smoke
     out = {"prefill": [], "compress": []}
     peer = Peer("kvpress", out, args.out, args.seconds)
@@ -177,7 +155,7 @@ def main() -> int:
     with torch.device(device):
         model = LlamaForCausalLM(cfg).eval()
     added = pass_cache_position(model)
-    tokenizer = WordTokenizer(cfg.vocab_size)
+    tokenizer = WordPieces(cfg.vocab_size)
     kvzip_press.AutoTokenizer = types.SimpleNamespace(from_pretrained=lambda *a, **k: tokenizer)
     out.update(
         {
@@ -188,7 +166,7 @@ def main() -> int:
             "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "budget": budget,
             "stubbed": stubbed,
-            "tokenizer": "WordTokenizer (no chat template)",
+            "tokenizer": "WordPieces (no chat template)",
         }
     )
     peer.save()

@@ -205,13 +205,19 @@ def decode_row(model, forward, cfg, context, batch, steps, device, compiled: boo
     return {**row, "compile_s": warmup} if compiled else row
 
 
-@torch.inference_mode()
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def arguments(doc: str) -> argparse.Namespace:
+    """A peer script's command line (``doc``: its docstring): ``--smoke``, ``--seconds`` (its
+    deadline) and ``--out`` (``Peer``'s file)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--seconds", type=float, help="no row starts after this (default: none)")
     parser.add_argument("--out", type=Path, help="the JSON object, written after every row")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+@torch.inference_mode()
+def main() -> int:
+    args = arguments(__doc__)
     smoke = args.smoke
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     contexts, batches, steps = (
