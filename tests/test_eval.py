@@ -2,6 +2,7 @@
 JSONL, table and plot, perplexity and fidelity against their no-eviction limits, and the full cache
 on SmolLM2."""
 
+import functools
 import json
 import re
 
@@ -109,48 +110,31 @@ def test_smoke_sweep_writes_jsonl_table_and_plot_and_resumes(
     samples = make_samples(tokenizer, ["single-number", "multivalue"], ["filler"], [256], n=1)
     methods = sweep.methods(["streamingllm", "snapkv"], [32, 96], ["prefill", "blockwise"])
     out = tmp_path / "rows.jsonl"
-    rows = sweep.run(
+    answer = functools.partial(  # every method over the samples, appended to (and resumed from) out
+        sweep.run,
         tiny_smollm2_vocab,
         tokenizer,
         samples,
         methods,
         out=str(out),
         options={"obs_window": 8},
-        block_size=64,
         progress=False,
     )
+    rows = answer(block_size=64)
     # Each sample: the full cache once, then 2 scorers × 2 budgets × 2 protocols in each of 2
     # settings.
     assert len(rows) == 2 * (1 + 2 * 2 * 2 * 2)
     lines = out.read_text().splitlines()
     assert len(lines) == len(rows) and all(json.loads(line)["sample"] for line in lines)
     assert {r.setting for r in rows} == set(sweep.SETTINGS) and all(0 <= r.score <= 1 for r in rows)
-    again = sweep.run(
-        tiny_smollm2_vocab,
-        tokenizer,
-        samples,
-        methods,
-        out=str(out),
-        options={"obs_window": 8},
-        block_size=64,
-        progress=False,
-    )
+    again = answer(block_size=64)
     assert len(out.read_text().splitlines()) == len(lines) and sorted(again, key=str) == sorted(
         rows, key=str
     )
     table = report.markdown(rows, "smoke")
     assert "**query-agnostic, 256 tokens**" in table and "| snapkv (blockwise), block 64 |" in table
     # another block size is another method: its block-wise answers are made, the rest reused
-    other = sweep.run(
-        tiny_smollm2_vocab,
-        tokenizer,
-        samples,
-        methods,
-        out=str(out),
-        options={"obs_window": 8},
-        block_size=32,
-        progress=False,
-    )
+    other = answer(block_size=32)
     blockwise = [r for r in other if r.protocol == "blockwise"]
     assert len(out.read_text().splitlines()) == len(lines) + len(blockwise) == len(lines) + 16
     assert {r.label for r in blockwise} == {

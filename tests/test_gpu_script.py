@@ -16,24 +16,16 @@ ROOT = Path(__file__).resolve().parent.parent
 KVPRESS_PYTHON = ROOT / "benchmarks" / "kvpress_baseline" / ".venv" / "bin" / "python"
 
 
+def smoke(out, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``run.py --smoke ARGS --out OUT`` from the repository root, its output captured."""
+    cmd = [sys.executable, str(GPU_SCRIPT / "run.py"), "--smoke", *args, "--out", str(out)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     """Every part but "server" (six servers started: test_smoke_server_part, slow)."""
     parts = "kernels,layers,model,serve,peer"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(GPU_SCRIPT / "run.py"),
-            "--smoke",
-            "--parts",
-            parts,
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    done = smoke(tmp_path, "--parts", parts, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     merged = json.loads((tmp_path / "results.json").read_text())
     parts = merged["parts"]
@@ -149,21 +141,7 @@ def test_smoke_server_part(tmp_path):
     """The server part on the CPU: each case's server started, benchmarked over HTTP and stopped; a
     row per case with the benchmark's figures and the server's capacity, the busy cases beside their
     raw decode."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(GPU_SCRIPT / "run.py"),
-            "--smoke",
-            "--parts",
-            "server",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    done = smoke(tmp_path, "--parts", "server", timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads((tmp_path / "results.json").read_text())["parts"]["server"]
     assert [r["case"] for r in rows] == [
@@ -185,31 +163,12 @@ def test_smoke_server_part(tmp_path):
 
 
 def test_kernel_ops_checks_only_the_ops_named_and_refuses_an_unknown_one(tmp_path):
-    run = [
-        sys.executable,
-        str(GPU_SCRIPT / "run.py"),
-        "--smoke",
-        "--parts",
-        "kernels",
-        "--no-kernel-timings",
-    ]
-    done = subprocess.run(
-        [*run, "--kernel-ops", "prompt,decode", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = ("--parts", "kernels", "--no-kernel-timings")
+    done = smoke(tmp_path, *run, "--kernel-ops", "prompt,decode")
     assert done.returncode == 0, done.stderr[-4000:]
     checks = json.loads((tmp_path / "results.json").read_text())["parts"]["kernel_checks"]
     assert {r["op"] for r in checks} == {"prompt", "decode"} and all(r["ok"] for r in checks)
-    bad = subprocess.run(
-        [*run, "--kernel-ops", "decode,flash", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = smoke(tmp_path, *run, "--kernel-ops", "decode,flash", timeout=120)
     assert bad.returncode == 2 and "--kernel-ops: unknown ['flash']" in bad.stderr
 
 
@@ -491,23 +450,7 @@ def test_kvpress_part_compresses_to_the_budget_under_its_interpreter(tmp_path):
     """The kvpress part, run by run.py under kvpress's own environment (``--peer-python``): both
     presses at both contexts keep kvjax's smoke budget (64) per KV head, KVzip through its chunked
     path, and the report shows them."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(GPU_SCRIPT / "run.py"),
-            "--smoke",
-            "--parts",
-            "kvpress",
-            "--peer-python",
-            str(KVPRESS_PYTHON),
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = smoke(tmp_path, "--parts", "kvpress", "--peer-python", str(KVPRESS_PYTHON))
     assert done.returncode == 0, done.stderr[-4000:]
     kv = json.loads((tmp_path / "results.json").read_text())["parts"]["kvpress"]
     assert "error" not in kv and kv["kvpress"] == "0.5.5" and kv["budget"] == 64, kv
