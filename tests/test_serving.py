@@ -132,10 +132,12 @@ def test_sampling_and_full_cache_slots_equal_generate_alone(tiny_llama):
             ], i
 
 
-@pytest.mark.parametrize("scorer", ["adakv", "momentkv"])
+@pytest.mark.parametrize("scorer", ["adakv", "momentkv", "expected-attention"])
 def test_paged_and_moment_slots_equal_generate_alone(tiny_llama, scorer):
     """AdaKV's allocation runs on the paged cache (page pools per row, page tables per head): insert
-    writes its rows like the dense cache's. MomentKV's slots carry the sums of what they evicted."""
+    writes its rows like the dense cache's. MomentKV's slots carry the sums of what they evicted;
+    Expected Attention's, the statistics of their queries beside RoPE's frequencies, which every
+    row shares (no "batch" axis)."""
     eviction = TINY | dict(scorer=scorer)
     prompts = [np.random.default_rng(2).integers(4, 97, n) for n in (30, 9, 27, 31)]
     driver = Driver(Engine(tiny_llama, **(TINY_ENGINE | dict(slots=2)), **eviction)).start()

@@ -78,7 +78,7 @@ from kvjax.runtime.decoding import (
 from kvjax.runtime.inputs import round_capacity
 from kvjax.runtime.options import eviction_from
 from kvjax.runtime.sampling import Sampling
-from kvjax.serving.engine import _cache_batch_axes
+from kvjax.serving.engine import map_rows
 
 LLAMA_8B = ModelConfig(
     arch="llama",
@@ -189,8 +189,7 @@ def tile_state(state: DecodeState, batch: int, moment_dim: int | None = None) ->
     """One prefilled row repeated ``batch`` times along every leaf's batch axis; ``moment_dim``: the
     width of the moments' sums the decoding needs (MomentKV decodes from SnapKV's prefill, which
     keeps none: its sums start at zero, which costs what any others would)."""
-    axes = _cache_batch_axes(state.cache)
-    cache = jax.tree.map(lambda x, ax: jnp.repeat(x, batch, axis=ax), state.cache, axes)
+    cache = map_rows(lambda x, ax: jnp.repeat(x, batch, axis=ax), state.cache)
     if moment_dim is not None and moment_dim != cache.moments.k_sum.shape[-1]:
         count = cache.moments.count
         cache = cache.replace(moments=Moments.zeros(count.shape, moment_dim).replace(count=count))

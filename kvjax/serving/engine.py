@@ -152,19 +152,31 @@ class Slots:
 
 def _cache_batch_axes(cache):
     """The cache pytree with each array leaf replaced by the index of its "batch" logical axis
-    (``AXES``)."""
+    (``AXES``), or -1 for a leaf every row shares (Expected Attention's RoPE frequencies)."""
     fields = {}
     for f in dataclasses.fields(cache):
         value = getattr(cache, f.name)
         if f.metadata.get("pytree_node", True) is False or value is None:
             continue
-        axis = None if hasattr(type(value), "AXES") else type(cache).AXES[f.name].index("batch")
-        fields[f.name] = (
-            _cache_batch_axes(value)
-            if axis is None
-            else jax.tree.map(lambda _, a=axis: a, value)  # quantized: codes and scales alike
-        )
+        if hasattr(type(value), "AXES"):
+            fields[f.name] = _cache_batch_axes(value)
+            continue
+        axes = type(cache).AXES[f.name]
+        axis = axes.index("batch") if "batch" in axes else -1
+        # quantized: codes and scales alike
+        fields[f.name] = jax.tree.map(lambda _, a=axis: a, value)
     return cache.replace(**fields)
+
+
+def map_rows(fn, cache, *others):
+    """``fn(leaf, *leaves of others, axis)`` over every leaf of the cache pytree ``cache`` with a
+    "batch" axis (``axis``: its index); a leaf that every row shares stays ``cache``'s."""
+    return jax.tree.map(
+        lambda x, *rest: x if rest[-1] < 0 else fn(x, *rest),
+        cache,
+        *others,
+        _cache_batch_axes(cache),
+    )
 
 
 def _settings(inputs: Inputs) -> Settings:
@@ -218,7 +230,7 @@ def _rows_where(mask: jax.Array, new, old):
         shape[axis] = -1
         return jnp.where(mask.reshape(shape), a, b)
 
-    return jax.tree.map(pick, new, old, _cache_batch_axes(old))
+    return map_rows(pick, new, old)
 
 
 def _chunk_forward(params: Params, groups: tuple, chunk: Chunk, ev: Eviction | None):
@@ -278,7 +290,7 @@ def begin(filling: Filling, row: jax.Array, cache, start: jax.Array) -> Filling:
     def put(full, one, axis):
         return jax.lax.dynamic_update_slice_in_dim(full, one, row, axis)
 
-    cache = jax.tree.map(put, filling.cache, cache, _cache_batch_axes(filling.cache))
+    cache = map_rows(put, filling.cache, cache)
     return constrain(Filling(cache=cache, lengths=filling.lengths.at[row].set(start)))
 
 
@@ -306,7 +318,7 @@ def promote(
     logits ``logits`` [V], its length, a key from ``seed`` [1] and its ``settings`` (R = 1),
     nothing generated yet."""
     take = lambda full, axis: jax.lax.dynamic_slice_in_dim(full, row, 1, axis)  # noqa: E731
-    cache = jax.tree.map(take, filling.cache, _cache_batch_axes(filling.cache))
+    cache = map_rows(take, filling.cache)
     prefix = Prefix(
         cache=cache if ev is None else ev.fit(cache, cfg, spare),
         logits=logits[None],
@@ -334,7 +346,7 @@ def _insert(prefix: Prefix, state: Slots, slot: jax.Array) -> Slots:
         step=None,
         settings=prefix.settings,
     )
-    cache = jax.tree.map(put, state.cache, prefix.cache, _cache_batch_axes(state.cache))
+    cache = map_rows(put, state.cache, prefix.cache)
     return constrain(jax.tree.map(put, rest(state), row).replace(cache=cache, step=state.step))
 
 
