@@ -14,6 +14,8 @@ online softmax, the score pass of every score kind, tile sizes): ``tpu_common``,
 * ``moment_residual_norms`` — MomentKV's residual norm of every slot under one layer's statistics
   of the evicted tokens (a decoding step's moment-informed eviction), read in place from the stacked
   cache.
+* ``expected_logits`` — Expected Attention's expected logit of every slot under each query head's
+  Gaussian of future queries (its scoring at every eviction point), read in place from the cache.
 * ``causal_attention`` — a prompt over itself without scores (the full cache's prefill): cuDNN's
   flash attention on CUDA, XLA's computation in query chunks elsewhere.
 
@@ -34,6 +36,7 @@ from kvjax.kernels.block_attention import block_attention_with_scores
 from kvjax.kernels.block_attention.reference import attention_with_scores
 from kvjax.kernels.decode_attention import decode_attention_with_scores
 from kvjax.kernels.decode_attention.reference import corrected_attention
+from kvjax.kernels.expected_logits import expected_logits
 from kvjax.kernels.moment_residuals import moment_residual_norms
 from kvjax.kernels.prompt_attention import PREFILL_CHUNK, causal_attention
 from kvjax.kernels.quantized import KV_DTYPES, Quantized, quantize
@@ -50,6 +53,7 @@ __all__ = [
     "causal_attention",
     "corrected_attention",
     "decode_attention_with_scores",
+    "expected_logits",
     "moment_residual_norms",
     "quantize",
 ]

@@ -29,13 +29,16 @@ from kvjax.sharding import make_mesh, shard
 
 MESHES = ("data=8", "data=2,model=4", "model=8")
 # One of each kind: the dense cache per KV head, a decision over the layer's heads
-# (aggregate="layer"), MomentKV's per-head statistics, and the paged cache of a shared allocation.
+# (aggregate="layer"), MomentKV's per-head statistics, the paged cache of a shared allocation, and
+# Expected Attention's statistics of the queries (its logits per shard: ``expected_logits``).
 SETTINGS = {
     "full": {},
     "snapkv": dict(budget=16, scorer="snapkv", obs_window=4, window=4),
     "tova-layer": dict(budget=16, scorer="tova", aggregate="layer"),
     "momentkv": dict(budget=16, scorer="momentkv", obs_window=4, window=4),
     "adakv": dict(budget=16, scorer="adakv", obs_window=4, window=4),
+    # query statistics per head, and RoPE's frequencies, which every row shares
+    "expected-attention": dict(budget=16, scorer="expected-attention", window=4),
 }
 
 

@@ -94,6 +94,7 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
         ("snapkv 64", "default", 2),
         ("momentkv 64", "default", 2),
         ("adakv 64", "default", 2),
+        ("expected-attention 64", "default", 2),
     }
     assert all(
         "error" not in p and p["ms_per_step"] > 0 and p["ops_per_step"] >= 1 and p["top"]

@@ -4,7 +4,9 @@ on fresh random inputs, and timed against the XLA reference and (attention outpu
 
 Checks: block attention, decode attention (plain, with MomentKV's first- and zeroth-order
 correction), MomentKV's residual norms (``moment_residual_norms``, op "moment_residuals": its
-decoding eviction), paged block and paged decode attention (plain and corrected), every score kind,
+decoding eviction), Expected Attention's expected logits (``expected_logits``, op
+"expected_logits": its scoring at every eviction point, statistics of 300 queries and of one),
+paged block and paged decode attention (plain and corrected), every score kind,
 at SmolLM2's heads (3 KV heads of 3 query heads, head dim 64) and Llama-3.1-8B's (8 of 4, head dim
 128), float32 and bfloat16, cache lengths of 1061 slots (a ragged last tile) and 32768 (then 4096 if
 time is left). Inputs: two batch rows, positions shuffled per head, 3% of the slots empty plus the
@@ -49,6 +51,7 @@ from kvjax.kernels import (
     block_attention_with_scores,
     causal_attention,
     decode_attention_with_scores,
+    expected_logits,
     moment_residual_norms,
 )
 from kvjax.kernels.paged_attention import (
@@ -56,6 +59,7 @@ from kvjax.kernels.paged_attention import (
     paged_decode_attention_with_scores,
 )
 
+from kvjax.eviction.expected_attention import mean_rotation, rotation_matrix
 from kvjax.eviction.moments import Moments
 
 SHAPES = {
@@ -78,8 +82,12 @@ OPS = {
     # MomentKV's residual norms (a decoding step's moment-informed eviction) on the decode inputs;
     # the row's "out" is the norms
     "moment_residuals": (False, True, "first"),
+    # Expected Attention's logits (its scoring at an eviction point) of the decode inputs' keys; the
+    # row's "out" is the logits
+    "expected_logits": (False, True, "queries"),
 }
 MOMENT_RESIDUALS = "moment_residuals"
+EXPECTED_LOGITS = "expected_logits"
 # causal_attention: the full cache's prompt (cuDNN on CUDA), checked beside the kernels
 PROMPT = "prompt"
 
@@ -111,6 +119,8 @@ def make_inputs(case: Case, seed: int, visible_all: bool = False) -> tuple:
     if case.op == PROMPT:  # q [B, T, H, K], k and v [B, Hk, T, K]: T = slots
         B, T = case.batch, case.slots
         return (normal((B, T, Hk * G, K)), normal((B, Hk, T, K)), normal((B, Hk, T, K)))
+    if case.op == EXPECTED_LOGITS:
+        return expected_inputs(case, normal, keys)
     paged, decode, moments = OPS[case.op]
     B, S, T = case.batch, case.slots, 1 if decode else BLOCK_T
     q = normal((B, T, Hk * G, K))
@@ -182,6 +192,21 @@ def make_inputs(case: Case, seed: int, visible_all: bool = False) -> tuple:
     )
 
 
+def expected_inputs(case: Case, normal, keys) -> tuple:
+    """(k, rotation, mean, qq_sum, count) of ``expected_logits``: the statistics of 300 queries
+    (mean 0.5) in the first row and of one (Σ = 0) in the others, rotated to the 512 positions
+    after the cache."""
+    Hk, G, K = SHAPES[case.shape]
+    B, S = case.batch, case.slots
+    count = jnp.full((B,), 1.0).at[0].set(300.0)
+    q = jax.random.normal(next(keys), (B, Hk, G, 300, K)) + 0.5
+    q = q * (jnp.arange(300) < count[:, None, None, None])[..., None]
+    inv_freq = 500000.0 ** (-jnp.arange(0, K, 2) / K)
+    rotation = rotation_matrix(*mean_rotation(inv_freq, jnp.full((B,), S), 512))
+    mean = q.sum(3) / count[:, None, None, None]
+    return normal((B, Hk, S, K)), rotation, mean, jnp.einsum("bhgti,bhgtj->bhgij", q, q), count
+
+
 def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = False):
     """A jitted function of the case's inputs -> (out, lse, col or None). in_stack: a dense decode
     kernel reads the case's keys and values as the middle layer of a stack of three, as the budget
@@ -193,6 +218,8 @@ def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = Fa
     paged, decode, moments = OPS[case.op]
     score = "attn" if case.score == "none" else case.score
     opts = dict(impl=impl) if impl in (None, "xla") else dict(impl=impl, interpret=interpret)
+    if case.op == EXPECTED_LOGITS:
+        return jax.jit(lambda *args: (expected_logits(*args, **opts), None, None))
     if case.op == MOMENT_RESIDUALS:
 
         def fn(q, k, v, sp, qp, w, mom):

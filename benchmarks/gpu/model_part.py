@@ -156,6 +156,8 @@ COMPRESSORS = ("kvzip", "expected-attention")
 # block size (docs/eviction.md)
 BLOCKS = (512, 2048)
 SNAP_Q = tuple(("snapkv", 0, kv) for kv in QUANTIZED)
+# Expected Attention at the first budget and the shorter context (issue 59: decoding at batch 64)
+EXPECTED: Cache = ("expected-attention", 0, None)
 
 
 def eviction(cache: Cache, sz: Sizes, context: int, attention: str | None):
@@ -321,6 +323,7 @@ class ModelRun:
             (snap_lo, c32, None),
             (ada_lo, c4, None),
             (ada_lo, c32, None),
+            (EXPECTED, c4, None),
             *((q, c, None) for q in FULL_Q + SNAP_Q for c in (c4, c32)),
             *((("snapkv", 0, None, b), c, None) for b in BLOCKS for c in (c32, c4)),
         ]
@@ -538,9 +541,11 @@ class ModelRun:
                 else:
                     # a budget cache's shape does not depend on the context: one program serves both
                     jobs.append((cache, impl, source, b, (c4, c32)))
+        largest = sz.batches[-1]
+        jobs += [(EXPECTED, None, EXPECTED, b, (c4,)) for b in (sz.batches[0], largest)]
         # quantized caches (issue 58): at the largest batch of the plan, and at batch 1 and the
         # probe at 32K, which size their largest batch there
-        largest, sizing = sz.batches[-1], (sz.batches[0], sz.probe)
+        sizing = (sz.batches[0], sz.probe)
         for q in FULL_Q:
             jobs.append((q, None, q, largest, (c4,)))
             jobs += [(q, None, q, b, (c32,)) for b in sizing]
@@ -674,14 +679,15 @@ class ModelRun:
 
     def profiled(self, cache: Cache, impl: str | None, batch: int, context: int) -> bool:
         """The decode rows traced by the profiler, at the shorter context and the default impl: the
-        full cache at batch 1, and the full cache, SnapKV, MomentKV and AdaKV (the larger budget) at
-        the largest batch of the plan."""
+        full cache at batch 1, and the full cache, SnapKV, MomentKV, AdaKV and Expected Attention
+        (the larger budget) at the largest batch of the plan."""
         sz = self.sz
         if context != sz.contexts[0] or impl is not None:
             return False
         return (cache == FULL and batch == sz.batches[0]) or (
             batch == sz.batches[-1]
-            and cache in (FULL, ("snapkv", 0, None), ("momentkv", 0, None), ("adakv", 0, None))
+            and cache
+            in (FULL, ("snapkv", 0, None), ("momentkv", 0, None), ("adakv", 0, None), EXPECTED)
         )
 
     def largest_batch_row(

@@ -6,11 +6,13 @@ The queries before RoPE of every token past the sinks are modelled as a Gaussian
 head, rotated by the mean RoPE rotation R̄ of the next ``n_future`` positions. A key k gets the
 expected logit μ̃·k/√d + kᵀΣ̃k/(2d) (μ̃ = R̄μ, Σ̃ = R̄ΣR̄ᵀ); a softmax over the cached keys past the
 sinks turns those into expected attention; the query heads of a KV head are aggregated; the result
-is scaled by ‖v‖ (+ ``epsilon`` first). The priority is the logarithm of that score, computed
-without forming it: the same order as kvpress's score wherever that does not underflow (in float32
-or bfloat16 the probabilities of far-off tokens round to 0 and tie); pooling and chunk means act on
-the logarithms. Query-agnostic, no scoring pass: the statistics (sums of the queries and of their
-outer products) grow with every query the model runs, prompt and decoding alike.
+is scaled by ‖v‖ (+ ``epsilon`` first). The logits come from ``kvjax.kernels.expected_logits`` (on
+TPU and GPU a kernel that reads the keys in place and writes the logits alone). The priority is the
+logarithm of that score, computed without forming it: the same order as kvpress's score wherever
+that does not underflow (in float32 or bfloat16 the probabilities of far-off tokens round to 0 and
+tie); pooling and chunk means act on the logarithms. Query-agnostic, no scoring pass: the
+statistics (sums of the queries and of their outer products) grow with every query the model runs,
+prompt and decoding alike.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from flax import struct
 
 from kvjax.eviction.base import Base
 from kvjax.eviction.priority import pool
+from kvjax.kernels import expected_logits
 from kvjax.model.rope import apply_rope, inverse_frequencies
+from kvjax.sharding import per_shard
 
 
 @struct.dataclass
@@ -124,16 +128,18 @@ class ExpectedAttention(Base):
         )
 
     def priority(self, policy, state, pos, unprotected, k, v, order, stats: QueryStats, seen):
-        K = k.shape[-1]
         n = jnp.maximum(stats.count, 1.0)[:, None, None, None]  # [B, 1, 1, 1]
         mean = stats.q_sum / n  # [B, Hk, G, K]
         rot = rotation_matrix(*mean_rotation(stats.inv_freq, seen, self.n_future))  # [B, K, K]
-        kf = k.astype(jnp.float32)
-        logits = jnp.einsum("bij,bhgj,bhsi->bhgs", rot, mean, kf) / jnp.sqrt(jnp.float32(K))
-        if self.covariance:
-            cov = stats.qq_sum / n[..., None] - mean[..., :, None] * mean[..., None, :]
-            cov = jnp.einsum("bij,bhgjl,bml->bhgim", rot, cov, rot)
-            logits += jnp.einsum("bhsi,bhgim,bhsm->bhgs", kf, cov, kf) / (2 * K)
+        heads = ("batch", "kv_heads")
+        second = (stats.qq_sum, n[:, 0, 0, 0]) if self.covariance else (None, None)
+        (logits,) = per_shard(  # [B, Hk, G, S]
+            lambda k, rot, *rest: (expected_logits(k, rot, *rest, impl=policy.impl),),
+            (k, rot, mean, *second),
+            (heads, ("batch",), heads, heads, ("batch",)),
+            (heads,),
+            *k.shape[:2],
+        )
         # the softmax runs over the keys past the sinks
         scored = (pos >= policy.n_sink)[:, :, None, :]
         log_p = jax.nn.log_softmax(jnp.where(scored, logits, -jnp.inf), axis=-1)

@@ -1,0 +1,42 @@
+"""What the expected-logit kernels share: a tile's logits and the checks."""
+
+from __future__ import annotations
+
+import math
+
+from kvjax.kernels._shared import logical
+
+
+def logit_terms(kr, mean, qq_sum, inv_count, dot):
+    """(lin [bk, K], quad [bk, K] or None) float32, whose row sums l_j and q_j give the expected
+    logits l_j/√d + (q_j − l_j²)/(2d) of a tile's rotated keys kr [bk, K] (row j: R̄ᵀ k_j) under
+    one query head's mean [1, K] and sum of outer products Q [K, K] of its queries (None: the
+    linear term alone), inv_count [1, 1] = 1/n, as ``reference.expected_logits`` forms them;
+    dot(a, b) is a · bᵀ on the platform's matrix unit."""
+    lin = kr * mean
+    return lin, None if qq_sum is None else kr * dot(kr, qq_sum) * inv_count
+
+
+def combine(lin, quad, head_dim: int):
+    """The logits from the row sums of ``logit_terms``."""
+    z = lin / math.sqrt(head_dim)
+    return z if quad is None else z + (quad - lin * lin) / (2 * head_dim)
+
+
+def check_inputs(k, rotation, mean, qq_sum, count) -> tuple[int, int, int, int, int]:
+    """(B, Hk, G, S, K) after checking the other arguments' shapes against the keys [B, Hk, S, K];
+    raises ValueError naming the argument."""
+    shape = logical(k).shape
+    if len(shape) != 4:
+        raise ValueError(f"k must be [B, Hk, S, K]; got {shape}")
+    B, Hk, S, K = shape
+    if mean.ndim != 4 or mean.shape[:2] + mean.shape[3:] != (B, Hk, K):
+        raise ValueError(f"mean must be (B, Hk, G, K) = ({B}, {Hk}, G, {K}); got {mean.shape}")
+    G = mean.shape[2]
+    expected = dict(rotation=(B, K, K), qq_sum=(B, Hk, G, K, K), count=(B,))
+    for name, x in zip(expected, (rotation, qq_sum, count), strict=True):
+        if x is not None and x.shape != expected[name]:
+            raise ValueError(f"{name} must be {expected[name]} for k {shape}; got {x.shape}")
+    if (qq_sum is None) != (count is None):
+        raise ValueError("qq_sum and count go together (both None: the linear term alone)")
+    return B, Hk, G, S, K

@@ -1,0 +1,181 @@
+"""``kvjax.kernels.expected_logits`` (Expected Attention's expected logit of every slot, its scoring
+at every eviction point):
+
+* the XLA reference against a float64 NumPy oracle of the expected logit (Devoto et al., Eq. 3),
+  with and without the covariance;
+* the TPU and Triton kernels under the Pallas interpreter against the reference: ragged key
+  tiles, groups of 3 and 4 query heads, float32 and bfloat16, int8 and float8 codes (int4, stored
+  rotated, runs the reference);
+* ``jax.export`` lowers the kernels for TPU and CUDA, and Expected Attention's decoding loop to
+  them, reading the stacked cache (no slice of a layer);
+* bad shapes name the argument.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kvjax.kernels import expected_logits, quantize
+from kvjax.kernels.expected_logits import gpu, reference, tpu
+from kvjax.kernels.quantized import values
+from test_kernels import GPU_EXPORT_CHECKS, TRITON_CALL
+
+import kvjax
+from kvjax.eviction.expected_attention import mean_rotation, rotation_matrix
+from kvjax.runtime.decoding import decode_steps, feed_budget
+from kvjax.runtime.options import eviction_from
+from kvjax.runtime.sampling import Sampling
+
+
+def oracle(k, rotation, mean, qq_sum, count):
+    """z [B, Hk, G, S] in float64 as the paper writes it, one (row, KV head, query head) at a
+    time: μ̃ = R̄μ, Σ̃ = R̄ΣR̄ᵀ with Σ = Q/n − μμᵀ."""
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    k, rotation, mean = f64(k), f64(rotation), f64(mean)
+    K = k.shape[-1]
+    B, Hk, G = mean.shape[:3]
+    out = np.zeros((B, Hk, G, k.shape[2]))
+    for b in range(B):
+        r = rotation[b]
+        for h in range(Hk):
+            for g in range(G):
+                x, mu = k[b, h], mean[b, h, g]
+                z = x @ (r @ mu) / np.sqrt(K)
+                if qq_sum is not None:
+                    cov = r @ (f64(qq_sum[b, h, g]) / float(count[b]) - np.outer(mu, mu)) @ r.T
+                    z = z + np.einsum("si,im,sm->s", x, cov, x) / (2 * K)
+                out[b, h, g] = z
+    return out
+
+
+def case(seed=0, B=2, Hk=3, G=4, S=150, K=64, dtype=jnp.float32):
+    """Keys, and the statistics of 7 queries per head in row 0 and of 1 in row 1 (Σ = 0), rotated
+    to the 512 positions after 300 and 40."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 2)
+    k = jax.random.normal(ks[0], (B, Hk, S, K)).astype(dtype)
+    q = jax.random.normal(ks[1], (B, Hk, G, 7, K)) + 0.5
+    q = q * (jnp.arange(7) < jnp.array([7, 1])[:, None, None, None])[..., None]
+    count = jnp.array([7.0, 1.0])
+    inv_freq = 10000.0 ** (-jnp.arange(0, K, 2) / K)
+    rotation = rotation_matrix(*mean_rotation(inv_freq, jnp.array([300, 40]), 512))
+    stats = (q.sum(3) / count[:, None, None, None], jnp.einsum("bhgti,bhgtj->bhgij", q, q), count)
+    return k, rotation, stats
+
+
+def linear(stats):
+    return stats[0], None, None
+
+
+@pytest.mark.parametrize("with_cov", [True, False])
+def test_the_reference_is_the_expected_logit(with_cov):
+    k, rot, stats = case()
+    stats = stats if with_cov else linear(stats)
+    np.testing.assert_allclose(
+        reference.expected_logits(k, rot, *stats), oracle(k, rot, *stats), rtol=1e-5, atol=1e-5
+    )
+
+
+KERNELS = {"tpu": tpu.expected_logits_tpu, "gpu": gpu.expected_logits_gpu}
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(("G", "with_cov"), [(4, True), (3, True), (3, False)])
+def test_kernels_equal_the_reference(kernel, dtype, G, with_cov):
+    """Ragged tiles (150 slots: 128 + 22 on TPU, 64 + 64 + 22 on GPU)."""
+    k, rot, stats = case(G=G, dtype=dtype)
+    stats = stats if with_cov else linear(stats)
+    want = reference.expected_logits(k, rot, *stats)
+    got = KERNELS[kernel](k, rot, *stats, interpret=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3fn", "int4"])
+def test_quantized_keys_are_read_as_their_values(kind):
+    """Codes and scales dequantized in the kernel as ``quantized.values`` does (in the model's
+    dtype, then float32); int4 is stored rotated and runs the reference (exactly)."""
+    k, rot, stats = case(dtype=jnp.bfloat16)
+    kq = quantize(k, kind)
+    want = reference.expected_logits(values(kq), rot, *stats)
+    for impl in ("pallas", "xla"):
+        got = expected_logits(kq, rot, *stats, impl=impl)
+        if kind == "int4" or impl == "xla":
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=4e-3, atol=4e-3)
+    if kind != "int4":
+        got = KERNELS["gpu"](kq, rot, *stats, interpret=True)
+        np.testing.assert_allclose(got, want, rtol=4e-3, atol=4e-3)
+
+
+LOWERINGS = [("tpu", "pallas_tpu", "tpu_custom_call"), ("cuda", "pallas_gpu", TRITON_CALL)]
+
+
+@pytest.mark.parametrize("platform,impl,call", LOWERINGS)
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_kernels_lower(platform, impl, call, kv_dtype):
+    """SmolLM2's head geometry (3 KV heads of 3 query heads, head dim 64) at 1,040 slots."""
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    args = (f32(2, 64, 64), f32(2, 3, 3, 64), f32(2, 3, 3, 64, 64), f32(2))
+
+    def fn(k, *rest):
+        return expected_logits(quantize(k, kv_dtype) if kv_dtype else k, *rest, impl=impl)
+
+    checks = GPU_EXPORT_CHECKS if platform == "cuda" else []
+    text = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
+        jax.ShapeDtypeStruct((2, 3, 1040, 64), jnp.bfloat16), *args
+    ).mlir_module()
+    calls = [line for line in text.splitlines() if f"custom_call @{call}" in line]
+    assert len(calls) == 1, calls
+
+
+def test_bad_shapes_name_the_argument():
+    k, rot, (mean, qq, count) = case()
+    with pytest.raises(ValueError, match=r"qq_sum must be \(2, 3, 4, 64, 64\)"):
+        expected_logits(k, rot, mean, qq[..., :3], count)
+    with pytest.raises(ValueError, match=r"rotation must be \(2, 64, 64\)"):
+        expected_logits(k, rot[0], mean, qq, count)
+    with pytest.raises(ValueError, match=r"mean must be \(B, Hk, G, K\)"):
+        expected_logits(k, rot, mean[..., :3], qq, count)
+    with pytest.raises(ValueError, match=r"k must be \[B, Hk, S, K\]"):
+        expected_logits(k[0], rot, mean, qq, count)
+    with pytest.raises(ValueError, match="qq_sum and count go together"):
+        expected_logits(k, rot, mean, qq, None)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_expected_attention_decoding_lowers_to_the_kernel_over_the_stacked_cache(platform):
+    """Expected Attention's decoding loop (every layer's eviction at once, after the step) calls
+    the kernel on the whole stacked keys: the layers are a grid axis of one call, not slices."""
+    cfg = kvjax.ModelConfig(
+        arch="llama",
+        vocab_size=256,
+        d_model=128,
+        n_layers=3,
+        n_heads=6,
+        n_kv_heads=2,
+        head_dim=64,
+        d_ff=256,
+        max_seq_len=1024,
+    )
+    params = jax.eval_shape(lambda: kvjax.init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    tokens, lengths = (
+        jax.ShapeDtypeStruct((1, 200), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    )
+    n = jax.ShapeDtypeStruct((), jnp.int32)
+    checks = GPU_EXPORT_CHECKS if platform == "cuda" else []
+    ev = eviction_from(context=200, budget=64, scorer="expected-attention")
+    feed = functools.partial(feed_budget, ev=ev, out_width=16, decode_spare=ev.decode_spare(16))
+    state = jax.eval_shape(feed, params, None, tokens, lengths, lengths, jax.random.key(0))
+    fn = jax.jit(lambda p, s, a, b: decode_steps(p, s, a, b, Sampling(), (), ev.decoding()))
+    text = jax.export.export(fn, platforms=[platform], disabled_checks=checks)(
+        params, state, n, n
+    ).mlir_module()
+    calls = [
+        line for line in text.splitlines() if "custom_call" in line and "expected_logits" in line
+    ]
+    assert calls and all(re.search(r"3x1x2x\d+x64xbf16", line) for line in calls), calls
