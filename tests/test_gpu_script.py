@@ -54,12 +54,15 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
         "full",
         "snapkv 64",
     } | quantized
-    assert {r["cache"] for r in decode} >= {
-        "full",
-        "snapkv 64",
-        "momentkv 64",
-        "adakv 64",
-    } | quantized
+    # every scorer of issue 59's targets, evicting at every step and every 16 (periodic: its state
+    # given budget + 16 slots)
+    scorers = ("snapkv 64", "momentkv 64", "adakv 64", "expected-attention 64")
+    periodic = {f"{c} every 16" for c in scorers}
+    assert {r["cache"] for r in decode} >= {"full", *scorers, *periodic} | quantized
+    at_2 = {r["cache"]: r for r in decode if r["batch"] == 2 and not r.get("largest_batch")}
+    for cache in periodic:  # room for 16 new tokens per head beside the budget
+        base = at_2[cache.removesuffix(" every 16")]
+        assert at_2[cache]["kv_bytes_allocated"] > base["kv_bytes_allocated"], cache
     # a quantized row's kept bytes count its scales: 8-bit codes and a bfloat16 scale per token
     by = {(r["cache"], r["batch"], r["context"]): r for r in decode if not r.get("largest_batch")}
     for kv in ("int8", "float8_e4m3fn"):
@@ -289,7 +292,11 @@ def test_report_renders_stored_results_made_before_the_read_floor_and_compiled_p
     # transformers' batch 32 (eager), beside kvjax's full cache: 3198 / 336 tokens/s
     assert "| decode | eager | 4096 | 32 | 336 | 95.32 |  | 3198 | 9.53 |" in text
     assert "kvjax (full) decode >= transformers (eager) at batch 32, 4096 | 3198 vs 336" in text
-    assert "transformers (compiled)" not in text and "### kvpress" not in text
+    # no compiled peer rows and no kvpress table; issue 59's targets "not measured" (call 4a's
+    # MomentKV and AdaKV at batch 64 measured)
+    assert "| decode | compiled" not in text and "### kvpress" not in text
+    assert "decode >= transformers (compiled) at batch 1, 4096 |  | not measured |" in text
+    assert "batch-64 decode within 1.3x of its floor (momentkv 1024, 4096) | 28.46 ms" in text
 
 
 def test_report_puts_both_floors_and_the_peers_beside_kvjax():

@@ -115,8 +115,9 @@ def main() -> int:
                 functools.partial(tile_state, batch=batch),
                 jax.eval_shape(feed, params, tokens, lengths, key),
             ), None
-        scorer, budget = cache.split()
-        ev = eviction_from(context=args.context, budget=int(budget), scorer=scorer)
+        scorer, budget, *every = cache.split()  # "snapkv 1024", "snapkv 1024 every 16"
+        options = {"evict_every": int(every[1])} if every else {}
+        ev = eviction_from(context=args.context, budget=int(budget), scorer=scorer, **options)
         feed = functools.partial(
             feed_budget, ev=ev, out_width=OUT_WIDTH, decode_spare=ev.decode_spare(OUT_WIDTH)
         )

@@ -15,19 +15,21 @@ Decode: ms per step of ``kvjax.runtime.decoding.decode_steps`` (the loop ``kvjax
 greedy sampling, every step evicting one token per row and KV head) at batch 1, 8, 32 and 64, from
 the prefilled state of one prompt repeated over the batch (every row holds the same cache; the
 prefill above made it). MomentKV decodes from SnapKV's prefilled cache (the same layout; its moment
-sums start empty): its step is what is timed. (Call 3's rows of the default compiled with Triton
-GEMM fusions and of ``kvjax.unstack_layers`` answered their questions and are gone: layers_part and
-aot.py still compile both.) JAX's profiler traces 4 more steps of a few rows
-(``ModelRun.profiled``): their device time by kind of op. Beside each figure its floor: the bytes a
-step must read (every weight but the embedding table, plus the kept keys and values of every row)
-over the copy bandwidth measured in the same run (``floor_ms``: reads and writes counted, the
-conservative one) and over the read bandwidth measured beside it (``read_floor_ms``). Every
-row's attention is the kernels' unless ``common.decode_attention`` finds the decode kernel failing
-on the device (then XLA's, said in the report's head). The largest batch that fits at 32K is found
-from two compiled programs' memory figures (batch 1 and 8: the state and temporaries one more row
-adds, and the temporaries that do not grow) against the allocator's free bytes (or its largest free
-block), then run (10% smaller, once, if it does not). Those searches run last, with the prefilled
-states moved to the host (``ModelRun.decode``).
+sums start empty): its step is what is timed. Expected Attention 1024 prefills at 4K and decodes at
+batch 1 and 64; at batch 64 SnapKV, MomentKV, AdaKV and Expected Attention 1024 also evict every
+``EVERY`` steps (``evict_every``: labelled "… every 16", the state given budget + 16 slots). (Call
+3's rows of the default compiled with Triton GEMM fusions and of ``kvjax.unstack_layers`` answered
+their questions and are gone: layers_part and aot.py still compile both.) JAX's profiler traces 4
+more steps of a few rows (``ModelRun.profiled``): their device time by kind of op. Beside each
+figure its floor: the bytes a step must read (every weight but the embedding table, plus the kept
+keys and values of every row) over the copy bandwidth measured in the same run (``floor_ms``: reads
+and writes counted, the conservative one) and over the read bandwidth measured beside it
+(``read_floor_ms``). Every row's attention is the kernels' unless ``common.decode_attention`` finds
+the decode kernel failing on the device (then XLA's, said in the report's head). The largest batch
+that fits at 32K is found from two compiled programs' memory figures (batch 1 and 8: the state and
+temporaries one more row adds, and the temporaries that do not grow) against the allocator's free
+bytes (or its largest free block), then run (10% smaller, once, if it does not). Those searches run
+last, with the prefilled states moved to the host (``ModelRun.decode``).
 
 Every program is compiled in the background first; timed runs wait for the compilations (XLA
 autotunes on the device while it compiles) for at most a third of the part's time.
@@ -143,8 +145,10 @@ def sizes(smoke: bool) -> Sizes:
     return Sizes(LLAMA_8B, (4096, 32768), (1024, 256), (1, 8, 32, 64), 16, 3 << 30)
 
 
-# (scorer or "full", index into Sizes.budgets or None, kv_dtype or None[, prompt block size])
+# (scorer or "full", index into Sizes.budgets or None, kv_dtype or None[, options]): options, a
+# tuple of (eviction keyword, value) pairs, OPTION_LABELS' keywords
 Cache = tuple
+OPTION_LABELS = {"block_size": "block", "evict_every": "every"}
 FULL: Cache = ("full", None, None)
 # quantized keys and values (issue 58): the full cache and SnapKV 1024 in 8 bits
 QUANTIZED = ("int8", "float8_e4m3fn")
@@ -155,6 +159,9 @@ COMPRESSORS = ("kvzip", "expected-attention")
 # so 128-token blocks bound the prefill near 28K tokens/s on the 8B); the kept sets change with the
 # block size (docs/eviction.md)
 BLOCKS = (512, 2048)
+# periodic eviction (``evict_every``, issue 59): each row evicts once every EVERY decode steps, down
+# to the budget, from budget + EVERY slots: the eviction's cost spread over EVERY steps
+EVERY = 16
 SNAP_Q = tuple(("snapkv", 0, kv) for kv in QUANTIZED)
 # Expected Attention at the first budget and the shorter context (issue 59: decoding at batch 64)
 EXPECTED: Cache = ("expected-attention", 0, None)
@@ -163,7 +170,7 @@ EXPECTED: Cache = ("expected-attention", 0, None)
 def eviction(cache: Cache, sz: Sizes, context: int, attention: str | None):
     """The Eviction of a cache (None for the full cache) whose attention is ``attention``
     (``ModelRun.attention``)."""
-    scorer, which, kv_dtype, *block = cache
+    scorer, which, kv_dtype, *options = cache
     if scorer == "full":
         return None
     return eviction_from(
@@ -172,14 +179,19 @@ def eviction(cache: Cache, sz: Sizes, context: int, attention: str | None):
         scorer=scorer,
         impl=attention,
         kv_dtype=kv_dtype,
-        **({"block_size": block[0]} if block else {}),
+        **dict(options[0] if options else ()),
     )
+
+
+def with_options(cache: Cache, **options) -> Cache:
+    return (*cache[:3], tuple(options.items()))
 
 
 def cache_label(cache: Cache, sz: Sizes) -> str:
     name = "full" if cache[0] == "full" else f"{cache[0]} {sz.budgets[cache[1]]}"
     name = name if cache[2] is None else f"{name} {cache[2]}"
-    return name if len(cache) < 4 else f"{name} block {cache[3]}"
+    options = cache[3] if len(cache) > 3 else ()
+    return " ".join([name, *(f"{OPTION_LABELS[k]} {v}" for k, v in options)])
 
 
 def prompt(context: int, vocab: int) -> np.ndarray:
@@ -206,6 +218,12 @@ def tile_state(state: DecodeState, batch: int, moment_dim: int | None = None) ->
         key=state.key,
         step=state.step,
     )
+
+
+@functools.partial(jax.jit, static_argnames=("ev", "cfg"))
+def refit(state: DecodeState, ev, cfg: ModelConfig) -> DecodeState:
+    """The state with room for ``ev``'s decoding (a periodic eviction's spare slots)."""
+    return state.replace(cache=ev.fit(state.cache, cfg, ev.decode_spare(OUT_WIDTH)))
 
 
 def kept_kv_bytes(state: DecodeState, cfg: ModelConfig) -> int:
@@ -325,7 +343,7 @@ class ModelRun:
             (ada_lo, c32, None),
             (EXPECTED, c4, None),
             *((q, c, None) for q in FULL_Q + SNAP_Q for c in (c4, c32)),
-            *((("snapkv", 0, None, b), c, None) for b in BLOCKS for c in (c32, c4)),
+            *((with_options(snap, block_size=b), c, None) for b in BLOCKS for c in (c32, c4)),
         ]
         # one budget, one impl="xla" (on CPU the default is XLA), AdaKV at the shorter context:
         if self.smoke:
@@ -333,7 +351,8 @@ class ModelRun:
             keep = lambda p: p[2] != "xla" or p == (FULL, c4, "xla")  # noqa: E731
             plan = [p for p in plan if p[0][1] != 1 and keep(p) and p != (ada, c32, None)]
             # feed_budget takes whole blocks (the public API pads a prompt to them): 512 of 512
-            plan = [p for p in plan if len(p[0]) < 4 or p[:2] == (("snapkv", 0, None, 512), c32)]
+            block = with_options(snap, block_size=512)
+            plan = [p for p in plan if len(p[0]) < 4 or p[:2] == (block, c32)]
         return plan
 
     def prefill(self, futures: dict) -> None:
@@ -477,12 +496,16 @@ class ModelRun:
         batch: int,
         profile: bool = False,
         moment_dim: int | None = None,
+        periodic=None,
     ) -> dict:
         """The timed row; with ``profile``, also where the device time of PROFILE_STEPS more steps
-        goes."""
+        goes; ``periodic``: the Eviction of a periodic eviction, whose spare slots the source's
+        state is given."""
         compiled, compile_s = future.result(timeout=max(1.0, self.deadline.left()))
         params = self.params
         state = tile_state(source, batch, moment_dim)
+        if periodic is not None:
+            state = refit(state, periodic, self.sz.cfg)
         seconds, state = self.time_decode(compiled, state, params)
         kept = kept_kv_bytes(state, self.sz.cfg)
         floor = floors(self.ceilings, self.weight_bytes + kept)
@@ -543,6 +566,11 @@ class ModelRun:
                     jobs.append((cache, impl, source, b, (c4, c32)))
         largest = sz.batches[-1]
         jobs += [(EXPECTED, None, EXPECTED, b, (c4,)) for b in (sz.batches[0], largest)]
+        # periodic eviction at the largest batch, from the every-step rows' prefills
+        snap, ada = ("snapkv", 0, None), ("adakv", 0, None)
+        for cache, source in ((snap, snap), (("momentkv", 0, None), snap), (ada, ada)):
+            jobs.append((with_options(cache, evict_every=EVERY), None, source, largest, (c4,)))
+        jobs.append((with_options(EXPECTED, evict_every=EVERY), None, EXPECTED, largest, (c4,)))
         # quantized caches (issue 58): at the largest batch of the plan, and at batch 1 and the
         # probe at 32K, which size their largest batch there
         sizing = (sz.batches[0], sz.probe)
@@ -576,8 +604,19 @@ class ModelRun:
                 functools.partial(tile_state, batch=b, moment_dim=self.moment_dim(cache)),
                 self.prefill_shape(source, contexts[0]),
             )
+            if self.periodic(cache) is not None:
+                shape = jax.eval_shape(
+                    functools.partial(refit, ev=self.periodic(cache), cfg=self.sz.cfg), shape
+                )
             decodes[job] = self.submit_decode(shape, ev)
         return prefills, decodes
+
+    def periodic(self, cache: Cache):
+        """The Eviction of a periodic eviction's row (its decoding needs ``evict_every`` spare
+        slots; its state comes from the every-step row's prefill), else None."""
+        if "evict_every" not in dict(cache[3] if len(cache) > 3 else ()):
+            return None
+        return eviction(cache, self.sz, self.sz.contexts[0], self.attention(None))
 
     def moment_dim(self, cache: Cache) -> int | None:
         """The width of the moments' sums decoding ``cache`` keeps (None: the full cache)."""
@@ -674,6 +713,7 @@ class ModelRun:
                         b,
                         self.profiled(cache, impl, b, context),
                         self.moment_dim(cache),
+                        self.periodic(cache),
                     ),
                 )
 

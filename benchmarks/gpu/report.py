@@ -229,7 +229,7 @@ def find(rows, **match):
 
 
 def targets(merged: dict) -> list[str]:
-    """The issue's five targets, each with the figures it was judged on."""
+    """The targets of issues 33, 59 and 56, each with the figures it was judged on."""
     parts = merged["parts"]
     decode, serve, peer = parts.get("decode", []), parts.get("serve", []), parts.get("peer", {})
     contexts = sorted({r["context"] for r in decode if "context" in r})
@@ -326,7 +326,98 @@ def targets(merged: dict) -> list[str]:
         else "",
         ratio >= 8 if ratio else None,
     )
+    lines += decode_targets(parts, snap, c4, c32, big)
     return lines + server_targets(parts.get("server", [])) + [""]
+
+
+def decode_targets(parts: dict, snap: str, c4: int, c32: int, big: int | None) -> list[str]:
+    """Issue 59's targets: each evicting decode near its floor at the largest batch of the plan
+    (every step, and evicting every ``model_part.EVERY`` steps beside it: an option, not the
+    target's default), SnapKV at its largest batch at 32K, batch 1 against the read rate's floor,
+    block-wise prefill against the full cache's at 32K, compiled transformers at batch 1, and
+    kvpress's compression at 32K."""
+    lines = []
+
+    def add(name, measured, met):
+        lines.append(
+            f"| {name} | {measured} | "
+            f"{'yes' if met else 'no' if met is not None else 'not measured'} |"
+        )
+
+    decode, prefill = parts.get("decode", []), parts.get("prefill", [])
+    budget = snap.split()[1]
+
+    def over(r, key="step_over_floor", floor="floor_ms"):
+        return f"{r['ms_per_step']:.2f} ms vs floor {r[floor]:.2f} ms = {r[key]:.2f}x" if r else ""
+
+    for scorer in ("snapkv", "momentkv", "adakv", "expected-attention"):
+        for every in ("", f" every {model_part.EVERY}"):
+            cache = f"{scorer} {budget}{every}"
+            r = find(decode, cache=cache, impl="default", context=c4, batch=big)
+            add(
+                f"batch-{big} decode within 1.3x of its floor ({cache}, {c4})",
+                over(r),
+                r and r["step_over_floor"] <= 1.3,
+            )
+    r = find(decode, cache=snap, context=c32, largest_batch=True)
+    add(
+        f"{c32}: {snap} at its largest batch within 1.5x of its floor",
+        f"batch {r['batch']}: {over(r)}" if r else "",
+        r["step_over_floor"] <= 1.5 if r else None,
+    )
+    for cache in ("full", snap):
+        r = find(decode, cache=cache, impl="default", context=c4, batch=1)
+        r = r if r and "read_floor_ms" in r else None
+        add(
+            f"batch-1 decode within 1.2x of the read rate's floor ({cache}, {c4})",
+            over(r, "step_over_read_floor", "read_floor_ms"),
+            r["step_over_read_floor"] <= 1.2 if r else None,
+        )
+    full = find(prefill, cache="full", impl="default", context=c32)
+    blockwise = [
+        r
+        for r in prefill
+        if r.get("context") == c32
+        and r.get("impl") == "default"
+        and "error" not in r
+        and (r["cache"] == snap or r["cache"].startswith(f"{snap} block "))
+    ]
+    best = max(blockwise, key=lambda r: r["tokens_per_s"], default=None)
+    add(
+        f"{c32}: block-wise prefill ({snap}) >= the full cache's",
+        ", ".join(f"{r['cache']} {r['tokens_per_s']:.0f}" for r in blockwise)
+        + f" vs full {full['tokens_per_s']:.0f} tokens/s"
+        if best and full
+        else "",
+        best["tokens_per_s"] >= full["tokens_per_s"] if best and full else None,
+    )
+    compiled = [r for r in parts.get("peer", {}).get("decode", []) if mode(r) == "compiled"]
+    theirs = find(compiled, context=c4, batch=1)
+    ours = find(decode, cache="full", impl="default", context=c4, batch=1)
+    ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if ours and theirs else None
+    add(
+        f"kvjax (full) decode >= transformers (compiled) at batch 1, {c4}",
+        f"{ours['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} tokens/s = {ratio:.2f}x"
+        if ratio
+        else "",
+        ratio >= 1 if ratio else None,
+    )
+    kv = parts.get("kvpress", {})
+    for scorer, press in (
+        ("kvzip", "KVzipPress"),
+        ("expected-attention", "ExpectedAttentionPress"),
+    ):
+        ours = find(parts.get("compress", []), scorer=scorer, context=c32)
+        theirs = find(kv.get("compress", []), press=press, context=c32)
+        ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if ours and theirs else None
+        add(
+            f"{c32}: kvjax.prefill ({scorer}) compresses faster than kvpress's {press}",
+            f"{ours['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} tokens/s = {ratio:.2f}x"
+            if ratio
+            else "",
+            ratio >= 1 if ratio else None,
+        )
+    return lines
 
 
 def server_targets(server: list[dict]) -> list[str]:
