@@ -8,8 +8,24 @@ first).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+
+def scatter_set(x: jax.Array, at, values, mode: str | None = None) -> jax.Array:
+    """``x.at[at].set(values, mode=mode)``, a float narrower than 32 bits (bfloat16, float16,
+    float8) scattered as its bits, which is the same array: XLA:CPU otherwise converts the whole of
+    ``x`` to float32 and back around every such scatter (a cache's scales: 129 of a 212 ms decoding
+    step of SmolLM2 at batch 8)."""
+    dtype = jnp.dtype(x.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
+        return x.at[at].set(values, mode=mode)
+    bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
+    as_bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=bits)
+    out = as_bits(x).at[at].set(as_bits(jnp.asarray(values, dtype)), mode=mode)
+    return jax.lax.bitcast_convert_type(out, dtype)
 
 
 def _per_row_head(update, lead: int = 2):
@@ -29,8 +45,8 @@ def set_slots(
         mode: "drop" skips out-of-range indices.
     """
     if not hasattr(values, "shape") or values.ndim == 0:
-        return _per_row_head(lambda xi, ii: xi.at[ii].set(values, mode=mode), lead)(x, index)
-    return _per_row_head(lambda xi, ii, vi: xi.at[ii].set(vi, mode=mode), lead)(x, index, values)
+        return _per_row_head(lambda xi, ii: scatter_set(xi, ii, values, mode), lead)(x, index)
+    return _per_row_head(lambda xi, ii, vi: scatter_set(xi, ii, vi, mode), lead)(x, index, values)
 
 
 def per_row(fn, *arrays, axes):
@@ -76,7 +92,7 @@ def scatter_at_layer(x, layer, index, values) -> jax.Array:
     broadcasts over the KV heads of values [B, Hk, T, ...]."""
     B, Hk = values.shape[:2]
     at = (layer, jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None], index)
-    return x.at[at].set(values)
+    return scatter_set(x, at, values)
 
 
 def scatter_layer_slots(x, layer, index, values) -> tuple[jax.Array, jax.Array]:
