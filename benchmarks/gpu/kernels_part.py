@@ -319,6 +319,10 @@ def timing_cases(smoke: bool) -> list[Case]:
         for slots in lengths
         for op in ops
         for score in scores
+    ] + [  # the decoding evictions' kernels (their "attn" is nominal: they score no attention)
+        Case(op, "attn", shape, "bfloat16", slots, batch)
+        for slots in lengths
+        for op in (MOMENT_RESIDUALS, EXPECTED_LOGITS)
     ]
 
 
@@ -423,7 +427,7 @@ def submit_timings(compiler: Compiler, smoke: bool) -> dict:
 def run_timings(results: Results, deadline: Deadline, futures: dict, smoke: bool) -> None:
     for c in timing_cases(smoke):
         kv_bytes = (
-            2
+            (1 if c.op == EXPECTED_LOGITS else 2)  # the expected logits read the keys alone
             * c.batch
             * SHAPES[c.shape][0]
             * c.slots
@@ -539,7 +543,7 @@ def tables(results: Results) -> list[str]:
             f"### Kernel times ({heads} heads, bfloat16, every slot visible)",
             "",
             "| op | score | slots | batch | Pallas (Triton) ms | XLA ms | cuDNN ms | XLA / Pallas "
-            "| K+V GB/s (Pallas) |",
+            "| K+V GB/s (Pallas; K alone for expected_logits) |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         by = {}
