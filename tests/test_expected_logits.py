@@ -1,7 +1,7 @@
 """``kvjax.kernels.expected_logits`` (Expected Attention's expected logit of every slot, its scoring
 at every eviction point):
 
-* the XLA reference against a float64 NumPy oracle of the expected logit (Devoto et al., Eq. 3),
+* the XLA reference against a float64 NumPy oracle of the expected logit (Devoto et al. 2025),
   with and without the covariance;
 * the TPU and Triton kernels under the Pallas interpreter against the reference: ragged key
   tiles, groups of 3 and 4 query heads, float32 and bfloat16, int8 and float8 codes (int4, stored

@@ -1,6 +1,6 @@
 """The semantics of ``expected_logits``: Expected Attention's expected logit of every slot under a
 query head's Gaussian N(μ, Σ) of the queries before RoPE, rotated by the mean rotation R̄ of the
-future positions (Devoto et al. 2025, Eq. 3; kvpress's ``ExpectedAttentionPress``), in float32:
+future positions (Devoto et al. 2025; kvpress's ``ExpectedAttentionPress``), in float32:
 
     z_gj = μ̃_g·k_j/√d + k_jᵀ Σ̃_g k_j/(2d),   μ̃ = R̄μ, Σ̃ = R̄ΣR̄ᵀ, Σ = Q/n − μμᵀ,
 
