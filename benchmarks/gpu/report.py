@@ -222,6 +222,13 @@ def kvpress_table(kv: dict, parts: dict) -> list[str]:
     return lines + [""]
 
 
+def add(lines: list[str], name: str, measured: str, met: bool | None) -> None:
+    """A target's row of a Targets table: met, not met, or not measured (None)."""
+    lines.append(
+        f"| {name} | {measured} | {'yes' if met else 'no' if met is not None else 'not measured'} |"
+    )
+
+
 def find(rows, **match):
     return next(
         (r for r in rows if all(r.get(k) == v for k, v in match.items()) and "error" not in r), None
@@ -235,14 +242,8 @@ def targets(merged: dict) -> list[str]:
     contexts = sorted({r["context"] for r in decode if "context" in r})
     lines = ["### Targets", "", "| target | measured | met |", "| --- | --- | --- |"]
 
-    def add(name, measured, met):
-        lines.append(
-            f"| {name} | {measured} | "
-            f"{'yes' if met else 'no' if met is not None else 'not measured'} |"
-        )
-
     if not contexts:
-        add("decode", "no decode rows", None)
+        add(lines, "decode", "no decode rows", None)
         return lines + server_targets(parts.get("server", [])) + [""]
     c4, c32 = contexts[0], contexts[-1]
     snaps = sorted(
@@ -264,6 +265,7 @@ def targets(merged: dict) -> list[str]:
                 else ""
             )
             add(
+                lines,
                 f"batch-1 decode within 1.3x of its floor ({cache}, {c4}{how})",
                 f"{r['ms_per_step']:.2f} ms vs floor {r['floor_ms']:.2f} ms = "
                 f"{r['step_over_floor']:.2f}x{read}"
@@ -280,6 +282,7 @@ def targets(merged: dict) -> list[str]:
         )
         ratio = many["tokens_per_s"] / one["tokens_per_s"] if one and many else None
         add(
+            lines,
             f"batch-{big} decode throughput >= 20x batch 1 ({cache}, {c4})",
             f"{many['tokens_per_s']:.0f} vs {one['tokens_per_s']:.0f} tokens/s = {ratio:.1f}x"
             if ratio
@@ -290,6 +293,7 @@ def targets(merged: dict) -> list[str]:
     budget = find(decode, cache=snap, context=c32, largest_batch=True)
     ratio = budget["tokens_per_s"] / full["tokens_per_s"] if full and budget else None
     add(
+        lines,
         f"{c32}: budget {snap.split()[1]} >= 3x the full cache's tokens/s, each at its largest "
         "batch",
         f"{budget['tokens_per_s']:.0f} (batch {budget['batch']}) vs {full['tokens_per_s']:.0f} "
@@ -309,6 +313,7 @@ def targets(merged: dict) -> list[str]:
             ours = find(decode, cache=cache, impl="default", context=c4, batch=mid)
             ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if ours and theirs else None
             add(
+                lines,
                 f"kvjax ({cache}) decode >= transformers ({how}) at batch {mid}, {c4}",
                 f"{ours['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} tokens/s = "
                 f"{ratio:.2f}x"
@@ -320,6 +325,7 @@ def targets(merged: dict) -> list[str]:
     many = next((r for r in serve if r.get("slots", 1) > 1 and "tokens_per_s" in r), None)
     ratio = many["tokens_per_s"] / one["tokens_per_s"] if one and many else None
     add(
+        lines,
         f"serving with {many['slots'] if many else 32} slots >= 8x one at a time",
         f"{many['tokens_per_s']:.0f} vs {one['tokens_per_s']:.0f} tokens/s = {ratio:.1f}x"
         if ratio
@@ -338,12 +344,6 @@ def decode_targets(parts: dict, snap: str, c4: int, c32: int, big: int | None) -
     kvpress's compression at 32K."""
     lines = []
 
-    def add(name, measured, met):
-        lines.append(
-            f"| {name} | {measured} | "
-            f"{'yes' if met else 'no' if met is not None else 'not measured'} |"
-        )
-
     decode, prefill = parts.get("decode", []), parts.get("prefill", [])
     budget = snap.split()[1]
 
@@ -355,12 +355,14 @@ def decode_targets(parts: dict, snap: str, c4: int, c32: int, big: int | None) -
             cache = f"{scorer} {budget}{every}"
             r = find(decode, cache=cache, impl="default", context=c4, batch=big)
             add(
+                lines,
                 f"batch-{big} decode within 1.3x of its floor ({cache}, {c4})",
                 over(r),
                 r and r["step_over_floor"] <= 1.3,
             )
     r = find(decode, cache=snap, context=c32, largest_batch=True)
     add(
+        lines,
         f"{c32}: {snap} at its largest batch within 1.5x of its floor",
         f"batch {r['batch']}: {over(r)}" if r else "",
         r["step_over_floor"] <= 1.5 if r else None,
@@ -369,6 +371,7 @@ def decode_targets(parts: dict, snap: str, c4: int, c32: int, big: int | None) -
         r = find(decode, cache=cache, impl="default", context=c4, batch=1)
         r = r if r and "read_floor_ms" in r else None
         add(
+            lines,
             f"batch-1 decode within 1.2x of the read rate's floor ({cache}, {c4})",
             over(r, "step_over_read_floor", "read_floor_ms"),
             r["step_over_read_floor"] <= 1.2 if r else None,
@@ -384,6 +387,7 @@ def decode_targets(parts: dict, snap: str, c4: int, c32: int, big: int | None) -
     ]
     best = max(blockwise, key=lambda r: r["tokens_per_s"], default=None)
     add(
+        lines,
         f"{c32}: block-wise prefill ({snap}) >= the full cache's",
         ", ".join(f"{r['cache']} {r['tokens_per_s']:.0f}" for r in blockwise)
         + f" vs full {full['tokens_per_s']:.0f} tokens/s"
@@ -396,6 +400,7 @@ def decode_targets(parts: dict, snap: str, c4: int, c32: int, big: int | None) -
     ours = find(decode, cache="full", impl="default", context=c4, batch=1)
     ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if ours and theirs else None
     add(
+        lines,
         f"kvjax (full) decode >= transformers (compiled) at batch 1, {c4}",
         f"{ours['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} tokens/s = {ratio:.2f}x"
         if ratio
@@ -411,6 +416,7 @@ def decode_targets(parts: dict, snap: str, c4: int, c32: int, big: int | None) -
         theirs = find(kv.get("compress", []), press=press, context=c32)
         ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if ours and theirs else None
         add(
+            lines,
             f"{c32}: kvjax.prefill ({scorer}) compresses faster than kvpress's {press}",
             f"{ours['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} tokens/s = {ratio:.2f}x"
             if ratio
@@ -424,15 +430,10 @@ def server_targets(server: list[dict]) -> list[str]:
     """Issue 56's targets, judged on the server part's rows."""
     lines = []
 
-    def add(name, measured, met):
-        lines.append(
-            f"| {name} | {measured} | "
-            f"{'yes' if met else 'no' if met is not None else 'not measured'} |"
-        )
-
     busy = find(server, case="busy")
     share = busy["output_throughput"] / busy["raw_decode_tokens_per_s"] if busy else None
     add(
+        lines,
         "server (busy): output throughput >= 85% of the raw decode of its slots",
         f"{busy['output_throughput']:.0f} vs {busy['raw_decode_tokens_per_s']:.0f} tokens/s = "
         f"{share:.0%}"
@@ -442,6 +443,7 @@ def server_targets(server: list[dict]) -> list[str]:
     )
     spread = busy["p99_itl_ms"] / busy["median_itl_ms"] if busy and busy["median_itl_ms"] else None
     add(
+        lines,
         "server (busy): p99 inter-token latency <= 3x its median",
         f"{busy['p99_itl_ms']:.1f} vs {busy['median_itl_ms']:.1f} ms = {spread:.1f}x"
         if spread
@@ -451,6 +453,7 @@ def server_targets(server: list[dict]) -> list[str]:
     full, snap = find(server, case="long-full"), find(server, case="long-snapkv")
     ratio = snap["output_throughput"] / full["output_throughput"] if full and snap else None
     add(
+        lines,
         "server, long prompts, the same cache memory: SnapKV >= 8x the full cache's output "
         "throughput",
         f"{snap['output_throughput']:.0f} vs {full['output_throughput']:.0f} tokens/s = "
