@@ -18,7 +18,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from kvjax.kernels import gpu_common as common
 from kvjax.kernels._shared import NT_DIMS, kv_spec, next_pow2
-from kvjax.kernels.expected_logits.tiles import check_inputs, combine, logit_terms
+from kvjax.kernels.expected_logits.tiles import (
+    check_inputs,
+    combine,
+    logit_terms,
+    operands,
+    stat_specs,
+)
 from kvjax.kernels.moment_residuals.tiles import check_unrotated, read_dtype
 
 
@@ -66,32 +72,17 @@ def expected_logits_gpu(
     check_unrotated(k)
     bk = max(common.MIN_DOT, next_pow2(block_k or common.DEFAULT_BLOCK_K))
     nk = -(-S // bk)
-
-    def head(*block):
-        return pl.BlockSpec((None, None, *block), lambda b, h, j: (b, h) + (0,) * len(block))
-
-    row = lambda *block: pl.BlockSpec((None, *block), lambda b, h, j: (b, 0, 0))  # noqa: E731
-    with_q = qq_sum is not None
     out = pl.pallas_call(
         functools.partial(_kernel, n_slots=S, block_k=bk, dtype=read_dtype(k)),
         grid=(B, Hk, nk),
         in_specs=[
             kv_spec(k, k.shape, lambda b, h, j: (0,) * len(k.shape)),
-            row(K, K),
-            head(G, K),
-            head(G, K, K) if with_q else None,
-            row(1, 1) if with_q else None,
+            *stat_specs(G, K, qq_sum is not None),
         ],
         out_specs=pl.BlockSpec((None, None, G, bk), lambda b, h, j: (b, h, 0, j)),
         out_shape=jax.ShapeDtypeStruct((B, Hk, G, nk * bk), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages),
         interpret=interpret,
         name="expected_logits",
-    )(
-        k,
-        jnp.swapaxes(rotation, 1, 2),
-        mean,
-        qq_sum,
-        (1.0 / count.astype(jnp.float32))[:, None, None] if with_q else None,
-    )
+    )(k, *operands(rotation, mean, qq_sum, count))
     return out[..., :S]

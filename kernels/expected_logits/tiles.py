@@ -1,9 +1,12 @@
-"""What the expected-logit kernels share: a tile's logits and the checks."""
+"""What the expected-logit kernels share: a tile's logits, the checks, and the statistics' operands
+and BlockSpecs."""
 
 from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from kvjax.kernels._shared import logical
 
 
@@ -40,3 +43,23 @@ def check_inputs(k, rotation, mean, qq_sum, count) -> tuple[int, int, int, int, 
     if (qq_sum is None) != (count is None):
         raise ValueError("qq_sum and count go together (both None: the linear term alone)")
     return B, Hk, G, S, K
+
+
+def stat_specs(G: int, K: int, with_q: bool) -> list:
+    """The BlockSpecs of ``operands``' statistics on a grid (B, Hk, key tiles): a row's [K, K]
+    rotation, a KV head's [G, K] means and [G, K, K] sums, a row's [1, 1] 1/n (None without Q)."""
+
+    def head(*block):
+        return pl.BlockSpec((None, None, *block), lambda b, h, j: (b, h) + (0,) * len(block))
+
+    def row(*block):
+        return pl.BlockSpec((None, *block), lambda b, h, j: (b, 0, 0))
+
+    return [row(K, K), head(G, K), head(G, K, K) if with_q else None, row(1, 1) if with_q else None]
+
+
+def operands(rotation, mean, qq_sum, count) -> tuple:
+    """The statistics as the kernels read them: R̄ᵀ [B, K, K] (a tile's rows then rotate by one
+    a · bᵀ product), the means, the sums and 1/n [B, 1, 1] (None without Q)."""
+    inv = None if qq_sum is None else (1.0 / count.astype(jnp.float32))[:, None, None]
+    return jnp.swapaxes(rotation, 1, 2), mean, qq_sum, inv

@@ -19,7 +19,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels import tpu_common as common
 from kvjax.kernels._shared import NT_DIMS, kv_spec, round_up
-from kvjax.kernels.expected_logits.tiles import check_inputs, combine, logit_terms
+from kvjax.kernels.expected_logits.tiles import (
+    check_inputs,
+    combine,
+    logit_terms,
+    operands,
+    stat_specs,
+)
 from kvjax.kernels.moment_residuals.tiles import check_unrotated, read_dtype
 
 
@@ -59,32 +65,17 @@ def expected_logits_tpu(
     check_unrotated(k)
     bk = min(S, round_up(block_k or common.DEFAULT_BLOCK_K, common.LANES))
     nk = -(-S // bk)
-
-    def head(*block):
-        return pl.BlockSpec((None, None, *block), lambda b, h, j: (b, h) + (0,) * len(block))
-
-    row = lambda *block: pl.BlockSpec((None, *block), lambda b, h, j: (b, 0, 0))  # noqa: E731
-    with_q = qq_sum is not None
     kinds = pltpu.GridDimensionSemantics
     return pl.pallas_call(
         functools.partial(_kernel, n_slots=S, block_k=bk, dtype=read_dtype(k)),
         grid=(B, Hk, nk),
         in_specs=[
             kv_spec(k, (None, None, bk, K), lambda b, h, j: (b, h, j, 0)),
-            row(K, K),
-            head(G, K),
-            head(G, K, K) if with_q else None,
-            row(1, 1) if with_q else None,
+            *stat_specs(G, K, qq_sum is not None),
         ],
         out_specs=pl.BlockSpec((None, None, G, bk), lambda b, h, j: (b, h, 0, j)),
         out_shape=jax.ShapeDtypeStruct((B, Hk, G, S), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=(kinds.PARALLEL,) * 3),
         interpret=interpret,
         name="expected_logits",
-    )(
-        k,
-        jnp.swapaxes(rotation, 1, 2),
-        mean,
-        qq_sum,
-        (1.0 / count.astype(jnp.float32))[:, None, None] if with_q else None,
-    )
+    )(k, *operands(rotation, mean, qq_sum, count))
