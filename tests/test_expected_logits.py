@@ -11,7 +11,6 @@ at every eviction point):
 * bad shapes name the argument.
 """
 
-import functools
 import re
 
 import jax
@@ -22,12 +21,9 @@ from kvjax.kernels import expected_logits, quantize
 from kvjax.kernels.expected_logits import gpu, reference, tpu
 from kvjax.kernels.quantized import values
 from test_kernels import GPU_EXPORT_CHECKS, TRITON_CALL
+from test_moment_residuals import kernel_calls_in_decoding
 
-import kvjax
 from kvjax.eviction.expected_attention import mean_rotation, rotation_matrix
-from kvjax.runtime.decoding import decode_steps, feed_budget
-from kvjax.runtime.options import eviction_from
-from kvjax.runtime.sampling import Sampling
 
 
 def oracle(k, rotation, mean, qq_sum, count):
@@ -150,32 +146,5 @@ def test_bad_shapes_name_the_argument():
 def test_expected_attention_decoding_lowers_to_the_kernel_over_the_stacked_cache(platform):
     """Expected Attention's decoding loop (every layer's eviction at once, after the step) calls
     the kernel on the whole stacked keys: the layers are a grid axis of one call, not slices."""
-    cfg = kvjax.ModelConfig(
-        arch="llama",
-        vocab_size=256,
-        d_model=128,
-        n_layers=3,
-        n_heads=6,
-        n_kv_heads=2,
-        head_dim=64,
-        d_ff=256,
-        max_seq_len=1024,
-    )
-    params = jax.eval_shape(lambda: kvjax.init_params(cfg, jax.random.key(0), jnp.bfloat16))
-    tokens, lengths = (
-        jax.ShapeDtypeStruct((1, 200), jnp.int32),
-        jax.ShapeDtypeStruct((1,), jnp.int32),
-    )
-    n = jax.ShapeDtypeStruct((), jnp.int32)
-    checks = GPU_EXPORT_CHECKS if platform == "cuda" else []
-    ev = eviction_from(context=200, budget=64, scorer="expected-attention")
-    feed = functools.partial(feed_budget, ev=ev, out_width=16, decode_spare=ev.decode_spare(16))
-    state = jax.eval_shape(feed, params, None, tokens, lengths, lengths, jax.random.key(0))
-    fn = jax.jit(lambda p, s, a, b: decode_steps(p, s, a, b, Sampling(), (), ev.decoding()))
-    text = jax.export.export(fn, platforms=[platform], disabled_checks=checks)(
-        params, state, n, n
-    ).mlir_module()
-    calls = [
-        line for line in text.splitlines() if "custom_call" in line and "expected_logits" in line
-    ]
+    calls = kernel_calls_in_decoding("expected-attention", platform, "expected_logits")
     assert calls and all(re.search(r"3x1x2x\d+x64xbf16", line) for line in calls), calls

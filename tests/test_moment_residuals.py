@@ -155,10 +155,9 @@ def test_bad_shapes_name_the_argument():
         moment_residual_norms(k[0], v[0], m, layer=0)
 
 
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_momentkv_decoding_lowers_to_the_kernel_over_the_stacked_cache(platform):
-    """MomentKV's decoding loop on the dense budget cache (it evicts inside the layer scan) calls
-    the residual-norm kernel on the whole stacked keys and values; SnapKV's does not call it."""
+def kernel_calls_in_decoding(scorer: str, platform: str, kernel: str) -> list[str]:
+    """The custom-call lines naming ``kernel`` in the decoding loop (``decode_steps``) of a 3-layer
+    Llama with 2 KV heads of head dim 64, budget 64 under ``scorer``, exported for ``platform``."""
     cfg = kvjax.ModelConfig(
         arch="llama",
         vocab_size=256,
@@ -177,20 +176,20 @@ def test_momentkv_decoding_lowers_to_the_kernel_over_the_stacked_cache(platform)
     )
     n = jax.ShapeDtypeStruct((), jnp.int32)
     checks = GPU_EXPORT_CHECKS if platform == "cuda" else []
-    for scorer in ("momentkv", "snapkv"):
-        ev = eviction_from(context=200, budget=64, scorer=scorer)
-        feed = functools.partial(feed_budget, ev=ev, out_width=16, decode_spare=ev.decode_spare(16))
-        state = jax.eval_shape(feed, params, None, tokens, lengths, lengths, jax.random.key(0))
-        fn = jax.jit(lambda p, s, a, b: decode_steps(p, s, a, b, Sampling(), (), ev.decoding()))  # noqa: B023
-        text = jax.export.export(fn, platforms=[platform], disabled_checks=checks)(
-            params, state, n, n
-        ).mlir_module()
-        calls = [
-            line
-            for line in text.splitlines()
-            if "custom_call" in line and "moment_residual_norms" in line
-        ]
-        if scorer == "snapkv":
-            assert not calls
-        else:
-            assert calls and all(re.search(r"3x1x2x\d+x64xbf16", line) for line in calls), calls
+    ev = eviction_from(context=200, budget=64, scorer=scorer)
+    feed = functools.partial(feed_budget, ev=ev, out_width=16, decode_spare=ev.decode_spare(16))
+    state = jax.eval_shape(feed, params, None, tokens, lengths, lengths, jax.random.key(0))
+    fn = jax.jit(lambda p, s, a, b: decode_steps(p, s, a, b, Sampling(), (), ev.decoding()))
+    text = jax.export.export(fn, platforms=[platform], disabled_checks=checks)(
+        params, state, n, n
+    ).mlir_module()
+    return [line for line in text.splitlines() if "custom_call" in line and kernel in line]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_momentkv_decoding_lowers_to_the_kernel_over_the_stacked_cache(platform):
+    """MomentKV's decoding loop on the dense budget cache (it evicts inside the layer scan) calls
+    the residual-norm kernel on the whole stacked keys and values; SnapKV's does not call it."""
+    calls = kernel_calls_in_decoding("momentkv", platform, "moment_residual_norms")
+    assert calls and all(re.search(r"3x1x2x\d+x64xbf16", line) for line in calls), calls
+    assert not kernel_calls_in_decoding("snapkv", platform, "moment_residual_norms")
