@@ -604,9 +604,9 @@ class ModelRun:
                 functools.partial(tile_state, batch=b, moment_dim=self.moment_dim(cache)),
                 self.prefill_shape(source, contexts[0]),
             )
-            if self.periodic(cache) is not None:
+            if (periodic := self.periodic(cache)) is not None:
                 shape = jax.eval_shape(
-                    functools.partial(refit, ev=self.periodic(cache), cfg=self.sz.cfg), shape
+                    functools.partial(refit, ev=periodic, cfg=self.sz.cfg), shape
                 )
             decodes[job] = self.submit_decode(shape, ev)
         return prefills, decodes
