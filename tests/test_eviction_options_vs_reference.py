@@ -86,6 +86,9 @@ EVICT_FIRST_CASES = [
     dict(
         scorer="h2o+momentkv-nc", n_sink=0, window=0, budget=20, allocation="pyramidkv", page_size=4
     ),
+    # the in-layer eviction reads its layer of the statistics, stacked and just added to
+    dict(scorer="expected-attention", n_sink=2, window=0),
+    dict(scorer="expected-attention", n_sink=1, window=2, allocation="adakv", page_size=4),
 ]
 
 

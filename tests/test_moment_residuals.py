@@ -155,9 +155,9 @@ def test_bad_shapes_name_the_argument():
         moment_residual_norms(k[0], v[0], m, layer=0)
 
 
-def kernel_calls_in_decoding(scorer: str, platform: str, kernel: str) -> list[str]:
-    """The custom-call lines naming ``kernel`` in the decoding loop (``decode_steps``) of a 3-layer
-    Llama with 2 KV heads of head dim 64, budget 64 under ``scorer``, exported for ``platform``."""
+def decoding_module(scorer: str, platform: str) -> str:
+    """The StableHLO of the decoding loop (``decode_steps``) of a 3-layer Llama with 2 KV heads of
+    head dim 64 (groups of 3), batch 1, budget 64 under ``scorer``, exported for ``platform``."""
     cfg = kvjax.ModelConfig(
         arch="llama",
         vocab_size=256,
@@ -180,9 +180,14 @@ def kernel_calls_in_decoding(scorer: str, platform: str, kernel: str) -> list[st
     feed = functools.partial(feed_budget, ev=ev, out_width=16, decode_spare=ev.decode_spare(16))
     state = jax.eval_shape(feed, params, None, tokens, lengths, lengths, jax.random.key(0))
     fn = jax.jit(lambda p, s, a, b: decode_steps(p, s, a, b, Sampling(), (), ev.decoding()))
-    text = jax.export.export(fn, platforms=[platform], disabled_checks=checks)(
+    return jax.export.export(fn, platforms=[platform], disabled_checks=checks)(
         params, state, n, n
     ).mlir_module()
+
+
+def kernel_calls_in_decoding(scorer: str, platform: str, kernel: str) -> list[str]:
+    """The custom-call lines naming ``kernel`` in ``decoding_module(scorer, platform)``."""
+    text = decoding_module(scorer, platform)
     return [line for line in text.splitlines() if "custom_call" in line and kernel in line]
 
 

@@ -46,38 +46,47 @@ def scored_attention(
     return modifier.correct(out, lse, q, moments), col
 
 
-def fold_scores(policy, seg, q: jax.Array, state: jax.Array, stats, col: jax.Array | None):
-    """One layer's scorer state [B, Hk, G, S] and statistics after the step (``Base.update_state``,
-    ``Base.observe``)."""
+def fold_scores(
+    policy, seg, layer: jax.Array, q: jax.Array, state: jax.Array, stats, col: jax.Array | None
+):
+    """Layer ``layer``'s scorer state [B, Hk, G, S] and the statistics (stacked over layers) after
+    the step (``Base.update_state``, ``Base.observe``)."""
     if col is not None:  # new slots start from zero: empty slots hold a zero state
         state = policy.scorer.update_state(state, col, seg.query_weights.sum(-1) > 0)
-    return state, policy.scorer.observe(stats, q, seg.positions, seg.valid, policy)
+    return state, policy.scorer.observe(stats, layer, q, seg.positions, seg.valid, policy)
 
 
-def attend_scored(cache, q: jax.Array, seg, decode, block: Kernel, evict_layer):
-    """The rest of a layer's step once ``cache`` (its ``LAYER_FIELDS`` the layer's) holds the new
-    tokens: the output [B, T, H, K] of queries q and the cache with the scorer's state and
-    statistics folded in, evicted here when ``seg.evict_in_layer`` says so (then, under
-    ``seg.attend_kept``, the output is the attention over the tokens it keeps).
+def attend_scored(cache, layer: jax.Array, q: jax.Array, seg, decode, block: Kernel, evict_layer):
+    """The rest of layer ``layer``'s step once ``cache`` (its ``LAYER_FIELDS`` the layer's, its
+    statistics stacked) holds the new tokens: the output [B, T, H, K] of queries q and the cache
+    with the scorer's state and statistics folded in, evicted here when ``seg.evict_in_layer`` says
+    so (then, under ``seg.attend_kept``, the output is the attention over the tokens it keeps).
 
     Args:
         decode(c) -> Kernel: the cache's decode kernel over the storage of cache ``c``.
         block: its block kernel over ``cache``'s storage.
-        evict_layer(c): the cache ``c`` after this layer's eviction point.
+        evict_layer(c): the cache ``c``, its statistics this layer's, after this layer's eviction
+            point.
     """
     p = seg.policy
     out, col = scored_attention(p, seg, q, block, decode(cache), cache.moments)
-    state, stats = fold_scores(p, seg, q, cache.state, cache.stats, col)
+    state, stats = fold_scores(p, seg, layer, q, cache.state, cache.stats, col)
     cache = cache.replace(state=state, stats=stats)
+
+    def evict_here(c):  # the eviction reads this layer's statistics
+        return evict_layer(c.replace(stats=jax.tree.map(lambda x: x[layer], stats))).replace(
+            stats=stats
+        )
+
     if seg.evict_in_layer and seg.attend_kept:
 
         def evict_first(args):
-            c = evict_layer(args[0])
+            c = evict_here(args[0])
             return c, kept_attention(p, decode(c), c.moments)
 
         cache, out = when(seg.evict, evict_first, (cache, out))
     elif seg.evict_in_layer:
-        cache = when(seg.evict, evict_layer, cache)
+        cache = when(seg.evict, evict_here, cache)
     return out, cache
 
 

@@ -39,7 +39,8 @@ class BudgetCache(SlotsView):
             slots).
         order: [L, B, Hk, S] int32 the slots by position, valid ones first.
         moments: ``Moments``.
-        stats: the base scorer's own statistics (``Base.init_stats``), or None.
+        stats: the base scorer's own statistics (``Base.init_stats``), or None: stacked over
+            layers in every view, each layer adding to its own in place (``Base.observe``).
 
     S (slots) = budget + spare, where spare holds the tokens of one step before eviction.
     """
@@ -59,7 +60,7 @@ class BudgetCache(SlotsView):
         state=("layers", "batch", "kv_heads", "group", "slots"),
         order=("layers", "batch", "kv_heads", "slots"),
     )
-    LAYER_FIELDS = ("pos", "state", "order", "moments", "stats")
+    LAYER_FIELDS = ("pos", "state", "order", "moments")
 
     @classmethod
     def init(
@@ -157,6 +158,7 @@ class BudgetCache(SlotsView):
         )
         out, here = attend_scored(
             here,
+            layer,
             q,
             seg,
             decode,

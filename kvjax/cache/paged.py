@@ -65,7 +65,8 @@ class PagedCache(SlotsView):
         order: [L, B, Hk, C] int32 the slots by position, valid ones first, then the empty ones
             ascending.
         moments: ``Moments`` of the evicted tokens.
-        stats: the base scorer's own statistics (``Base.init_stats``), or None.
+        stats: the base scorer's own statistics (``Base.init_stats``), or None: stacked over
+            layers in every view, each layer adding to its own in place (``Base.observe``).
         n_layers (static): L, which a layer's view (its ``LAYER_FIELDS`` without the layer axis)
             cannot read off its shapes.
     """
@@ -93,7 +94,7 @@ class PagedCache(SlotsView):
         state=("layers", "batch", "kv_heads", "group", "slots"),
         order=("layers", "batch", "kv_heads", "slots"),
     )
-    LAYER_FIELDS = ("table", "n_pages", "pos", "state", "order", "moments", "stats")
+    LAYER_FIELDS = ("table", "n_pages", "pos", "state", "order", "moments")
 
     @classmethod
     def init(
@@ -293,7 +294,7 @@ class PagedCache(SlotsView):
         )
         cache = cache.replace(k_pages=k_pages, v_pages=v_pages, pos=pos)
         return attend_scored(
-            cache, q, seg, decode, block, lambda c: c._evict_layer(p, seg.seen, layer)
+            cache, layer, q, seg, decode, block, lambda c: c._evict_layer(p, seg.seen, layer)
         )
 
     def evict(
@@ -323,17 +324,18 @@ class PagedCache(SlotsView):
         return self._evict(p, seen, max_evict, cap, budgets, p.group_budget(sharing), head_budgets)
 
     def _evict_layer(self, p: Policy, seen: jax.Array, layer: jax.Array) -> PagedCache:
-        """``evict`` on a layer's view, for layer ``layer`` (a traced index; not under a "global"
-        allocation)."""
+        """``evict`` on a layer's view (its statistics too), for layer ``layer`` (a traced index;
+        not under a "global" allocation)."""
         L, Hk, C = self.n_layers, self.pos.shape[1], self.slots
         cap, sharing = p.head_capacity(L, Hk), p.allocation_spec.sharing(L, Hk)
         max_evict = min(C, (C - cap) * sharing)
-        part, fields = split_layers(self)
+        part, fields = split_layers(self.replace(stats=None))
         part = join_layers(part, jax.tree.map(lambda x: x[None], fields))
+        part = part.replace(stats=jax.tree.map(lambda x: x[None], self.stats))
         budgets = jnp.asarray(p.layer_budgets(L), jnp.int32)[layer][None]
         part = part._evict(p, seen, max_evict, cap, budgets, p.group_budget(sharing))
-        part, fields = split_layers(part)
-        return join_layers(part, jax.tree.map(lambda x: x[0], fields))
+        part, fields = split_layers(part.replace(stats=None))
+        return join_layers(part, jax.tree.map(lambda x: x[0], fields)).replace(stats=self.stats)
 
     def _evict(
         self,

@@ -109,9 +109,13 @@ class Base:
         """Statistics of its own, stacked over layers (a pytree with ``AXES``), or None."""
         return None
 
-    def observe(self, stats, q: jax.Array, positions: jax.Array, valid: jax.Array, policy):
-        """One layer's statistics after the step's queries q [B, T, H, K] (after RoPE) at
-        ``positions`` [B, T] (``valid`` [B, T]) under ``policy`` (the ``kvjax.eviction.Policy``)."""
+    def observe(
+        self, stats, layer: jax.Array, q: jax.Array, positions: jax.Array, valid: jax.Array, policy
+    ):
+        """The statistics (stacked over layers) after layer ``layer``'s step: queries q [B, T, H, K]
+        (after RoPE) at ``positions`` [B, T] (``valid`` [B, T]) under ``policy`` (the
+        ``kvjax.eviction.Policy``). Sums are added at ``layer`` in place (``.at[layer].add``), so
+        that the layer loop, which carries the stacked statistics, never copies a layer's."""
         return stats
 
     def priority(

@@ -113,18 +113,18 @@ class ExpectedAttention(Base):
             inv_freq=inv_freq,
         )
 
-    def observe(self, stats: QueryStats, q, positions, valid, policy) -> QueryStats:
-        """Adds the queries at positions >= ``n_sink`` (kvpress drops the first hidden states as
-        outliers), un-rotated by RoPE."""
+    def observe(self, stats: QueryStats, layer, q, positions, valid, policy) -> QueryStats:
+        """Adds layer ``layer``'s queries at positions >= ``n_sink`` (kvpress drops the first hidden
+        states as outliers), un-rotated by RoPE."""
         B, T, H, K = q.shape
-        Hk = stats.q_sum.shape[1]
-        raw = apply_rope(q.astype(jnp.float32), -positions, stats.inv_freq)
+        Hk = stats.q_sum.shape[2]
+        raw = apply_rope(q.astype(jnp.float32), -positions, stats.inv_freq[layer])
         take = (valid & (positions >= policy.n_sink)).astype(jnp.float32)  # [B, T]
         raw = (raw * take[:, :, None, None]).reshape(B, T, Hk, H // Hk, K)
         return stats.replace(
-            count=stats.count + take.sum(-1),
-            q_sum=stats.q_sum + raw.sum(1),
-            qq_sum=stats.qq_sum + jnp.einsum("bthgi,bthgj->bhgij", raw, raw),
+            count=stats.count.at[layer].add(take.sum(-1)),
+            q_sum=stats.q_sum.at[layer].add(raw.sum(1)),
+            qq_sum=stats.qq_sum.at[layer].add(jnp.einsum("bthgi,bthgj->bhgij", raw, raw)),
         )
 
     def priority(self, policy, state, pos, unprotected, k, v, order, stats: QueryStats, seen):

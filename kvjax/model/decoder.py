@@ -129,9 +129,15 @@ def forward(params: Params, groups: tuple) -> tuple[tuple, tuple]:
         def carried(xs, rest, fields):  # the stacked fields carried, each layer's written in place
             def body(carry, layer):
                 xs, rest, stacked = carry
-                here = jax.tree.map(lambda a: a[layer[1]], stacked)
+                # dynamic slices at an unsigned index: a scatter's bounds check (``.at[].set``)
+                # and a signed index's wrapping made XLA:GPU copy slices out of the stack (the
+                # H200 compile of AdaKV 1024 at batch 64: 3,505 -> 1,754 MB copied per step)
+                i = layer[1].astype(jnp.uint32)
+                here = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), stacked)
                 xs, rest, here = layer_step(xs, rest, *layer, here)
-                stacked = jax.tree.map(lambda a, h: a.at[layer[1]].set(h), stacked, here)
+                stacked = jax.tree.map(
+                    lambda a, h: jax.lax.dynamic_update_index_in_dim(a, h, i, 0), stacked, here
+                )
                 return (xs, rest, stacked), None
 
             return jax.lax.scan(body, (xs, rest, fields), (params.layers, index))[0]

@@ -155,8 +155,8 @@ def _scoring_stats(cfg, policy: Policy, q: jax.Array, lengths: jax.Array):
         return None
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     valid = positions < lengths[:, None]
-    return jax.vmap(lambda st, q_l: policy.scorer.observe(st, q_l, positions, valid, policy))(
-        stats, q
+    return jax.lax.fori_loop(
+        0, L, lambda i, st: policy.scorer.observe(st, i, q[i], positions, valid, policy), stats
     )
 
 
