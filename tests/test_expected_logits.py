@@ -89,6 +89,14 @@ def test_kernels_equal_the_reference(kernel, dtype, G, with_cov):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_gpu_kernel_in_128_slot_tiles():
+    """The tiles the GPU script also times (128 + 22 slots)."""
+    k, rot, stats = case(G=3)
+    want = reference.expected_logits(k, rot, *stats)
+    got = gpu.expected_logits_gpu(k, rot, *stats, block_k=128, interpret=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["int8", "float8_e4m3fn", "int4"])
 def test_quantized_keys_are_read_as_their_values(kind):
     """Codes and scales dequantized in the kernel as ``quantized.values`` does (in the model's

@@ -47,7 +47,9 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert {r["op"] for r in checks} == {*kernels_part.OPS, kernels_part.PROMPT}
     assert {r.get("attention") for r in checks if r["op"] == kernels_part.PROMPT} == {"xla"}
     assert all(r["ok"] and r["max_err"] < 1e-2 for r in checks)
-    assert {r["impl"] for r in parts["kernel_times"]} == {"pallas_gpu", "xla", "cudnn"}
+    times = parts["kernel_times"]
+    assert {r["impl"] for r in times} == {"pallas_gpu", kernels_part.WIDE, "xla", "cudnn"}
+    assert {r["op"] for r in times if r["impl"] == kernels_part.WIDE} == {*kernels_part.WIDE_OPS}
     decode = parts["decode"]
     quantized = {f"{c} {kv}" for c in ("full", "snapkv 64") for kv in ("int8", "float8_e4m3fn")}
     assert {r["cache"] for r in decode if r.get("largest_batch")} == {

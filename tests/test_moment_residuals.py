@@ -99,6 +99,16 @@ def test_kernels_equal_the_reference(kernel, dtype, zeroth):
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
 
 
+def test_gpu_kernel_in_128_slot_tiles():
+    """The tiles the GPU script also times (128 + 22 slots), a stack's middle layer."""
+    k, v, m = case()
+    want = reference.residual_norms(k[1], v[1], *stats(m), False)
+    got = gpu.moment_residual_norms_gpu(
+        k, v, *stats(m), False, layer=jnp.int32(1), block_k=128, interpret=True
+    )
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["int8", "float8_e4m3fn", "int4"])
 def test_quantized_keys_and_values_are_read_as_their_values(kind):
     """Codes and scales dequantized in the kernel as ``quantized.values`` does (in the model's

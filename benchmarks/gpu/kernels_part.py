@@ -90,6 +90,10 @@ MOMENT_RESIDUALS = "moment_residuals"
 EXPECTED_LOGITS = "expected_logits"
 # causal_attention: the full cache's prompt (cuDNN on CUDA), checked beside the kernels
 PROMPT = "prompt"
+# The decoding evictions' kernels are also timed with 128-slot key tiles (and 8 warps): each tile
+# loads its head's [K, K] float32 matrices, so larger tiles halve those loads (gpu/NOTES.md)
+WIDE = "pallas_gpu_128"
+WIDE_OPS = (MOMENT_RESIDUALS, EXPECTED_LOGITS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +222,8 @@ def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = Fa
     paged, decode, moments = OPS[case.op]
     score = "attn" if case.score == "none" else case.score
     opts = dict(impl=impl) if impl in (None, "xla") else dict(impl=impl, interpret=interpret)
+    if impl == WIDE:
+        opts = dict(impl="pallas_gpu", interpret=interpret, block_k=128)
     if case.op == EXPECTED_LOGITS:
         return jax.jit(lambda *args: (expected_logits(*args, **opts), None, None))
     if case.op == MOMENT_RESIDUALS:
@@ -417,6 +423,8 @@ def submit_timings(compiler: Compiler, smoke: bool) -> dict:
         args = jax.eval_shape(lambda c=c: make_inputs(c, 0, visible_all=True))
         futures[c, "pallas_gpu"] = compiler.submit(kernel_fn(c, "pallas_gpu", smoke), *args)
         futures[c, "xla"] = compiler.submit(kernel_fn(c, "xla", False), *args)
+        if c.op in WIDE_OPS:
+            futures[c, WIDE] = compiler.submit(kernel_fn(c, WIDE, smoke), *args)
         if c.score == "none" and not OPS[c.op][0]:
             q, k = args[0], args[1]
             kt = jax.ShapeDtypeStruct((k.shape[0], k.shape[2], k.shape[1], k.shape[3]), k.dtype)
@@ -436,7 +444,7 @@ def run_timings(results: Results, deadline: Deadline, futures: dict, smoke: bool
         )
         n_sets = 1 if kv_bytes > L2_BYTES else 3
         sets = None
-        for impl in ("pallas_gpu", "xla", "cudnn"):
+        for impl in ("pallas_gpu", WIDE, "xla", "cudnn"):
             if (c, impl) not in futures:
                 continue
             if deadline.passed():
@@ -542,9 +550,10 @@ def tables(results: Results) -> list[str]:
         lines += [
             f"### Kernel times ({heads} heads, bfloat16, every slot visible)",
             "",
-            "| op | score | slots | batch | Pallas (Triton) ms | XLA ms | cuDNN ms | XLA / Pallas "
+            "| op | score | slots | batch | Pallas (Triton) ms | Pallas, 128-slot tiles ms "
+            "| XLA ms | cuDNN ms | XLA / Pallas "
             "| K+V GB/s (Pallas; K alone for expected_logits) |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         by = {}
         for r in times:
@@ -559,8 +568,9 @@ def tables(results: Results) -> list[str]:
             p, x = impls.get("pallas_gpu", {}), impls.get("xla", {})
             ratio = f"{x['ms'] / p['ms']:.2f}" if "ms" in p and "ms" in x else ""
             lines.append(
-                f"| {op} | {score} | {slots} | {batch} | {cell('pallas_gpu')} | {cell('xla')} | "
-                f"{cell('cudnn')} | {ratio} | {p.get('kv_gb_s', float('nan')):.0f} |"
+                f"| {op} | {score} | {slots} | {batch} | {cell('pallas_gpu')} | {cell(WIDE)} | "
+                f"{cell('xla')} | {cell('cudnn')} | {ratio} "
+                f"| {p.get('kv_gb_s', float('nan')):.0f} |"
             )
         errors = [r for r in times if "error" in r]
         for r in errors:

@@ -66,7 +66,7 @@ def expected_logits_gpu(
 ):
     """z [B, Hk, G, S] float32, as ``reference.expected_logits`` of k (an array, or ``Quantized``
     whose kind is not rotated) read in its model dtype. block_k is rounded up to a power of two
-    ≥ 16."""
+    ≥ 16; num_warps None: 4, or 8 for tiles of more than 64 slots."""
     B, Hk, G, S, K = check_inputs(k, rotation, mean, qq_sum, count)
     common.check_head_dim(K)
     check_unrotated(k)
@@ -81,7 +81,9 @@ def expected_logits_gpu(
         ],
         out_specs=pl.BlockSpec((None, None, G, bk), lambda b, h, j: (b, h, 0, j)),
         out_shape=jax.ShapeDtypeStruct((B, Hk, G, nk * bk), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps or (4 if bk <= 64 else 8), num_stages=num_stages
+        ),
         interpret=interpret,
         name="expected_logits",
     )(k, *operands(rotation, mean, qq_sum, count))

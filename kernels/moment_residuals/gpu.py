@@ -75,7 +75,7 @@ def moment_residual_norms_gpu(
     """‖r_j‖ [B, Hk, S] float32, as ``reference.residual_norms`` of k, v (arrays, or ``Quantized``
     whose kind is not rotated) read in their model dtype; with ``layer`` (an int32 scalar), k, v
     are [L, B, Hk, S, K] and layer ``layer`` is read. block_k is rounded up to a power of two
-    ≥ 16."""
+    ≥ 16; num_warps None: 4, or 8 for tiles of more than 64 slots."""
     k, v, layer, (B, Hk, S, K) = check_inputs(k, v, count, k_sum, v_sum, vk_sum, layer)
     common.check_head_dim(K)
     check_unrotated(k)
@@ -102,7 +102,9 @@ def moment_residual_norms_gpu(
         ],
         out_specs=pl.BlockSpec((None, None, bk), lambda b, h, j: (b, h, j)),
         out_shape=jax.ShapeDtypeStruct((B, Hk, nk * bk), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps or (4 if bk <= 64 else 8), num_stages=num_stages
+        ),
         interpret=interpret,
         name="moment_residual_norms",
     )(layer, k, v, count.astype(jnp.float32)[..., None], k_sum, v_sum, vk_sum)
