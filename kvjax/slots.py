@@ -14,17 +14,24 @@ import jax
 import jax.numpy as jnp
 
 
-def scatter_set(x: jax.Array, at, values, mode: str | None = None) -> jax.Array:
-    """``x.at[at].set(values, mode=mode)``, a float narrower than 32 bits (bfloat16, float16,
-    float8) scattered as its bits, which is the same array: XLA:CPU otherwise converts the whole of
-    ``x`` to float32 and back around every such scatter (a cache's scales: 129 of a 212 ms decoding
-    step of SmolLM2 at batch 8)."""
+def scatter_set(
+    x: jax.Array, at, values, mode: str | None = None, unique: bool = False
+) -> jax.Array:
+    """``x.at[at].set(values, mode=mode, unique_indices=unique)``, a float narrower than 32 bits
+    (bfloat16, float16, float8) scattered as its bits, which is the same array: XLA:CPU otherwise
+    converts the whole of ``x`` to float32 and back around every such scatter (a cache's scales:
+    129 of a 212 ms decoding step of SmolLM2 at batch 8).
+
+    unique: the caller guarantees that no two updates share coordinates. XLA:GPU then stores each
+    element; otherwise it writes every element with an atomic read-modify-write, which for 16- and
+    8-bit elements is a compare-and-swap loop on the word around them."""
     dtype = jnp.dtype(x.dtype)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
-        return x.at[at].set(values, mode=mode)
+        return x.at[at].set(values, mode=mode, unique_indices=unique)
     bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
     as_bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=bits)
-    out = as_bits(x).at[at].set(as_bits(jnp.asarray(values, dtype)), mode=mode)
+    new = as_bits(jnp.asarray(values, dtype))
+    out = as_bits(x).at[at].set(new, mode=mode, unique_indices=unique)
     return jax.lax.bitcast_convert_type(out, dtype)
 
 
@@ -89,10 +96,11 @@ def set_layer_slots(
 def scatter_at_layer(x, layer, index, values) -> jax.Array:
     """x [L, B, Hk, S, ...] with ``x[layer, b, h, index[b, h, i]] = values[b, h, i]`` by one
     scatter at (layer, row, KV head, slot), which XLA does in place; index [B, Hk or 1, T]
-    broadcasts over the KV heads of values [B, Hk, T, ...]."""
+    broadcasts over the KV heads of values [B, Hk, T, ...] and names distinct slots of each (row,
+    KV head) (each token its own: a position, or a free slot), so the updates are unique."""
     B, Hk = values.shape[:2]
     at = (layer, jnp.arange(B)[:, None, None], jnp.arange(Hk)[None, :, None], index)
-    return scatter_set(x, at, values)
+    return scatter_set(x, at, values, unique=True)
 
 
 def scatter_layer_slots(x, layer, index, values) -> tuple[jax.Array, jax.Array]:

@@ -1,6 +1,7 @@
 """``kvjax.slots.scatter_set``: a narrow float array scattered as its bits is the same array as
 ``.at[].set`` gives, and XLA:CPU then converts none of it to float32 (it did for every scatter of a
-bfloat16 array: a cache's scales, converted whole twice in every layer of every step)."""
+bfloat16 array: a cache's scales, converted whole twice in every layer of every step); the caches'
+writes of keys and values are scatters of unique updates."""
 
 import re
 
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_moment_residuals import decoding_module
 
 from kvjax.slots import scatter_at_layer, scatter_set, set_slots
 
@@ -60,3 +62,16 @@ def test_xla_cpu_converts_no_bfloat16_array_around_the_scatter():
         .as_text()
     )
     assert not re.search(r"f32\[30,8,3,2304,1\]", text), text
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "adakv+snapkv"])
+def test_cache_writes_say_their_updates_are_unique(scorer):
+    """Every scatter into the keys and values of a decoding loop (the dense cache's stack; the paged
+    pools: new tokens and the compaction's moves) says that its updates are unique: XLA:GPU
+    otherwise writes each element with an atomic read-modify-write (for bfloat16 a compare-and-swap
+    loop)."""
+    text = decoding_module(scorer, "cuda")
+    ops = re.findall(r'"stablehlo\.scatter"\((.*?)\}\) : \(tensor<([\dx]+)x(\w+)>', text, re.S)
+    kv = [body for body, shape, dtype in ops if shape.endswith("x64") and dtype in ("bf16", "ui16")]
+    assert len(kv) == (2 if scorer == "snapkv" else 4), len(kv)
+    assert all("unique_indices = true" in body for body in kv)

@@ -36,7 +36,7 @@ from kvjax.model.config import ModelConfig
 from kvjax.model.layer_fields import join_layers, split_layers
 from kvjax.model.segment import Segment
 from kvjax.sharding import per_shard
-from kvjax.slots import per_row, set_slots, true_first
+from kvjax.slots import per_row, scatter_set, set_slots, true_first
 
 
 def pool_pages(
@@ -250,10 +250,10 @@ class PagedCache(SlotsView):
         slot = (pos >= 0).sum(-1)[..., None] + jnp.arange(T)  # [B, Hk, T]: valid slots are 0 … n−1
         page = jnp.take_along_axis(table, slot // P, -1)
 
-        def write(pool, new):
+        def write(pool, new):  # each (KV head, token) its own (page, offset): unique updates
             return jax.tree.map(
                 lambda x, val: per_row(
-                    lambda y, pg, off, w: y.at[pg, off].set(w),
+                    lambda y, pg, off, w: scatter_set(y, (pg, off), w, unique=True),
                     x,
                     page,
                     slot % P,
@@ -407,11 +407,14 @@ class PagedCache(SlotsView):
         tails = true_first(tail, max_moves)
         moving = jnp.arange(max_moves) < tail.sum(-1)[..., None]
         page_of = lambda s: jnp.take_along_axis(self.table, s // P, -1)  # noqa: E731
-        dst_page = jnp.where(moving, page_of(holes), N)  # out of range: dropped
+        # out of range, each its own page number (so every update is unique): dropped
+        beyond = N + jnp.arange(L * Hk * max_moves).reshape(L, 1, Hk, max_moves)
+        dst_page = jnp.where(moving, page_of(holes), beyond)
 
         def move(pool):  # per row: the tails' rows into the holes' rows
             def row(x, dst, dst_off, src, src_off):
-                return x.at[dst, dst_off].set(x[src, src_off], mode="drop")
+                new = x[src, src_off]
+                return x.at[dst, dst_off].set(new, mode="drop", unique_indices=True)
 
             return jax.tree.map(
                 lambda x: per_row(
