@@ -118,6 +118,7 @@ TINY = dataclasses.replace(
 )
 OUT_WIDTH = 256  # decode steps a state has room for
 PROFILE_STEPS = 4  # decode steps traced by the profiler
+PROFILE_TOP = 24  # op names kept per profiled row, with their ms per step (to match aot.py --hlo)
 # seconds kept for the two largest-batch searches at 32K (each compiles and runs one program)
 SEARCH_S = 60
 NEW = 64  # max_new_tokens of the prefills (room in the full cache after the prompt)
@@ -519,7 +520,7 @@ class ModelRun:
                 return box["state"].logits
 
             try:
-                extra["profile"] = device_profile(steps, PROFILE_STEPS)
+                extra["profile"] = device_profile(steps, PROFILE_STEPS, top=PROFILE_TOP)
             except Exception as e:  # noqa: BLE001 - the timing stands without its profile
                 extra["profile"] = {"error": error_text(e)}
         return {
