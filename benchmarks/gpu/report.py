@@ -229,6 +229,26 @@ def add(lines: list[str], name: str, measured: str, met: bool | None) -> None:
     )
 
 
+def add_ratio(
+    lines: list[str],
+    name: str,
+    ours: dict | None,
+    theirs: dict | None,
+    at_least: float,
+    digits: int = 1,
+    key: str = "tokens_per_s",
+) -> None:
+    """A target that ``ours[key]`` is at least ``at_least`` times ``theirs[key]`` (tokens/s), the
+    measured cell "a vs b tokens/s = r x" (``digits`` decimals); not measured without both rows."""
+    ratio = ours[key] / theirs[key] if ours and theirs else None
+    add(
+        lines,
+        name,
+        f"{ours[key]:.0f} vs {theirs[key]:.0f} tokens/s = {ratio:.{digits}f}x" if ratio else "",
+        ratio >= at_least if ratio else None,
+    )
+
+
 def find(rows, **match):
     return next(
         (r for r in rows if all(r.get(k) == v for k, v in match.items()) and "error" not in r), None
@@ -280,14 +300,8 @@ def targets(merged: dict) -> list[str]:
             find(decode, cache=cache, impl="default", context=c4, batch=1),
             find(decode, cache=cache, impl="default", context=c4, batch=big),
         )
-        ratio = many["tokens_per_s"] / one["tokens_per_s"] if one and many else None
-        add(
-            lines,
-            f"batch-{big} decode throughput >= 20x batch 1 ({cache}, {c4})",
-            f"{many['tokens_per_s']:.0f} vs {one['tokens_per_s']:.0f} tokens/s = {ratio:.1f}x"
-            if ratio
-            else "",
-            ratio >= 20 if ratio else None,
+        add_ratio(
+            lines, f"batch-{big} decode throughput >= 20x batch 1 ({cache}, {c4})", many, one, 20
         )
     full = find(decode, cache="full", context=c32, largest_batch=True)
     budget = find(decode, cache=snap, context=c32, largest_batch=True)
@@ -311,26 +325,22 @@ def targets(merged: dict) -> list[str]:
         theirs = find([r for r in peer_decode if mode(r) == how], context=c4, batch=mid)
         for cache in ("full", snap):
             ours = find(decode, cache=cache, impl="default", context=c4, batch=mid)
-            ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if ours and theirs else None
-            add(
+            add_ratio(
                 lines,
                 f"kvjax ({cache}) decode >= transformers ({how}) at batch {mid}, {c4}",
-                f"{ours['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} tokens/s = "
-                f"{ratio:.2f}x"
-                if ratio
-                else "",
-                ratio >= 1 if ratio else None,
+                ours,
+                theirs,
+                1,
+                digits=2,
             )
     one = next((r for r in serve if r.get("slots") == 1 and "tokens_per_s" in r), None)
     many = next((r for r in serve if r.get("slots", 1) > 1 and "tokens_per_s" in r), None)
-    ratio = many["tokens_per_s"] / one["tokens_per_s"] if one and many else None
-    add(
+    add_ratio(
         lines,
         f"serving with {many['slots'] if many else 32} slots >= 8x one at a time",
-        f"{many['tokens_per_s']:.0f} vs {one['tokens_per_s']:.0f} tokens/s = {ratio:.1f}x"
-        if ratio
-        else "",
-        ratio >= 8 if ratio else None,
+        many,
+        one,
+        8,
     )
     lines += decode_targets(parts, snap, c4, c32, big)
     return lines + server_targets(parts.get("server", [])) + [""]
@@ -398,14 +408,13 @@ def decode_targets(parts: dict, snap: str, c4: int, c32: int, big: int | None) -
     compiled = [r for r in parts.get("peer", {}).get("decode", []) if mode(r) == "compiled"]
     theirs = find(compiled, context=c4, batch=1)
     ours = find(decode, cache="full", impl="default", context=c4, batch=1)
-    ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if ours and theirs else None
-    add(
+    add_ratio(
         lines,
         f"kvjax (full) decode >= transformers (compiled) at batch 1, {c4}",
-        f"{ours['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} tokens/s = {ratio:.2f}x"
-        if ratio
-        else "",
-        ratio >= 1 if ratio else None,
+        ours,
+        theirs,
+        1,
+        digits=2,
     )
     kv = parts.get("kvpress", {})
     for scorer, press in (
@@ -414,14 +423,13 @@ def decode_targets(parts: dict, snap: str, c4: int, c32: int, big: int | None) -
     ):
         ours = find(parts.get("compress", []), scorer=scorer, context=c32)
         theirs = find(kv.get("compress", []), press=press, context=c32)
-        ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if ours and theirs else None
-        add(
+        add_ratio(
             lines,
             f"{c32}: kvjax.prefill ({scorer}) compresses faster than kvpress's {press}",
-            f"{ours['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} tokens/s = {ratio:.2f}x"
-            if ratio
-            else "",
-            ratio >= 1 if ratio else None,
+            ours,
+            theirs,
+            1,
+            digits=2,
         )
     return lines
 
@@ -451,16 +459,14 @@ def server_targets(server: list[dict]) -> list[str]:
         spread <= 3 if spread else None,
     )
     full, snap = find(server, case="long-full"), find(server, case="long-snapkv")
-    ratio = snap["output_throughput"] / full["output_throughput"] if full and snap else None
-    add(
+    add_ratio(
         lines,
         "server, long prompts, the same cache memory: SnapKV >= 8x the full cache's output "
         "throughput",
-        f"{snap['output_throughput']:.0f} vs {full['output_throughput']:.0f} tokens/s = "
-        f"{ratio:.1f}x"
-        if ratio
-        else "",
-        ratio >= 8 if ratio else None,
+        snap,
+        full,
+        8,
+        key="output_throughput",
     )
     return lines
 
