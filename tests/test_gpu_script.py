@@ -474,3 +474,28 @@ def test_kvpress_part_compresses_to_the_budget_under_its_interpreter(tmp_path):
         "### kvpress 0.5.5" in done.stdout
         and "| KVzipPress | 512 | 0.87500 | 64.0 |" in done.stdout
     )
+
+
+def test_targets_judge_the_plain_snapkv_row_not_its_variants():
+    """The targets' SnapKV is "snapkv N" at the largest budget, never a variant of a row (here a
+    quantized cache at a larger budget; until this test, a variant of the same budget could be
+    picked by set order)."""
+    report = gpu_script("report")
+    rows = [
+        {
+            "cache": cache,
+            "impl": "default",
+            "context": 4096,
+            "batch": 1,
+            "tokens_per_s": 100.0,
+            "ms_per_step": 10.0,
+            "floor_ms": 8.0,
+            "step_over_floor": 1.25,
+            "read_floor_ms": 7.0,
+            "step_over_read_floor": 1.43,
+        }
+        for cache in ("full", "snapkv 1024", "snapkv 2048 int8")
+    ]
+    text = "\n".join(report.targets({"meta": {}, "parts": {"decode": rows}}))
+    assert "(snapkv 1024, 4096)" in text and "budget 1024 >= 3x" in text
+    assert "int8" not in text

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import kernels_part
@@ -266,8 +267,8 @@ def targets(merged: dict) -> list[str]:
         add(lines, "decode", "no decode rows", None)
         return lines + server_targets(parts.get("server", [])) + [""]
     c4, c32 = contexts[0], contexts[-1]
-    snaps = sorted(
-        {r["cache"] for r in decode if r.get("cache", "").startswith("snapkv ")},
+    snaps = sorted(  # "snapkv N" itself, not its variants ("snapkv N int8", "… every 16", …)
+        {r["cache"] for r in decode if re.fullmatch(r"snapkv \d+", r.get("cache", ""))},
         key=lambda c: int(c.split()[1]),
     )
     snap = snaps[-1] if snaps else "snapkv 1024"  # the larger budget (1024 on the device)
