@@ -8,10 +8,13 @@ at every eviction point):
   rotated, runs the reference);
 * ``jax.export`` lowers the kernels for TPU and CUDA, and Expected Attention's decoding loop to
   them, reading the stacked cache (no slice of a layer);
-* bad shapes name the argument.
+* bad shapes name the argument;
+* a decoding that evicts every E > 1 steps keeps its queries' outer products aside until an
+  eviction point, and the sums it then holds are the direct ones.
 """
 
 import re
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +26,10 @@ from kvjax.kernels.quantized import values
 from test_kernels import GPU_EXPORT_CHECKS, TRITON_CALL
 from test_moment_residuals import decoding_module, kernel_calls_in_decoding
 
-from kvjax.eviction.expected_attention import mean_rotation, rotation_matrix
+from kvjax.eviction.expected_attention import ExpectedAttention, mean_rotation, rotation_matrix
+from kvjax.runtime.decoding import decode_steps, feed_budget
+from kvjax.runtime.options import eviction_from
+from kvjax.runtime.sampling import Sampling
 
 
 def oracle(k, rotation, mean, qq_sum, count):
@@ -166,3 +172,73 @@ def test_expected_attention_adds_to_its_statistics_in_place():
     scatters = re.findall(r'"stablehlo\.scatter"\((.*?)\}\) : \(tensor<([\dx]+)xf32>', text, re.S)
     assert any("stablehlo.add" in body and shape == "3x1x2x3x64x64" for body, shape in scatters)
     assert not re.search(r"dynamic_(update_)?slice.*2x3x64x64xf32", text)
+
+
+def test_deferred_outer_products_equal_the_direct_sums(tiny_llama):
+    """With a buffer of E = 3 decoding queries (``fit_stats``), ``observe`` leaves the [K, K] sums
+    alone and keeps each query aside, settling a full buffer before the next; ``settle`` then
+    gives the sums of adding every product at once: through two overflows, a prompt block (added
+    directly) in between, a row without a query and the sinks' positions."""
+    cfg = tiny_llama.config
+    scorer, policy = ExpectedAttention(), SimpleNamespace(n_sink=2)
+    B, H, K = 2, cfg.n_heads, cfg.head_dim
+    direct = scorer.init_stats(cfg, B)
+    deferred = scorer.fit_stats(scorer.init_stats(cfg, B), 3)
+    keys = jax.random.split(jax.random.key(1), 9)
+    feeds = [1] * 4 + [5] + [1] * 4  # decoding queries, a block of five, decoding queries
+    start = 0
+    for i, T in enumerate(feeds):
+        q = jax.random.normal(keys[i], (B, T, H, K))
+        positions = start + jnp.broadcast_to(jnp.arange(T), (B, T))
+        valid = jnp.broadcast_to(jnp.array([True, i % 3 != 1])[:, None], (B, T))
+        direct = scorer.observe(direct, 1, q, positions, valid, policy)
+        deferred = scorer.observe(deferred, 1, q, positions, valid, policy)
+        start += T
+    # 4 queries: the fourth settles three; then the block; then 4 more: one settle, one left
+    assert deferred.filled.tolist() == [0, 2]
+    assert not np.allclose(deferred.qq_sum, direct.qq_sum)
+    settled = scorer.settle(deferred)
+    assert settled.filled.tolist() == [0, 0] and not np.asarray(settled.pending).any()
+    for name in ("count", "q_sum", "qq_sum"):
+        np.testing.assert_allclose(getattr(settled, name), getattr(direct, name), rtol=1e-5)
+    assert np.asarray(direct.qq_sum[0] == 0).all()  # layer 0 saw nothing
+    dropped = scorer.fit_stats(deferred, 0)  # decoding that evicts every step: settled, no buffer
+    assert dropped.pending is None and dropped.filled is None
+    np.testing.assert_array_equal(dropped.qq_sum, settled.qq_sum)
+
+
+def test_periodic_decoding_adds_the_outer_products_at_its_eviction_points(tiny_llama):
+    """Decoding that evicts every 4 steps leaves the [K, K] sums as the prompt left them for 3
+    steps (the queries wait in the buffer) and adds them at the eviction of the fourth."""
+    ev = eviction_from(
+        context=64, budget=16, scorer="expected-attention", evict_every=4, block_size=8
+    )
+    tokens = jax.random.randint(jax.random.key(0), (2, 40), 4, 97)
+    lengths = jnp.array([40, 33])
+    state = feed_budget(
+        tiny_llama,
+        None,
+        tokens,
+        jnp.zeros(2, jnp.int32),
+        lengths,
+        jax.random.key(0),
+        ev,
+        8,
+        ev.decode_spare(8),
+    )
+    before = state.cache.stats
+    assert before.pending.shape[-2] == 4 and before.filled.tolist() == [0, 0]
+
+    def run(state, steps):
+        return decode_steps(
+            tiny_llama, state, jnp.int32(8), jnp.int32(steps), Sampling(), (), ev.decoding()
+        )
+
+    three = run(jax.tree.map(jnp.copy, state), 3)
+    np.testing.assert_array_equal(three.cache.stats.qq_sum, before.qq_sum)
+    assert three.cache.stats.filled.tolist() == [3, 3]
+    assert (three.cache.stats.count == before.count + 3).all()
+    four = run(three, 4)
+    assert four.cache.stats.filled.tolist() == [0, 0]
+    assert not np.asarray(four.cache.stats.pending).any()
+    assert not np.allclose(four.cache.stats.qq_sum, before.qq_sum)

@@ -73,9 +73,10 @@ def attend_scored(cache, layer: jax.Array, q: jax.Array, seg, decode, block: Ker
     state, stats = fold_scores(p, seg, layer, q, cache.state, cache.stats, col)
     cache = cache.replace(state=state, stats=stats)
 
-    def evict_here(c):  # the eviction reads this layer's statistics
-        return evict_layer(c.replace(stats=jax.tree.map(lambda x: x[layer], stats))).replace(
-            stats=stats
+    def evict_here(c):  # the eviction reads this layer's statistics, settled
+        settled = p.scorer.settle(c.stats, layer)
+        return evict_layer(c.replace(stats=jax.tree.map(lambda x: x[layer], settled))).replace(
+            stats=settled
         )
 
     if seg.evict_in_layer and seg.attend_kept:

@@ -170,8 +170,9 @@ class BudgetCache(SlotsView):
     def evict(self, p: Policy, seen: jax.Array) -> BudgetCache:
         """Keep ``p.budget`` slots per (layer, row, KV head), every layer at once (a few at a time
         when the modifier's choice is a long loop: ``over_layers``); seen: [B] one past the newest
-        position. Only the small per-slot arrays and the moments change."""
+        position. Only the small per-slot arrays, the statistics and the moments change."""
         k, v = self.k, self.v
+        self = self.replace(stats=p.scorer.settle(self.stats))
         steps = self.slots - p.budget if p.modifier_spec.sequential_choice else 0
         small = over_layers(
             lambda a: a[0].replace(k=a[1], v=a[2])._evict_layer(p, seen).replace(k=None, v=None),

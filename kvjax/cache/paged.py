@@ -321,6 +321,7 @@ class PagedCache(SlotsView):
         if max_evict is None:
             max_evict = min(C, (C - cap) * sharing)
         budgets = p.layer_budgets(L)
+        self = self.replace(stats=p.scorer.settle(self.stats))
         return self._evict(p, seen, max_evict, cap, budgets, p.group_budget(sharing), head_budgets)
 
     def _evict_layer(self, p: Policy, seen: jax.Array, layer: jax.Array) -> PagedCache:

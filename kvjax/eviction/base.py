@@ -4,7 +4,8 @@ A base scorer is one frozen dataclass in one module of this package. The engine 
 
 - ``scoring_weights``: which queries of a step score (their attention column joins the state);
 - ``update_state``: how a step's column folds into the per-slot state, and ``reset_after_evict``;
-- ``init_stats`` / ``observe``: statistics of its own beyond the per-slot state (None for most);
+- ``init_stats`` / ``observe``: statistics of its own beyond the per-slot state (None for most),
+  and ``fit_stats`` / ``settle`` where decoding may defer part of their update to eviction points;
 - ``priority``: the priority of every slot at an eviction point (higher = kept);
 - its defaults: window, pooling, allocation, floor, the modifiers it takes.
 """
@@ -116,6 +117,16 @@ class Base:
         (after RoPE) at ``positions`` [B, T] (``valid`` [B, T]) under ``policy`` (the
         ``kvjax.eviction.Policy``). Sums are added at ``layer`` in place (``.at[layer].add``), so
         that the layer loop, which carries the stacked statistics, never copies a layer's."""
+        return stats
+
+    def fit_stats(self, stats, pending: int):
+        """The statistics for decoding that evicts every ``pending`` steps (0: at every step, or
+        never), everything observed so far settled."""
+        return stats
+
+    def settle(self, stats, layer: jax.Array | None = None):
+        """The statistics with what ``observe`` deferred added in (every layer's, or layer
+        ``layer``'s): what an eviction point reads."""
         return stats
 
     def priority(

@@ -12,7 +12,9 @@ logarithm of that score, computed without forming it: the same order as kvpress'
 that does not underflow (in float32 or bfloat16 the probabilities of far-off tokens round to 0 and
 tie); pooling and chunk means act on the logarithms. Query-agnostic, no scoring pass: the
 statistics (sums of the queries and of their outer products) grow with every query the model runs,
-prompt and decoding alike.
+prompt and decoding alike. A decoding that evicts every E > 1 steps keeps its queries' outer
+products aside until the eviction point that reads them (``QueryStats.pending``): the same sums,
+added in another order.
 """
 
 from __future__ import annotations
@@ -39,18 +41,27 @@ class QueryStats:
         q_sum: [L, B, Hk, G, K] their sum.
         qq_sum: [L, B, Hk, G, K, K] the sum of their outer products.
         inv_freq: [L, K/2] the model's RoPE frequencies (the same in every layer).
+        pending: [L, B, Hk, G, E, K] decoding's queries since the last eviction point, whose outer
+            products ``qq_sum`` does not hold yet (a decoding that evicts every E > 1 steps; None
+            otherwise): adding a [K, K] product to every head's sums at every step read and wrote
+            them all (4.3 GB each way at the 8B's batch 64), where only an eviction reads them.
+        filled: [L] int32 the queries ``pending`` holds (None with it).
     """
 
     count: jax.Array
     q_sum: jax.Array
     qq_sum: jax.Array
     inv_freq: jax.Array
+    pending: jax.Array | None = None
+    filled: jax.Array | None = None
 
     AXES = dict(
         count=("layers", "batch"),
         q_sum=("layers", "batch", "kv_heads", "group", "head_dim"),
         qq_sum=("layers", "batch", "kv_heads", "group", "head_dim", None),
         inv_freq=("layers", None),
+        pending=("layers", "batch", "kv_heads", "group", None, "head_dim"),
+        filled=("layers",),
     )
 
 
@@ -115,16 +126,58 @@ class ExpectedAttention(Base):
 
     def observe(self, stats: QueryStats, layer, q, positions, valid, policy) -> QueryStats:
         """Adds layer ``layer``'s queries at positions >= ``n_sink`` (kvpress drops the first hidden
-        states as outliers), un-rotated by RoPE."""
+        states as outliers), un-rotated by RoPE; a decoding step's outer product waits in
+        ``pending`` when there is one (settled first if it is full)."""
         B, T, H, K = q.shape
         Hk = stats.q_sum.shape[2]
         raw = apply_rope(q.astype(jnp.float32), -positions, stats.inv_freq[layer])
         take = (valid & (positions >= policy.n_sink)).astype(jnp.float32)  # [B, T]
         raw = (raw * take[:, :, None, None]).reshape(B, T, Hk, H // Hk, K)
-        return stats.replace(
+        stats = stats.replace(
             count=stats.count.at[layer].add(take.sum(-1)),
             q_sum=stats.q_sum.at[layer].add(raw.sum(1)),
-            qq_sum=stats.qq_sum.at[layer].add(jnp.einsum("bthgi,bthgj->bhgij", raw, raw)),
+        )
+        if stats.pending is None or T > 1:
+            return stats.replace(
+                qq_sum=stats.qq_sum.at[layer].add(jnp.einsum("bthgi,bthgj->bhgij", raw, raw))
+            )
+        full = stats.filled[layer] == stats.pending.shape[4]
+        stats = jax.lax.cond(full, lambda s: self.settle(s, layer), lambda s: s, stats)
+        # the entry is zero: an add writes it in place
+        return stats.replace(
+            pending=stats.pending.at[layer, :, :, :, stats.filled[layer]].add(raw[:, 0]),
+            filled=stats.filled.at[layer].add(1),
+        )
+
+    def settle(self, stats: QueryStats, layer=None) -> QueryStats:
+        if stats.pending is None:
+            return stats
+        if layer is None:  # a layer at a time (one layer's products at once); empty ones skipped
+            return jax.lax.fori_loop(
+                0,
+                stats.filled.shape[0],
+                lambda i, s: jax.lax.cond(
+                    s.filled[i] > 0, lambda s: self.settle(s, i), lambda s: s, s
+                ),
+                stats,
+            )
+        pending = stats.pending[layer]  # [B, Hk, G, E, K]; entries past ``filled`` are zero
+        return stats.replace(
+            qq_sum=stats.qq_sum.at[layer].add(jnp.einsum("bhgei,bhgej->bhgij", pending, pending)),
+            pending=stats.pending.at[layer].multiply(0.0),
+            filled=stats.filled.at[layer].set(0),
+        )
+
+    def fit_stats(self, stats: QueryStats | None, pending: int) -> QueryStats | None:
+        if stats is None:
+            return None
+        stats = self.settle(stats)
+        if not pending:
+            return stats.replace(pending=None, filled=None)
+        L, B, Hk, G, K = stats.q_sum.shape
+        return stats.replace(
+            pending=jnp.zeros((L, B, Hk, G, pending, K), jnp.float32),
+            filled=jnp.zeros((L,), jnp.int32),
         )
 
     def priority(self, policy, state, pos, unprotected, k, v, order, stats: QueryStats, seen):

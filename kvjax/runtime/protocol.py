@@ -107,13 +107,21 @@ class Eviction:
         return cache.replace(stats=self.policy.scorer.init_stats(cfg, batch))
 
     def fit(self, cache: EvictingCache, cfg, spare: int) -> EvictingCache:
-        """The same cache with room for ``spare`` new tokens per head (its kept tokens must fit)."""
+        """The same cache with room for ``spare`` new tokens per head (its kept tokens must fit) and
+        statistics fitted to this decoding's eviction points."""
         if self.policy.moment_dim(cfg.head_dim) and not cache.moments.summed:
             raise ValueError(
                 f"scorer={self.policy.name!r} reads the moments of the evicted tokens, and this "
                 "cache (filled under a scorer other than MomentKV) keeps only their count"
             )
-        return self.layout.fit(cache, cfg, self.policy, spare)
+        cache = self.layout.fit(cache, cfg, self.policy, spare)
+        return cache.replace(stats=self.policy.scorer.fit_stats(cache.stats, self.pending_queries))
+
+    @property
+    def pending_queries(self) -> int:
+        """How many decoding queries a scorer's statistics may hold aside between eviction points
+        (``Base.fit_stats``): ``evict_every`` when decoding evicts periodically, else 0."""
+        return self.evict_every if self.decode_evict and self.evict_every > 1 else 0
 
     def decoding(self) -> Eviction:
         """What decoding depends on, with protocol and block size normalised: one decode compilation
