@@ -42,7 +42,12 @@ def _per_row_head(update, lead: int = 2):
 
 
 def set_slots(
-    x: jax.Array, index: jax.Array, values, lead: int = 2, mode: str | None = None
+    x: jax.Array,
+    index: jax.Array,
+    values,
+    lead: int = 2,
+    mode: str | None = None,
+    unique: bool = False,
 ) -> jax.Array:
     """x [B, Hk, S, ...] with ``x[b, h, index[b, h, i]] = values[b, h, i]``.
 
@@ -50,10 +55,15 @@ def set_slots(
         values: may be a scalar.
         lead: how many leading axes are per-row-and-head, e.g. 3 for [L, B, Hk, S].
         mode: "drop" skips out-of-range indices.
+        unique: no two indices of a (row, KV head) are equal (``scatter_set``).
     """
     if not hasattr(values, "shape") or values.ndim == 0:
-        return _per_row_head(lambda xi, ii: scatter_set(xi, ii, values, mode), lead)(x, index)
-    return _per_row_head(lambda xi, ii, vi: scatter_set(xi, ii, vi, mode), lead)(x, index, values)
+        return _per_row_head(lambda xi, ii: scatter_set(xi, ii, values, mode, unique), lead)(
+            x, index
+        )
+    return _per_row_head(lambda xi, ii, vi: scatter_set(xi, ii, vi, mode, unique), lead)(
+        x, index, values
+    )
 
 
 def per_row(fn, *arrays, axes):
@@ -120,7 +130,9 @@ def inverse_permutation(permutation: jax.Array) -> jax.Array:
     """[..., N] the inverse of each permutation along the last axis (``jnp.argsort(permutation)``,
     by a scatter instead of a second sort)."""
     index = jnp.broadcast_to(jnp.arange(permutation.shape[-1]), permutation.shape)
-    return set_slots(jnp.zeros_like(index), permutation, index, lead=permutation.ndim - 1)
+    return set_slots(
+        jnp.zeros_like(index), permutation, index, lead=permutation.ndim - 1, unique=True
+    )
 
 
 def true_first(mask: jax.Array, k: int | None = None) -> jax.Array:
@@ -133,4 +145,4 @@ def true_first(mask: jax.Array, k: int | None = None) -> jax.Array:
     trues = jnp.cumsum(mask, -1, dtype=jnp.int32)  # inclusive: i − trues Falses before a False i
     rank = jnp.where(mask, trues - 1, trues[..., -1:] + index - trues)
     out = jnp.zeros(mask.shape[:-1] + (k,), jnp.int32)
-    return set_slots(out, rank, index, lead=mask.ndim - 1, mode="drop")
+    return set_slots(out, rank, index, lead=mask.ndim - 1, mode="drop", unique=True)

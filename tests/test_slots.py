@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_moment_residuals import decoding_module
 
-from kvjax.slots import scatter_at_layer, scatter_set, set_slots
+from kvjax.slots import inverse_permutation, scatter_at_layer, scatter_set, set_slots
 
 
 def bits(x):
@@ -75,3 +75,16 @@ def test_cache_writes_say_their_updates_are_unique(scorer):
     kv = [body for body, shape, dtype in ops if shape.endswith("x64") and dtype in ("bf16", "ui16")]
     assert len(kv) == (2 if scorer == "snapkv" else 4), len(kv)
     assert all("unique_indices = true" in body for body in kv)
+
+
+def test_permutations_are_inverted_by_unique_scatters():
+    """The inverse of a permutation scatters distinct indices, and says so: SnapKV's pooling ranks
+    the slots of every (layer, row, KV head) by position at each decoding step (an int32 [L, B, Hk,
+    S] scatter, which XLA:GPU would otherwise write with atomics)."""
+    text = decoding_module("snapkv", "cuda")
+    ops = re.findall(r'"stablehlo\.scatter"\((.*?)\}\) : \(tensor<([\dx]+)x(\w+)>', text, re.S)
+    ranks = [body for body, shape, dtype in ops if (shape, dtype) == ("3x1x2x65", "i32")]
+    assert ranks and all("unique_indices = true" in body for body in ranks)
+    index = jax.random.permutation(jax.random.key(0), 9)
+    perms = jnp.stack([index, index[::-1]])
+    np.testing.assert_array_equal(inverse_permutation(perms), jnp.argsort(perms, axis=-1))

@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.slots import set_slots
+from kvjax.slots import inverse_permutation
 
 AGGREGATES = ("sum", "mean", "max", "layer")  # "layer": mean over all query heads of the layer
 POOLS = ("none", "max", "avg")
@@ -42,11 +42,7 @@ def pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.Ar
     shifted = [padded[..., i : i + S] for i in range(kernel)]
     pooled = functools.reduce(jnp.maximum, shifted) if kind == "max" else sum(shifted) / kernel
     pooled = jnp.where(present, pooled, xs)
-    rank = set_slots(
-        jnp.zeros_like(order),
-        order,
-        jnp.broadcast_to(jnp.arange(S, dtype=order.dtype), order.shape),
-    )
+    rank = inverse_permutation(order)
     return jnp.take_along_axis(pooled, jnp.broadcast_to(rank.reshape(by_pos.shape), x.shape), -1)
 
 
@@ -66,11 +62,7 @@ def _chunk_mean(
         same = (cp[..., i : i + S] == cs) & ps
         total, count = total + jnp.where(same, xp[..., i : i + S], 0.0), count + same
     mean = jnp.where(ps, total / jnp.maximum(count, 1), xs)
-    rank = set_slots(
-        jnp.zeros_like(order),
-        order,
-        jnp.broadcast_to(jnp.arange(S, dtype=order.dtype), order.shape),
-    )
+    rank = inverse_permutation(order)
     return jnp.take_along_axis(mean, rank, -1)
 
 
