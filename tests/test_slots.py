@@ -78,13 +78,19 @@ def test_cache_writes_say_their_updates_are_unique(scorer):
 
 
 def test_permutations_are_inverted_by_unique_scatters():
-    """The inverse of a permutation scatters distinct indices, and says so: SnapKV's pooling ranks
-    the slots of every (layer, row, KV head) by position at each decoding step (an int32 [L, B, Hk,
-    S] scatter, which XLA:GPU would otherwise write with atomics)."""
-    text = decoding_module("snapkv", "cuda")
-    ops = re.findall(r'"stablehlo\.scatter"\((.*?)\}\) : \(tensor<([\dx]+)x(\w+)>', text, re.S)
-    ranks = [body for body, shape, dtype in ops if (shape, dtype) == ("3x1x2x65", "i32")]
+    """The inverse of a permutation scatters distinct indices, and says so: SnapKV+CAOTE's pooling
+    (of each query head's scores) ranks the slots of every (layer, row, KV head) by position at
+    each decoding step, an int32 [L, B, Hk, S] scatter that XLA:GPU would otherwise write with
+    atomics. Plain SnapKV pools in position order and inverts nothing."""
+
+    def rank_scatters(scorer):
+        text = decoding_module(scorer, "cuda")
+        ops = re.findall(r'"stablehlo\.scatter"\((.*?)\}\) : \(tensor<([\dx]+)x(\w+)>', text, re.S)
+        return [body for body, shape, dtype in ops if (shape, dtype) == ("3x1x2x65", "i32")]
+
+    ranks = rank_scatters("snapkv+caote")
     assert ranks and all("unique_indices = true" in body for body in ranks)
+    assert not rank_scatters("snapkv")
     index = jax.random.permutation(jax.random.key(0), 9)
     perms = jnp.stack([index, index[::-1]])
     np.testing.assert_array_equal(inverse_permutation(perms), jnp.argsort(perms, axis=-1))

@@ -20,6 +20,7 @@ from kvjax.cache.attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV, attend
 from kvjax.cache.slots_view import SlotsView
 from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.moments import Moments, over_layers
+from kvjax.eviction.priority import keys_by_position
 from kvjax.kernels import block_attention_with_scores, decode_attention_with_scores
 from kvjax.kernels.quantized import Quantized, stored, values, zeros
 from kvjax.model.config import ModelConfig
@@ -188,20 +189,12 @@ class BudgetCache(SlotsView):
         b = p.budget
         if self.slots <= b:  # everything fits: only the state reset remains
             return self.replace(state=_reset(self.state)) if p.scorer.reset_after_evict else self
-        pos = self.pos
-        k, v = values(self.k), values(self.v)  # what attention reads (unused ones: dropped)
-        key, prio, unprotected = eviction_keys(
-            p, self.state, pos, k, v, self.order, self.stats, seen
-        )
         n_drop = self.slots - b
-        n_evict = jnp.maximum((pos >= 0).sum(-1) - b, 0)
-        chosen = p.modifier_spec.choose(
-            prio, unprotected, n_evict, k, v, pos, self.moments, n_drop, p, stack
-        )
-        if chosen is not None:  # the modifier chose: its evicted slots lowest, the rest above
-            key = jnp.where(unprotected, jnp.where(chosen, 0.0, 1.0), key)
         # in position order: ties go to the earlier position
-        key = jnp.take_along_axis(key, self.order, -1)
+        if p.pooled_aggregate:
+            key = keys_by_position(p, self.state, self.pos, self.order, seen)
+        else:
+            key = jnp.take_along_axis(self._keys(p, seen, n_drop, stack), self.order, -1)
         if n_drop <= UNROLLED_DROPS:
             return self._drop_few(p, lowest_few(key, n_drop))
         drop = lowest_slots(key, n_drop)
@@ -209,6 +202,22 @@ class BudgetCache(SlotsView):
         # dropped after.
         order = jnp.take_along_axis(self.order, true_first(~drop), -1)
         return self._release(p, order, order[..., b:])
+
+    def _keys(self, p: Policy, seen: jax.Array, n_drop: int, stack: tuple | None) -> jax.Array:
+        """``eviction_keys`` [B, Hk, S] by slot, the modifier's choice of ``n_drop`` at most
+        (if it chooses) the lowest."""
+        pos = self.pos
+        k, v = values(self.k), values(self.v)  # what attention reads (unused ones: dropped)
+        key, prio, unprotected = eviction_keys(
+            p, self.state, pos, k, v, self.order, self.stats, seen
+        )
+        n_evict = jnp.maximum((pos >= 0).sum(-1) - p.budget, 0)
+        chosen = p.modifier_spec.choose(
+            prio, unprotected, n_evict, k, v, pos, self.moments, n_drop, p, stack
+        )
+        if chosen is not None:  # the modifier chose: its evicted slots lowest, the rest above
+            key = jnp.where(unprotected, jnp.where(chosen, 0.0, 1.0), key)
+        return key
 
     def _drop_few(self, p: Policy, dropped: jax.Array) -> BudgetCache:
         """Drop the distinct places ``dropped`` [B, Hk, n] of ``order``: one shift per place,
@@ -235,10 +244,9 @@ class BudgetCache(SlotsView):
 
         weight = (jnp.take_along_axis(self.pos, dropped, -1) >= 0).astype(jnp.float32)
         freed = set_slots(jnp.zeros(self.pos.shape, bool), dropped, True)
-        if p.scorer.reset_after_evict:
-            state = _reset(self.state)
-        else:
-            state = jnp.where(freed[:, :, None, :], 0.0, self.state)
+        state = jnp.where(freed[:, :, None, :], 0.0, self.state)
+        if p.scorer.reset_after_evict:  # after the keys' reads: a reset XLA:GPU was free to run
+            state = _reset(state)  # first, in place, made it copy the state every step
         return self.replace(
             pos=jnp.where(freed, -1, self.pos),
             state=state,

@@ -76,6 +76,17 @@ class Policy:
         return MODIFIERS[self.modifier] if self.modifier else NO_MODIFIER
 
     @property
+    def pooled_aggregate(self) -> bool:
+        """The priority is the base's aggregate of its state over the query heads, pooled along
+        positions (``Base.priority`` with a pool): no modifier, no chunk means."""
+        return (
+            self.pool != "none"
+            and not self.modifier
+            and self.chunk == 1
+            and type(self.scorer).priority is Base.priority
+        )
+
+    @property
     def name(self) -> str:
         return f"{self.base}+{self.modifier}" if self.modifier else self.base
 

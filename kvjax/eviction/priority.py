@@ -17,33 +17,38 @@ POOLS = ("none", "max", "avg")
 
 
 def pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.Array) -> jax.Array:
-    """1-D pooling of x [B, Hk, ..., S] along positions, among the ``present`` [B, Hk, S] slots.
-
-    ``order`` [B, Hk, S] lists the slots by position. In that order the present (unprotected) slots
-    are one contiguous run: valid slots come first, the sinks are a prefix and the recent window a
-    suffix of them. So a token's neighbours are the present tokens within ``kernel // 2`` places on
-    either side; absent ones are left out (``max``) or counted as 0 (``avg``, divided by
-    ``kernel``). Absent entries of x are returned unchanged.
-    """
+    """1-D pooling of x [B, Hk, ..., S] along positions, among the ``present`` [B, Hk, S] slots
+    (``pool_by_position`` in the order of ``order`` [B, Hk, S], the slots by position, and back).
+    Absent entries of x are returned unchanged."""
     extra = x.ndim - 3
     by_pos = order.reshape(order.shape[:2] + (1,) * extra + order.shape[2:])
     present = jnp.broadcast_to(
         jnp.take_along_axis(present, order, -1).reshape(by_pos.shape), x.shape
     )
     xs = jnp.take_along_axis(x, jnp.broadcast_to(by_pos, x.shape), -1)
-    S = x.shape[-1]
+    pooled = jnp.where(present, pool_by_position(xs, present, kind, kernel), xs)
+    rank = inverse_permutation(order)
+    return jnp.take_along_axis(pooled, jnp.broadcast_to(rank.reshape(by_pos.shape), x.shape), -1)
+
+
+def pool_by_position(xs: jax.Array, present: jax.Array, kind: str, kernel: int) -> jax.Array:
+    """1-D pooling of xs [..., S] listed by position, among the ``present`` [..., S] ones.
+
+    In that order the present (unprotected) slots are one contiguous run: valid slots come first,
+    the sinks are a prefix and the recent window a suffix of them. So a token's neighbours are the
+    present tokens within ``kernel // 2`` places on either side; absent ones are left out (``max``)
+    or counted as 0 (``avg``, divided by ``kernel``). Absent entries are not meaningful.
+    """
+    S = xs.shape[-1]
     fill = -jnp.inf if kind == "max" else 0.0
     half = kernel // 2
     padded = jnp.pad(
         jnp.where(present, xs, fill),
-        [(0, 0)] * (x.ndim - 1) + [(half, kernel - 1 - half)],
+        [(0, 0)] * (xs.ndim - 1) + [(half, kernel - 1 - half)],
         constant_values=fill,
     )
     shifted = [padded[..., i : i + S] for i in range(kernel)]
-    pooled = functools.reduce(jnp.maximum, shifted) if kind == "max" else sum(shifted) / kernel
-    pooled = jnp.where(present, pooled, xs)
-    rank = inverse_permutation(order)
-    return jnp.take_along_axis(pooled, jnp.broadcast_to(rank.reshape(by_pos.shape), x.shape), -1)
+    return functools.reduce(jnp.maximum, shifted) if kind == "max" else sum(shifted) / kernel
 
 
 def _chunk_mean(
@@ -117,12 +122,32 @@ def eviction_keys(
     ``window`` most recent positions), -inf for empty ones, else the scorer's priority (with
     ``chunk`` > 1, the mean over the slot's chunk). Also returns the priority and the unprotected
     mask [B, Hk, S]. Arguments as ``kvjax.eviction.base.Base.priority``."""
-    valid = pos >= 0
-    protected = valid & ((pos < policy.n_sink) | (pos >= seen[:, None, None] - policy.window))
-    unprotected = valid & ~protected
+    protected, unprotected = _protection(policy, pos, seen)
     prio = policy.modifier_spec.priority(
         policy.scorer, policy, state, pos, unprotected, k, v, order, stats, seen
     )
     if policy.chunk > 1:
         prio = _chunk_mean(prio, unprotected, pos, order, policy.chunk)
     return jnp.where(unprotected, prio, jnp.where(protected, jnp.inf, -jnp.inf)), prio, unprotected
+
+
+def keys_by_position(
+    policy, state: jax.Array, pos: jax.Array, order: jax.Array, seen: jax.Array
+) -> jax.Array:
+    """``eviction_keys``' keys [B, Hk, S] listed by position (as ``order`` lists the slots), for a
+    policy whose priority is its base's pooled aggregate (``Policy.pooled_aggregate``): pooled in
+    that order, with no permutation back to the slots and none forth again (a decoding step of the
+    dense cache inverted an [L, B, Hk, S] permutation for the pooling alone). The same keys, bit for
+    bit."""
+    agg = jnp.take_along_axis(aggregate(policy.aggregate, state), order, -1)
+    protected, unprotected = _protection(policy, jnp.take_along_axis(pos, order, -1), seen)
+    pooled = pool_by_position(agg, unprotected, policy.pool, policy.kernel)
+    return jnp.where(unprotected, pooled, jnp.where(protected, jnp.inf, -jnp.inf))
+
+
+def _protection(policy, pos: jax.Array, seen: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(protected, unprotected) [B, Hk, S] of the valid slots at positions ``pos``: the ``n_sink``
+    first and ``window`` most recent positions are protected."""
+    valid = pos >= 0
+    protected = valid & ((pos < policy.n_sink) | (pos >= seen[:, None, None] - policy.window))
+    return protected, valid & ~protected
