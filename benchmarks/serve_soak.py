@@ -19,9 +19,12 @@ request waits forever.
 3. Every ``--sample`` seconds: the server's resident memory and open files (from /proc) and the
    store's bytes in memory against its limit (``GET /health``).
 
-Pass: no error of any kind, resident memory at the end within 10% of after warm-up, open files at
-the end no more than after warm-up plus the clients' connections, the store within its limit at
-every sample. Prints a table and writes the raw figures (every sample included) to ``--out``;
+Pass: no error of any kind, resident memory at the end within 10% of its first sample a quarter
+into the run, open files at the end no more than after warm-up plus the clients' connections, the
+store within its limit at every sample. (The memory's reference is not the warm-up's, which asked
+one question at a time: the first seconds of concurrent clients add to it once, e.g. 994 → 1,063
+MiB in the first 8 s of a 20 s run on a loaded 2-core machine, then 8 MiB in the next 12; a leak
+goes on growing.) Prints a table and writes the raw figures (every sample included) to ``--out``;
 exits 1 on a failure.
 """
 
@@ -320,9 +323,10 @@ def soak(server: Server, args) -> dict:
             sample()
     sample()
     first, last = samples[0], samples[-1]
+    settled = next((x for x in samples if x["t"] - first["t"] >= args.seconds / 4), last)
     checks = {
         "no errors": not s.errors,
-        "resident memory within 10%": last["resident_mib"] <= 1.10 * first["resident_mib"],
+        "resident memory within 10%": last["resident_mib"] <= 1.10 * settled["resident_mib"],
         "open files flat": last["open_files"] <= first["open_files"] + args.clients,
         "store within its limit": all(
             x["store_memory_bytes"] <= x["store_memory_limit"] for x in samples
@@ -333,6 +337,7 @@ def soak(server: Server, args) -> dict:
         model=args.model,
         seconds=args.seconds,
         clients=args.clients,
+        settled_sample=samples.index(settled),
         warm_s=round(warm_s, 1),
         requests=dict(s.count),
         errors=dict(s.errors),
@@ -351,6 +356,7 @@ def soak(server: Server, args) -> dict:
 
 def table(r: dict) -> str:
     first, last = r["samples"][0], r["samples"][-1]
+    settled = r["samples"][r["settled_sample"]]
     lines = [
         f"{r['model']}, {r['clients']} clients for {r['seconds']:g} s (after a warm-up of "
         f"{r['warm_s']:g} s)",
@@ -371,8 +377,9 @@ def table(r: dict) -> str:
         "",
         f"errors by kind: {r['errors'] or 'none'}",
         f"resident memory: {first['resident_mib']:.0f} MiB after warm-up, "
+        f"{settled['resident_mib']:.0f} MiB a quarter into the run, "
         f"{last['resident_mib']:.0f} MiB at the end "
-        f"({last['resident_mib'] / first['resident_mib'] - 1:+.1%})",
+        f"({last['resident_mib'] / settled['resident_mib'] - 1:+.1%})",
         f"open files: {first['open_files']} after warm-up, {last['open_files']} at the end",
         f"context store in memory: at most "
         f"{max(x['store_memory_bytes'] for x in r['samples']) / 2**20:.1f} of "
