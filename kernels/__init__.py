@@ -18,6 +18,9 @@ online softmax, the score pass of every score kind, tile sizes): ``tpu_common``,
   Gaussian of future queries (its scoring at every eviction point), read in place from the cache.
 * ``causal_attention`` — a prompt over itself without scores (the full cache's prefill): cuDNN's
   flash attention on CUDA, XLA's computation in query chunks elsewhere.
+* ``lowest_place`` — a decoding step's one eviction per (row, KV head) in the dense cache: the
+  place, by position, of the lowest key (the base's aggregate of its state, pooled along
+  positions); a Triton kernel on CUDA, the reference elsewhere.
 
 What runs where, tiling rules and what has (not) been checked on hardware: ``docs/kernels.md``.
 
@@ -36,6 +39,7 @@ from kvjax.kernels.block_attention import block_attention_with_scores
 from kvjax.kernels.block_attention.reference import attention_with_scores
 from kvjax.kernels.decode_attention import decode_attention_with_scores
 from kvjax.kernels.decode_attention.reference import corrected_attention
+from kvjax.kernels.eviction_place import lowest_place
 from kvjax.kernels.expected_logits import expected_logits
 from kvjax.kernels.moment_residuals import moment_residual_norms
 from kvjax.kernels.prompt_attention import PREFILL_CHUNK, causal_attention
@@ -54,6 +58,7 @@ __all__ = [
     "corrected_attention",
     "decode_attention_with_scores",
     "expected_logits",
+    "lowest_place",
     "moment_residual_norms",
     "quantize",
 ]

@@ -42,9 +42,13 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert all(r["kept_per_head"] == 64 for r in parts["compress"])
     kernels_part, VARIANTS = gpu_script("kernels_part"), gpu_script("layers_part").VARIANTS
     checks = parts["kernel_checks"]
-    # every kernel (dense, paged, MomentKV-corrected) and the full cache's prompt attention (XLA's
-    # on a CPU)
-    assert {r["op"] for r in checks} == {*kernels_part.OPS, kernels_part.PROMPT}
+    # every kernel (dense, paged, MomentKV-corrected, the dense cache's decoding eviction) and the
+    # full cache's prompt attention (XLA's on a CPU)
+    assert {r["op"] for r in checks} == {
+        *kernels_part.OPS,
+        kernels_part.PROMPT,
+        kernels_part.LOWEST_PLACE,
+    }
     assert {r.get("attention") for r in checks if r["op"] == kernels_part.PROMPT} == {"xla"}
     assert all(r["ok"] and r["max_err"] < 1e-2 for r in checks)
     times = parts["kernel_times"]

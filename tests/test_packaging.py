@@ -59,6 +59,10 @@ def test_the_wheel_holds_the_package_with_its_kernels_and_nothing_of_the_tests(w
         assert module in names
     # every package of the source tree (the setuptools list is written by hand)
     sources = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "kvjax").rglob("__init__.py")}
+    sources |= {  # kernels/ is kvjax.kernels
+        f"kvjax/kernels/{p.parent.relative_to(ROOT / 'kernels')}".removesuffix("/.")
+        for p in (ROOT / "kernels").rglob("__init__.py")
+    }
     assert {s for s in sources if f"{s}/__init__.py" not in names} == set()
     packaged = {Path(n).parts[0] for n in names}
     assert packaged == {"kvjax", wheel.name.split("-py3")[0] + ".dist-info"}, (

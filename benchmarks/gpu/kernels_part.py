@@ -6,7 +6,9 @@ Checks: block attention, decode attention (plain, with MomentKV's first- and zer
 correction), MomentKV's residual norms (``moment_residual_norms``, op "moment_residuals": its
 decoding eviction), Expected Attention's expected logits (``expected_logits``, op
 "expected_logits": its scoring at every eviction point, statistics of 300 queries and of one),
-paged block and paged decode attention (plain and corrected), every score kind,
+paged block and paged decode attention (plain and corrected), every score kind, and the dense
+cache's decoding eviction (``lowest_place``, op "lowest_place": each head's place of the lowest
+pooled key, SnapKV's settings; float32 states, compared place for place: its tolerance is 0),
 at SmolLM2's heads (3 KV heads of 3 query heads, head dim 64) and Llama-3.1-8B's (8 of 4, head dim
 128), float32 and bfloat16, cache lengths of 1061 slots (a ragged last tile) and 32768 (then 4096 if
 time is left). Inputs: two batch rows, positions shuffled per head, 3% of the slots empty plus the
@@ -24,7 +26,9 @@ over causal sequences of the case's length in two rows; the row says which atten
 program holds.
 
 Timings (Llama-3.1-8B heads, bfloat16, 4 rows, 1K / 4K / 32K slots, every slot visible): the median
-of batches of back-to-back calls, inputs rotated among 3 sets when they would fit in L2.
+of batches of back-to-back calls, inputs rotated among 3 sets when they would fit in L2. The
+eviction's ``lowest_place`` is timed as one decoding step of the 8B's 32 layers at batch 1 and 64
+(32 and 2,048 rows of 8 heads, 1,025 slots: budget 1024), against the XLA form it replaces.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from kvjax.kernels import (
     causal_attention,
     decode_attention_with_scores,
     expected_logits,
+    lowest_place,
     moment_residual_norms,
 )
 from kvjax.kernels.paged_attention import (
@@ -88,6 +93,11 @@ OPS = {
 }
 MOMENT_RESIDUALS = "moment_residuals"
 EXPECTED_LOGITS = "expected_logits"
+# the dense cache's decoding eviction, SnapKV's settings; its inputs: a layer's state, positions,
+# order and seen, float32 states whatever the case's dtype says
+LOWEST_PLACE = "lowest_place"
+PLACE_OPTIONS = dict(n_sink=4, window=32, aggregate="mean", pool="max", kernel=7)
+PLACE_LAYERS = 32  # a timed call: every layer of the 8B's decoding step, as rows
 # causal_attention: the full cache's prompt (cuDNN on CUDA), checked beside the kernels
 PROMPT = "prompt"
 # The decoding evictions' kernels are also timed with 128-slot key tiles (and 8 warps): each tile
@@ -125,6 +135,8 @@ def make_inputs(case: Case, seed: int, visible_all: bool = False) -> tuple:
         return (normal((B, T, Hk * G, K)), normal((B, Hk, T, K)), normal((B, Hk, T, K)))
     if case.op == EXPECTED_LOGITS:
         return expected_inputs(case, normal, keys)
+    if case.op == LOWEST_PLACE:
+        return place_inputs(case, keys)
     paged, decode, moments = OPS[case.op]
     B, S, T = case.batch, case.slots, 1 if decode else BLOCK_T
     q = normal((B, T, Hk * G, K))
@@ -211,6 +223,19 @@ def expected_inputs(case: Case, normal, keys) -> tuple:
     return normal((B, Hk, S, K)), rotation, mean, jnp.einsum("bhgti,bhgtj->bhgij", q, q), count
 
 
+def place_inputs(case: Case, keys) -> tuple:
+    """(state, pos, order, seen) of ``lowest_place``: uniform states (every fifth slot's equal to
+    its neighbour's: ties), each head's slots shuffled by position, its last 3 empty."""
+    Hk, G, _ = SHAPES[case.shape]
+    B, S = case.batch, case.slots
+    state = jax.random.uniform(next(keys), (B, Hk, G, S))
+    state = jnp.where(jnp.arange(S) % 5 == 4, jnp.roll(state, 1, -1), state)
+    order = jnp.argsort(jax.random.uniform(next(keys), (B, Hk, S)), axis=-1).astype(jnp.int32)
+    rank = jnp.argsort(order, axis=-1).astype(jnp.int32)
+    pos = jnp.where(rank < S - 3, rank, -1)
+    return state, pos, order, jnp.full((B,), S - 3, jnp.int32)
+
+
 def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = False):
     """A jitted function of the case's inputs -> (out, lse, col or None). in_stack: a dense decode
     kernel reads the case's keys and values as the middle layer of a stack of three, as the budget
@@ -219,13 +244,15 @@ def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = Fa
     if case.op == PROMPT:
         prompt_impl = None if impl == "pallas_gpu" else impl
         return jax.jit(lambda q, k, v: (causal_attention(q, k, v, impl=prompt_impl), None, None))
-    paged, decode, moments = OPS[case.op]
-    score = "attn" if case.score == "none" else case.score
     opts = dict(impl=impl) if impl in (None, "xla") else dict(impl=impl, interpret=interpret)
     if impl == WIDE:
         opts = dict(impl="pallas_gpu", interpret=interpret, block_k=128)
     if case.op == EXPECTED_LOGITS:
         return jax.jit(lambda *args: (expected_logits(*args, **opts), None, None))
+    if case.op == LOWEST_PLACE:
+        return jax.jit(lambda *args: (lowest_place(*args, **PLACE_OPTIONS, **opts), None, None))
+    paged, decode, moments = OPS[case.op]
+    score = "attn" if case.score == "none" else case.score
     if case.op == MOMENT_RESIDUALS:
 
         def fn(q, k, v, sp, qp, w, mom):
@@ -310,6 +337,7 @@ def check_cases(smoke: bool, slots: int, ops: tuple[str, ...] | None = None) -> 
                         )
                     )
     cases += [Case(PROMPT, "none", shape, "bfloat16", slots, 2) for shape in shapes]
+    cases += [Case(LOWEST_PLACE, "attn", shape, "float32", slots, 16) for shape in shapes]
     return [c for c in cases if ops is None or c.op in ops]
 
 
@@ -320,16 +348,23 @@ def timing_cases(smoke: bool) -> list[Case]:
     scores = ("none", "attn") if smoke else ("none", "attn", "obcache-joint")
     ops = ("block", "decode", "paged_block", "paged_decode")
     shape, batch = ("smollm2", 1) if smoke else ("llama8b", 4)
-    return [
-        Case(op, score, shape, "bfloat16", slots, batch)
-        for slots in lengths
-        for op in ops
-        for score in scores
-    ] + [  # the decoding evictions' kernels (their "attn" is nominal: they score no attention)
-        Case(op, "attn", shape, "bfloat16", slots, batch)
-        for slots in lengths
-        for op in (MOMENT_RESIDUALS, EXPECTED_LOGITS)
-    ]
+    return (
+        [
+            Case(op, score, shape, "bfloat16", slots, batch)
+            for slots in lengths
+            for op in ops
+            for score in scores
+        ]
+        + [  # the decoding evictions' kernels (their "attn" is nominal: they score no attention)
+            Case(op, "attn", shape, "bfloat16", slots, batch)
+            for slots in lengths
+            for op in (MOMENT_RESIDUALS, EXPECTED_LOGITS)
+        ]
+        + [  # a decoding step's eviction of every layer: budget 1024 + the new token
+            Case(LOWEST_PLACE, "attn", shape, "float32", 129 if smoke else 1025, rows)
+            for rows in ((1,) if smoke else (PLACE_LAYERS, 64 * PLACE_LAYERS))
+        ]
+    )
 
 
 def submit_checks(
@@ -397,8 +432,8 @@ def run_checks(
                 row["attention"] = prompt_attention(futures[c, "kernel"].result()[0])
             errs = [row[k] for k in row if k.startswith("kernel_") and k.endswith("_err")]
             row["max_err"] = max(errs) if not any(math.isnan(e) for e in errs) else float("nan")
-            row["tol"] = TOL[c.dtype]
-            row["ok"] = bool(row["max_err"] <= TOL[c.dtype])
+            row["tol"] = 0.0 if c.op == LOWEST_PLACE else TOL[c.dtype]  # places: exact
+            row["ok"] = bool(row["max_err"] <= row["tol"])
             return row
 
         row = guarded(results, "kernel_checks", c.label, check)
@@ -434,14 +469,17 @@ def submit_timings(compiler: Compiler, smoke: bool) -> dict:
 
 def run_timings(results: Results, deadline: Deadline, futures: dict, smoke: bool) -> None:
     for c in timing_cases(smoke):
+        Hk, G, K = SHAPES[c.shape]
         kv_bytes = (
             (1 if c.op == EXPECTED_LOGITS else 2)  # the expected logits read the keys alone
             * c.batch
-            * SHAPES[c.shape][0]
+            * Hk
             * c.slots
-            * SHAPES[c.shape][2]
+            * K
             * jnp.dtype(c.dtype).itemsize
         )
+        if c.op == LOWEST_PLACE:  # the state, positions and order
+            kv_bytes = c.batch * Hk * c.slots * (4 * G + 8)
         n_sets = 1 if kv_bytes > L2_BYTES else 3
         sets = None
         for impl in ("pallas_gpu", WIDE, "xla", "cudnn"):
@@ -552,7 +590,8 @@ def tables(results: Results) -> list[str]:
             "",
             "| op | score | slots | batch | Pallas (Triton) ms | Pallas, 128-slot tiles ms "
             "| XLA ms | cuDNN ms | XLA / Pallas "
-            "| K+V GB/s (Pallas; K alone for expected_logits) |",
+            "| K+V GB/s (Pallas; K alone for expected_logits; state, positions and order for "
+            "lowest_place) |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         by = {}

@@ -21,7 +21,7 @@ from kvjax.cache.slots_view import SlotsView
 from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.moments import Moments, over_layers
 from kvjax.eviction.priority import keys_by_position
-from kvjax.kernels import block_attention_with_scores, decode_attention_with_scores
+from kvjax.kernels import block_attention_with_scores, decode_attention_with_scores, lowest_place
 from kvjax.kernels.quantized import Quantized, stored, values, zeros
 from kvjax.model.config import ModelConfig
 from kvjax.model.segment import Segment
@@ -190,6 +190,8 @@ class BudgetCache(SlotsView):
         if self.slots <= b:  # everything fits: only the state reset remains
             return self.replace(state=_reset(self.state)) if p.scorer.reset_after_evict else self
         n_drop = self.slots - b
+        if n_drop == 1 and p.pooled_aggregate:  # a decoding step's: in a kernel on CUDA
+            return self._drop_few(p, self._lowest_place(p, seen)[..., None])
         # in position order: ties go to the earlier position
         if p.pooled_aggregate:
             key = keys_by_position(p, self.state, self.pos, self.order, seen)
@@ -202,6 +204,28 @@ class BudgetCache(SlotsView):
         # dropped after.
         order = jnp.take_along_axis(self.order, true_first(~drop), -1)
         return self._release(p, order, order[..., b:])
+
+    def _lowest_place(self, p: Policy, seen: jax.Array) -> jax.Array:
+        """[B, Hk] the place in ``order`` of each head's lowest key (``keys_by_position``), the
+        earliest of equal ones: ``kvjax.kernels.lowest_place``."""
+        (place,) = per_shard(
+            lambda *a: (
+                lowest_place(
+                    *a,
+                    n_sink=p.n_sink,
+                    window=p.window,
+                    aggregate=p.aggregate,
+                    pool=p.pool,
+                    kernel=p.kernel,
+                    impl=p.impl,
+                ),
+            ),
+            (self.state, self.pos, self.order, seen),
+            (KV, KV, KV, ("batch",)),
+            (KV,),
+            *self.pos.shape[:2],
+        )
+        return place
 
     def _keys(self, p: Policy, seen: jax.Array, n_drop: int, stack: tuple | None) -> jax.Array:
         """``eviction_keys`` [B, Hk, S] by slot, the modifier's choice of ``n_drop`` at most

@@ -1,19 +1,23 @@
-"""The math scorers share, per (row, KV head) of one layer: the aggregate over query heads, pooling
-along positions, chunk means, CAOTE's meta-score, and ``eviction_keys`` (protected and empty slots
-around the scorer's priority). The semantics are in ``docs/eviction.md``.
+"""The math scorers share, per (row, KV head) of one layer: the aggregate over query heads and the
+pooling along positions (defined beside the dense cache's eviction kernel,
+``kvjax.kernels.eviction_place.reference``), chunk means, CAOTE's meta-score, and
+``eviction_keys`` (protected and empty slots around the scorer's priority). The semantics are in
+``docs/eviction.md``.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from kvjax.slots import inverse_permutation
+from kvjax.kernels.eviction_place import reference
 
-AGGREGATES = ("sum", "mean", "max", "layer")  # "layer": mean over all query heads of the layer
-POOLS = ("none", "max", "avg")
+# the keys' aggregate and pooling are the dense cache's eviction kernel's reference, one definition
+from kvjax.kernels.eviction_place.reference import AGGREGATES as AGGREGATES
+from kvjax.kernels.eviction_place.reference import POOLS as POOLS
+from kvjax.kernels.eviction_place.reference import aggregate as aggregate
+from kvjax.kernels.eviction_place.reference import pool_by_position
+from kvjax.slots import inverse_permutation
 
 
 def pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.Array) -> jax.Array:
@@ -29,26 +33,6 @@ def pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.Ar
     pooled = jnp.where(present, pool_by_position(xs, present, kind, kernel), xs)
     rank = inverse_permutation(order)
     return jnp.take_along_axis(pooled, jnp.broadcast_to(rank.reshape(by_pos.shape), x.shape), -1)
-
-
-def pool_by_position(xs: jax.Array, present: jax.Array, kind: str, kernel: int) -> jax.Array:
-    """1-D pooling of xs [..., S] listed by position, among the ``present`` [..., S] ones.
-
-    In that order the present (unprotected) slots are one contiguous run: valid slots come first,
-    the sinks are a prefix and the recent window a suffix of them. So a token's neighbours are the
-    present tokens within ``kernel // 2`` places on either side; absent ones are left out (``max``)
-    or counted as 0 (``avg``, divided by ``kernel``). Absent entries are not meaningful.
-    """
-    S = xs.shape[-1]
-    fill = -jnp.inf if kind == "max" else 0.0
-    half = kernel // 2
-    padded = jnp.pad(
-        jnp.where(present, xs, fill),
-        [(0, 0)] * (xs.ndim - 1) + [(half, kernel - 1 - half)],
-        constant_values=fill,
-    )
-    shifted = [padded[..., i : i + S] for i in range(kernel)]
-    return functools.reduce(jnp.maximum, shifted) if kind == "max" else sum(shifted) / kernel
 
 
 def _chunk_mean(
@@ -69,17 +53,6 @@ def _chunk_mean(
     mean = jnp.where(ps, total / jnp.maximum(count, 1), xs)
     rank = inverse_permutation(order)
     return jnp.take_along_axis(mean, rank, -1)
-
-
-def aggregate(how: str, per_head: jax.Array) -> jax.Array:
-    """[B, Hk, G, S] -> [B, Hk, S] by ``how`` (``AGGREGATES``). "layer" averages every query head of
-    the layer (TOVA's and kvpress's choice) and gives the mean to every KV head: their slots hold
-    the same positions (equal priorities make equal choices from the first eviction on), so every KV
-    head keeps the same tokens."""
-    if how == "layer":
-        B, Hk, _, S = per_head.shape
-        return jnp.broadcast_to(jnp.mean(per_head, axis=(1, 2))[:, None], (B, Hk, S))
-    return {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max}[how](per_head, axis=2)
 
 
 def caote(h: jax.Array, v: jax.Array, valid: jax.Array, fast: bool) -> jax.Array:
@@ -122,7 +95,7 @@ def eviction_keys(
     ``window`` most recent positions), -inf for empty ones, else the scorer's priority (with
     ``chunk`` > 1, the mean over the slot's chunk). Also returns the priority and the unprotected
     mask [B, Hk, S]. Arguments as ``kvjax.eviction.base.Base.priority``."""
-    protected, unprotected = _protection(policy, pos, seen)
+    protected, unprotected = reference.protection(pos, seen, policy.n_sink, policy.window)
     prio = policy.modifier_spec.priority(
         policy.scorer, policy, state, pos, unprotected, k, v, order, stats, seen
     )
@@ -136,18 +109,17 @@ def keys_by_position(
 ) -> jax.Array:
     """``eviction_keys``' keys [B, Hk, S] listed by position (as ``order`` lists the slots), for a
     policy whose priority is its base's pooled aggregate (``Policy.pooled_aggregate``): pooled in
-    that order, with no permutation back to the slots and none forth again (a decoding step of the
-    dense cache inverted an [L, B, Hk, S] permutation for the pooling alone). The same keys, bit for
-    bit."""
-    agg = jnp.take_along_axis(aggregate(policy.aggregate, state), order, -1)
-    protected, unprotected = _protection(policy, jnp.take_along_axis(pos, order, -1), seen)
-    pooled = pool_by_position(agg, unprotected, policy.pool, policy.kernel)
-    return jnp.where(unprotected, pooled, jnp.where(protected, jnp.inf, -jnp.inf))
-
-
-def _protection(policy, pos: jax.Array, seen: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(protected, unprotected) [B, Hk, S] of the valid slots at positions ``pos``: the ``n_sink``
-    first and ``window`` most recent positions are protected."""
-    valid = pos >= 0
-    protected = valid & ((pos < policy.n_sink) | (pos >= seen[:, None, None] - policy.window))
-    return protected, valid & ~protected
+    that order (``kvjax.kernels.eviction_place.reference``), with no permutation back to the slots
+    and none forth again (a decoding step of the dense cache inverted an [L, B, Hk, S] permutation
+    for the pooling alone). The same keys, bit for bit."""
+    return reference.keys_by_position(
+        state,
+        pos,
+        order,
+        seen,
+        n_sink=policy.n_sink,
+        window=policy.window,
+        how=policy.aggregate,
+        pool=policy.pool,
+        kernel=policy.kernel,
+    )

@@ -1,0 +1,87 @@
+"""The eviction keys of the dense cache's slots listed by position, as kvjax computes them in XLA,
+and the place of the lowest (a decoding step's one eviction).
+
+A slot's key is its base scorer's priority: the per-slot state [B, Hk, G, S] aggregated over the G
+query heads of its KV head (``aggregate``), pooled along positions among the unprotected slots
+(``pool_by_position``); protected slots (the ``n_sink`` first and ``window`` most recent
+positions) get +inf, empty ones (position -1) -inf. ``order`` [B, Hk, S] lists the slots by
+position (valid ones first), so the first place of the lowest key is the slot to evict, ties going
+to the earlier position.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+AGGREGATES = ("sum", "mean", "max", "layer")  # "layer": mean over all query heads of the layer
+POOLS = ("none", "max", "avg")
+
+
+def aggregate(how: str, per_head: jax.Array) -> jax.Array:
+    """[B, Hk, G, S] -> [B, Hk, S] by ``how`` (``AGGREGATES``). "layer" averages every query head of
+    the layer (TOVA's and kvpress's choice) and gives the mean to every KV head: their slots hold
+    the same positions (equal priorities make equal choices from the first eviction on), so every KV
+    head keeps the same tokens."""
+    if how == "layer":
+        B, Hk, _, S = per_head.shape
+        return jnp.broadcast_to(jnp.mean(per_head, axis=(1, 2))[:, None], (B, Hk, S))
+    return {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max}[how](per_head, axis=2)
+
+
+def pool_by_position(xs: jax.Array, present: jax.Array, kind: str, kernel: int) -> jax.Array:
+    """1-D pooling of xs [..., S] listed by position, among the ``present`` [..., S] ones.
+
+    In that order the present (unprotected) slots are one contiguous run: valid slots come first,
+    the sinks are a prefix and the recent window a suffix of them. So a token's neighbours are the
+    present tokens within ``kernel // 2`` places on either side; absent ones are left out (``max``)
+    or counted as 0 (``avg``, divided by ``kernel``). Absent entries are not meaningful.
+    """
+    S = xs.shape[-1]
+    fill = -jnp.inf if kind == "max" else 0.0
+    half = kernel // 2
+    padded = jnp.pad(
+        jnp.where(present, xs, fill),
+        [(0, 0)] * (xs.ndim - 1) + [(half, kernel - 1 - half)],
+        constant_values=fill,
+    )
+    shifted = [padded[..., i : i + S] for i in range(kernel)]
+    return functools.reduce(jnp.maximum, shifted) if kind == "max" else sum(shifted) / kernel
+
+
+def protection(
+    pos: jax.Array, seen: jax.Array, n_sink: int, window: int
+) -> tuple[jax.Array, jax.Array]:
+    """(protected, unprotected) [B, Hk, S] of the valid slots at positions ``pos`` (``seen`` [B]
+    one past the newest): the ``n_sink`` first and ``window`` most recent positions are
+    protected."""
+    valid = pos >= 0
+    protected = valid & ((pos < n_sink) | (pos >= seen[:, None, None] - window))
+    return protected, valid & ~protected
+
+
+def keys_by_position(
+    state, pos, order, seen, *, n_sink: int, window: int, how: str, pool: str, kernel: int
+) -> jax.Array:
+    """[B, Hk, S] float32 the key of the slot at each place of ``order``.
+
+    Args:
+        state: [B, Hk, G, S] float32 the per-slot state.
+        pos: [B, Hk, S] int32 positions (-1: empty).
+        order: [B, Hk, S] int32 the slots by position.
+        seen: [B] int32 one past each row's newest position.
+        how / pool / kernel: the aggregate over the query heads, the pooling and its width.
+    """
+    agg = jnp.take_along_axis(aggregate(how, state), order, -1)
+    protected, unprotected = protection(jnp.take_along_axis(pos, order, -1), seen, n_sink, window)
+    if pool != "none":
+        agg = pool_by_position(agg, unprotected, pool, kernel)
+    return jnp.where(unprotected, agg, jnp.where(protected, jnp.inf, -jnp.inf))
+
+
+def lowest_place(state, pos, order, seen, **options) -> jax.Array:
+    """[B, Hk] int32 the first place of ``order`` holding the lowest key (``keys_by_position``,
+    whose arguments these are)."""
+    return jnp.argmin(keys_by_position(state, pos, order, seen, **options), -1).astype(jnp.int32)
