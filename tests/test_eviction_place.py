@@ -10,7 +10,6 @@ cache):
 * bad shapes and an aggregate the kernel does not take name the argument.
 """
 
-import itertools
 import re
 
 import jax.numpy as jnp
@@ -19,26 +18,9 @@ import pytest
 from kvjax.kernels import lowest_place
 from kvjax.kernels.eviction_place import reference
 from test_moment_residuals import decoding_module
+from test_priority import layer, policy_of
 
-from kvjax.eviction import eviction_keys, make_policy
-from kvjax.eviction.keywords import EvictionKeywords
-
-
-def layer(seed, B=2, Hk=3, G=4, S=80, empty=5):
-    """One layer's state [B, Hk, G, S] (three slots' scores equal to three others': ties), positions
-    (``empty`` slots of each head at -1; the rest a shuffled 0 … S − empty − 1), the order (the
-    slots by position, the empty ones last) and seen [B]."""
-    rng = np.random.default_rng(seed)
-    state = rng.random((B, Hk, G, S), np.float32)
-    state[..., :3] = state[..., 3:6]
-    pos = np.full((B, Hk, S), -1, np.int32)
-    order = np.zeros((B, Hk, S), np.int32)
-    for b, h in itertools.product(range(B), range(Hk)):
-        slots = rng.permutation(S)
-        pos[b, h, slots[: S - empty]] = np.arange(S - empty)
-        order[b, h] = np.concatenate([slots[: S - empty], slots[S - empty :]])
-    return jnp.asarray(state), jnp.asarray(pos), jnp.asarray(order), jnp.full(B, S - empty)
-
+from kvjax.eviction import eviction_keys
 
 CASES = [
     dict(aggregate="mean", pool="max", kernel=7),  # SnapKV's defaults
@@ -75,7 +57,7 @@ def test_heads_with_nothing_to_evict_and_ties():
 
 
 def test_the_reference_is_argmin_of_the_keys_by_position():
-    policy = make_policy(EvictionKeywords(scorer="snapkv", budget=64, n_sink=2, window=4), 64)
+    policy = policy_of("snapkv", n_sink=2, window=4)
     state, pos, order, seen = layer(1)
     keys = eviction_keys(policy, state, pos, None, None, order, None, seen)[0]
     place = lowest_place(

@@ -14,8 +14,9 @@ from kvjax.eviction.priority import keys_by_position
 
 
 def layer(seed, B=2, Hk=3, G=4, S=80, empty=5):
-    """One layer's state [B, Hk, G, S], positions (``empty`` slots of each head at -1; the rest a
-    shuffled 0 … S − empty − 1) and order (the slots by position, the empty ones last)."""
+    """One layer's state [B, Hk, G, S] (three slots' scores equal to three others': ties), positions
+    (``empty`` slots of each head at -1; the rest a shuffled 0 … S − empty − 1), the order (the
+    slots by position, the empty ones last) and seen [B]."""
     rng = np.random.default_rng(seed)
     state = rng.random((B, Hk, G, S), np.float32)
     state[..., :3] = state[..., 3:6]  # equal scores: the tie rule acts
