@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from kvjax.model.segment import when
 
@@ -50,9 +51,11 @@ def fold_scores(
     policy, seg, layer: jax.Array, q: jax.Array, state: jax.Array, stats, col: jax.Array | None
 ):
     """Layer ``layer``'s scorer state [B, Hk, G, S] and the statistics (stacked over layers) after
-    the step (``Base.update_state``, ``Base.observe``)."""
+    the step (``Base.update_state``, ``Base.observe``); under ``seg.fresh_state`` from zeros,
+    the stored state unread (XLA:GPU copied each layer's slice out of the stack to add to it)."""
     if col is not None:  # new slots start from zero: empty slots hold a zero state
-        state = policy.scorer.update_state(state, col, seg.query_weights.sum(-1) > 0)
+        before = jnp.zeros_like(state) if seg.fresh_state else state
+        state = policy.scorer.update_state(before, col, seg.query_weights.sum(-1) > 0)
     return state, policy.scorer.observe(stats, layer, q, seg.positions, seg.valid, policy)
 
 

@@ -164,46 +164,56 @@ class BudgetCache(SlotsView):
             seg,
             decode,
             block,
-            lambda h: h._evict_layer(p, seg.seen, (k_all, v_all, layer)),
+            lambda h: h._evict_layer(
+                p, seg.seen, (k_all, v_all, layer), reset=not seg.fresh_state
+            ),
         )
         return out, here.replace(k=k_all, v=v_all)
 
-    def evict(self, p: Policy, seen: jax.Array) -> BudgetCache:
+    def evict(self, p: Policy, seen: jax.Array, reset: bool = True) -> BudgetCache:
         """Keep ``p.budget`` slots per (layer, row, KV head), every layer at once (a few at a time
         when the modifier's choice is a long loop: ``over_layers``); seen: [B] one past the newest
-        position. Only the small per-slot arrays, the statistics and the moments change."""
+        position; ``reset``: False leaves the state of a scorer that zeroes it at every eviction
+        point as it is (``Segment.fresh_state``). Only the small per-slot arrays, the statistics
+        and the moments change."""
         k, v = self.k, self.v
         self = self.replace(stats=p.scorer.settle(self.stats))
         steps = self.slots - p.budget if p.modifier_spec.sequential_choice else 0
         small = over_layers(
-            lambda a: a[0].replace(k=a[1], v=a[2])._evict_layer(p, seen).replace(k=None, v=None),
+            lambda a: a[0]
+            .replace(k=a[1], v=a[2])
+            ._evict_layer(p, seen, reset=reset)
+            .replace(k=None, v=None),
             (self.replace(k=None, v=None), k, v),
             steps,
         )
         return small.replace(k=k, v=v)
 
-    def _evict_layer(self, p: Policy, seen: jax.Array, stack: tuple | None = None) -> BudgetCache:
+    def _evict_layer(
+        self, p: Policy, seen: jax.Array, stack: tuple | None = None, reset: bool = True
+    ) -> BudgetCache:
         """One layer's slice ([B, Hk, ...] leaves); ``stack``: (stored keys, values, layer) of
         every layer, of which this slice's are that layer's (read in place by the modifier's
-        kernels)."""
+        kernels); ``reset`` as in ``evict``."""
         b = p.budget
         if self.slots <= b:  # everything fits: only the state reset remains
-            return self.replace(state=_reset(self.state)) if p.scorer.reset_after_evict else self
+            resets = p.scorer.reset_after_evict and reset
+            return self.replace(state=_reset(self.state)) if resets else self
         n_drop = self.slots - b
         if n_drop == 1 and p.pooled_aggregate:  # a decoding step's: in a kernel on CUDA
-            return self._drop_few(p, self._lowest_place(p, seen)[..., None])
+            return self._drop_few(p, self._lowest_place(p, seen)[..., None], reset)
         # in position order: ties go to the earlier position
         if p.pooled_aggregate:
             key = keys_by_position(p, self.state, self.pos, self.order, seen)
         else:
             key = jnp.take_along_axis(self._keys(p, seen, n_drop, stack), self.order, -1)
         if n_drop <= UNROLLED_DROPS:
-            return self._drop_few(p, lowest_few(key, n_drop))
+            return self._drop_few(p, lowest_few(key, n_drop), reset)
         drop = lowest_slots(key, n_drop)
         # Stable partition of the order: kept slots first (valid ones stay in position order),
         # dropped after.
         order = jnp.take_along_axis(self.order, true_first(~drop), -1)
-        return self._release(p, order, order[..., b:])
+        return self._release(p, order, order[..., b:], reset)
 
     def _lowest_place(self, p: Policy, seen: jax.Array) -> jax.Array:
         """[B, Hk] the place in ``order`` of each head's lowest key (``keys_by_position``), the
@@ -243,7 +253,7 @@ class BudgetCache(SlotsView):
             key = jnp.where(unprotected, jnp.where(chosen, 0.0, 1.0), key)
         return key
 
-    def _drop_few(self, p: Policy, dropped: jax.Array) -> BudgetCache:
+    def _drop_few(self, p: Policy, dropped: jax.Array, reset: bool = True) -> BudgetCache:
         """Drop the distinct places ``dropped`` [B, Hk, n] of ``order``: one shift per place,
         highest first, each moving the freed slot to the end of the order (no sort, no gather of
         keys or values)."""
@@ -256,12 +266,15 @@ class BudgetCache(SlotsView):
             freed = jnp.take_along_axis(order, place, -1)
             shifted = jnp.concatenate([order[..., 1:], freed], -1)
             order = jnp.where(rank >= place, shifted, order)
-        return self._release(p, order, slots)
+        return self._release(p, order, slots, reset)
 
-    def _release(self, p: Policy, order: jax.Array, dropped: jax.Array) -> BudgetCache:
+    def _release(
+        self, p: Policy, order: jax.Array, dropped: jax.Array, reset: bool = True
+    ) -> BudgetCache:
         """Free the ``dropped`` [B, Hk, E] slots (empty ones among them are left as they are): their
-        tokens join the moments, their position becomes -1 and their state 0; ``order`` is the new
-        order."""
+        tokens join the moments, their position becomes -1 and their state 0 (every slot's, for a
+        scorer that zeroes its state at every eviction point, unless not ``reset``); ``order`` is
+        the new order."""
 
         def take(x):
             return values(jax.tree.map(lambda a: jnp.take_along_axis(a, dropped[..., None], -2), x))
@@ -270,7 +283,7 @@ class BudgetCache(SlotsView):
         freed = set_slots(jnp.zeros(self.pos.shape, bool), dropped, True)
         state = jnp.where(freed[:, :, None, :], 0.0, self.state)
         if p.scorer.reset_after_evict:  # after the keys' reads: a reset XLA:GPU was free to run
-            state = _reset(state)  # first, in place, made it copy the state every step
+            state = _reset(state) if reset else self.state  # first made it copy the state
         return self.replace(
             pos=jnp.where(freed, -1, self.pos),
             state=state,

@@ -294,7 +294,13 @@ class PagedCache(SlotsView):
         )
         cache = cache.replace(k_pages=k_pages, v_pages=v_pages, pos=pos)
         return attend_scored(
-            cache, layer, q, seg, decode, block, lambda c: c._evict_layer(p, seg.seen, layer)
+            cache,
+            layer,
+            q,
+            seg,
+            decode,
+            block,
+            lambda c: c._evict_layer(p, seg.seen, layer, reset=not seg.fresh_state),
         )
 
     def evict(
@@ -303,6 +309,7 @@ class PagedCache(SlotsView):
         seen: jax.Array,
         max_evict: int | None = None,
         head_budgets: jax.Array | None = None,
+        reset: bool = True,
     ) -> PagedCache:
         """Every layer at once: the allocation's kept count per (layer, row, KV head), the scorer's
         choice of slots, the moments, compaction and page release.
@@ -315,6 +322,8 @@ class PagedCache(SlotsView):
                 budget; a cache filled otherwise (a full prefill being compressed) must give it.
             head_budgets: [L, Hk] int32 each head's budget under the "heads" allocation
                 (kvzip-head).
+            reset: False leaves the state of a scorer that zeroes it at every eviction point as
+                it is (``Segment.fresh_state``).
         """
         L, B, Hk, C = self.pos.shape
         cap, sharing = p.head_capacity(L, Hk), p.allocation_spec.sharing(L, Hk)
@@ -322,9 +331,13 @@ class PagedCache(SlotsView):
             max_evict = min(C, (C - cap) * sharing)
         budgets = p.layer_budgets(L)
         self = self.replace(stats=p.scorer.settle(self.stats))
-        return self._evict(p, seen, max_evict, cap, budgets, p.group_budget(sharing), head_budgets)
+        return self._evict(
+            p, seen, max_evict, cap, budgets, p.group_budget(sharing), head_budgets, reset
+        )
 
-    def _evict_layer(self, p: Policy, seen: jax.Array, layer: jax.Array) -> PagedCache:
+    def _evict_layer(
+        self, p: Policy, seen: jax.Array, layer: jax.Array, reset: bool = True
+    ) -> PagedCache:
         """``evict`` on a layer's view (its statistics too), for layer ``layer`` (a traced index;
         not under a "global" allocation)."""
         L, Hk, C = self.n_layers, self.pos.shape[1], self.slots
@@ -334,7 +347,7 @@ class PagedCache(SlotsView):
         part = join_layers(part, jax.tree.map(lambda x: x[None], fields))
         part = part.replace(stats=jax.tree.map(lambda x: x[None], self.stats))
         budgets = jnp.asarray(p.layer_budgets(L), jnp.int32)[layer][None]
-        part = part._evict(p, seen, max_evict, cap, budgets, p.group_budget(sharing))
+        part = part._evict(p, seen, max_evict, cap, budgets, p.group_budget(sharing), reset=reset)
         part, fields = split_layers(part)
         return join_layers(part, jax.tree.map(lambda x: x[0], fields)).replace(stats=self.stats)
 
@@ -347,10 +360,11 @@ class PagedCache(SlotsView):
         budgets,
         group: int,
         head_budgets: jax.Array | None = None,
+        reset: bool = True,
     ) -> PagedCache:
         """``evict`` over this cache's layers (every layer, or one cut out with a leading axis of
         1), whose budgets are ``budgets``; ``group``: ``Policy.group_budget`` of the heads that
-        share a budget."""
+        share a budget; ``reset`` as in ``evict``."""
         kv = (None, None)
         if p.reads_kv:  # reads every slot's keys, values (as attention reads them)
             k_pages, v_pages = values(self.k_pages), values(self.v_pages)
@@ -393,11 +407,14 @@ class PagedCache(SlotsView):
         weight = jnp.take_along_axis(dropped, first_dropped, -1).astype(jnp.float32)
         k_out, v_out = self._rows(first_dropped)
         moments = jax.vmap(Moments.add)(self.moments, weight, k_out, v_out)
-        return self._compact(p, keep, moments, max_evict)
+        return self._compact(p, keep, moments, max_evict, reset)
 
-    def _compact(self, p: Policy, keep: jax.Array, moments: Moments, max_moves: int) -> PagedCache:
+    def _compact(
+        self, p: Policy, keep: jax.Array, moments: Moments, max_moves: int, reset: bool = True
+    ) -> PagedCache:
         """Lay every head's ``keep`` [L, B, Hk, C] slots out in logical slots 0 … n−1 (the kept ones
-        above n move into the holes below it) and free the pages past ⌈n / P⌉."""
+        above n move into the holes below it) and free the pages past ⌈n / P⌉; ``reset`` as in
+        ``evict``."""
         L, B, Hk, C = self.pos.shape
         P, N = self.page_size, self.free.shape[1]
         slot = jnp.arange(C)
@@ -432,8 +449,8 @@ class PagedCache(SlotsView):
         new_slot = set_slots(identity, jnp.where(moving, tails, C), holes, lead=3, mode="drop")
         live = slot < n[..., None]
         pos = jnp.where(live, jnp.take_along_axis(self.pos, source, -1), -1)
-        if p.scorer.reset_after_evict:
-            state = self.state * 0.0
+        if p.scorer.reset_after_evict:  # unreset, the next step overwrites it
+            state = self.state * 0.0 if reset else self.state
         else:
             state = jnp.where(
                 live[..., None, :], jnp.take_along_axis(self.state, source[..., None, :], -1), 0.0

@@ -29,6 +29,12 @@ class Segment:
         attend_kept (static): with ``evict_in_layer``, the layer outputs the attention over the
             tokens it keeps (``decode_order="evict-first"``); else over all it attended, which is
             what an eviction after the step gives.
+        fresh_state (static): the scorer's state is zero when this step begins (decoding that
+            evicts at every step under a scorer that zeroes its state at every eviction point,
+            after a prompt whose last block ended with one: ``Eviction.fresh_state``), so the
+            step computes it from its own column without reading the stored one, and its
+            eviction point leaves it as it is (the next step overwrites it); the caller zeroes
+            it after the last such step.
     """
 
     positions: jax.Array
@@ -40,6 +46,7 @@ class Segment:
     policy: object = struct.field(pytree_node=False, default=None)
     evict_in_layer: bool = struct.field(pytree_node=False, default=False)
     attend_kept: bool = struct.field(pytree_node=False, default=False)
+    fresh_state: bool = struct.field(pytree_node=False, default=False)
 
 
 def when(flag, fn, x):

@@ -157,7 +157,9 @@ def resume_state(
     return start_state(cfg, ev.fit(cache, cfg, spare), lengths, logits, key, out_width)
 
 
-def decode_step(params: Params, s, sampling, stop, max_new, ev: Eviction | None):
+def decode_step(
+    params: Params, s, sampling, stop, max_new, ev: Eviction | None, fresh_state: bool = False
+):
     """One decode step of every row: a row not done samples its next token (``sample``, the key
     split once per step), feeds it (evicting as ``ev`` says; None: a full cache) and is done after a
     stop id or its token limit.
@@ -168,14 +170,19 @@ def decode_step(params: Params, s, sampling, stop, max_new, ev: Eviction | None)
         sampling: a ``Sampling`` or per-row settings (as ``sample``).
         stop: stop ids [n], or [B, n] per row (-1: none).
         max_new: the token limit, a scalar or [B].
+        fresh_state: the scorer's state is zero as the step begins, and its eviction point
+            leaves it for the next step to overwrite (``Segment.fresh_state``; only where
+            ``ev.fresh_state`` holds).
 
     Returns the state after the step and the tokens [B], -1 for rows already done.
     """
-    tokens, seg, finish = decode_feed(params, s, sampling, stop, max_new, ev)
+    tokens, seg, finish = decode_feed(params, s, sampling, stop, max_new, ev, fresh_state)
     return finish(*step(params, tokens, s.cache, seg))
 
 
-def decode_feed(params: Params, s, sampling, stop, max_new, ev: Eviction | None):
+def decode_feed(
+    params: Params, s, sampling, stop, max_new, ev: Eviction | None, fresh_state: bool = False
+):
     """The first half of ``decode_step`` (arguments as there), for a forward call that other rows
     may share (the serving engine's prompt chunks): (tokens [B, 1], seg, finish), where
     ``finish(hidden [B, 1, D], cache)`` of the forward call and its eviction returns the state
@@ -198,7 +205,7 @@ def decode_feed(params: Params, s, sampling, stop, max_new, ev: Eviction | None)
         )
         return after, jnp.where(active, tok, -1)
 
-    return tok[:, None], decode_segment(ev, s.step, s.lengths, active), finish
+    return tok[:, None], decode_segment(ev, s.step, s.lengths, active, fresh_state), finish
 
 
 @jit(static_argnames=("sampling", "stop_ids", "ev"), donate_argnames=("state",))
@@ -214,16 +221,30 @@ def decode_steps(
     """``decode_step`` until every row is done (stop id or ``max_new_tokens``) or ``state.step ==
     stop_step``, each row's new tokens written to ``out``."""
     rows = jnp.arange(state.out.shape[0])
+    fresh = fresh_state(ev)
 
     def cond(s: DecodeState):
         return (s.step < stop_step) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
-        after, tok = decode_step(params, s, sampling, stop_ids, max_new_tokens, ev)
+        after, tok = decode_step(params, s, sampling, stop_ids, max_new_tokens, ev, fresh)
         out = s.out.at[rows, s.n_new].set(jnp.where(tok >= 0, tok, s.out[rows, s.n_new]))
         return constrain(after.replace(out=out))
 
-    return constrain(jax.lax.while_loop(cond, body, state))
+    state = jax.lax.while_loop(cond, body, state)
+    return constrain(zero_state(state) if fresh else state)
+
+
+def fresh_state(ev: Eviction | None) -> bool:
+    """A decoding loop under ``ev`` computes each step's scorer state from its own column
+    (``Segment.fresh_state``) and zeroes it once at its end (``zero_state``)."""
+    return ev is not None and ev.fresh_state
+
+
+def zero_state(s):
+    """``s`` (a ``DecodeState`` or the serving engine's ``Slots``) with its cache's scorer state
+    zeroed, computed from it so that XLA writes it in place."""
+    return s.replace(cache=s.cache.replace(state=s.cache.state * 0.0))
 
 
 class Generation:

@@ -118,6 +118,14 @@ class Eviction:
         return cache.replace(stats=self.policy.scorer.fit_stats(cache.stats, self.pending_queries))
 
     @property
+    def fresh_state(self) -> bool:
+        """Decoding ends every step with an eviction point that zeroes the scorer's state (SnapKV
+        or TOVA evicting every step), and every prompt fed under this eviction ends with one, so a
+        decoding loop may compute each step's state from that step's column alone and zero it once
+        at its end (``Segment.fresh_state``)."""
+        return self.decode_evict and self.evict_every == 1 and self.policy.scorer.reset_after_evict
+
+    @property
     def pending_queries(self) -> int:
         """How many decoding queries a scorer's statistics may hold aside between eviction points
         (``Base.fit_stats``): ``evict_every`` when decoding evicts periodically, else 0."""
@@ -255,17 +263,26 @@ def step_groups(params: Params, groups: tuple) -> tuple[tuple, tuple]:
     caches = tuple(
         cache
         if seg.evict_in_layer
-        else when(seg.evict, lambda c, seg=seg: c.evict(seg.policy, seg.seen), cache)
+        else when(
+            seg.evict,
+            lambda c, seg=seg: c.evict(seg.policy, seg.seen, reset=not seg.fresh_state),
+            cache,
+        )
         for cache, (_, _, seg) in zip(caches, groups, strict=True)
     )
     return hidden, caches
 
 
 def decode_segment(
-    ev: Eviction | None, step: jax.Array, lengths: jax.Array, active: jax.Array
+    ev: Eviction | None,
+    step: jax.Array,
+    lengths: jax.Array,
+    active: jax.Array,
+    fresh_state: bool = False,
 ) -> Segment:
     """The Segment of one decode step: token at position ``lengths`` [B] for the ``active`` [B]
-    rows."""
+    rows; ``fresh_state``: the caller zeroed the scorer's state before its first step, and
+    ``ev.fresh_state`` holds (``Segment.fresh_state``)."""
     positions = lengths[:, None]
     if ev is None:
         return Segment(positions=positions)
@@ -283,4 +300,5 @@ def decode_segment(
         policy=ev.policy,
         evict_in_layer=ev.decode_evict and (ev.decode_order == "evict-first" or ev.evicts_by_layer),
         attend_kept=ev.decode_order == "evict-first",
+        fresh_state=fresh_state,
     )

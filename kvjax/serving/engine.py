@@ -35,7 +35,7 @@ from kvjax.cache.full import FullCache, cache_bytes
 from kvjax.model.decoder import logits_from_hidden
 from kvjax.model.params import Params
 from kvjax.model.segment import when
-from kvjax.runtime.decoding import decode_feed, decode_step
+from kvjax.runtime.decoding import decode_feed, decode_step, fresh_state, zero_state
 from kvjax.runtime.inputs import (
     CAPACITY_STEP,
     check_max_new,
@@ -272,14 +272,14 @@ def mixed(
     engine's decoding eviction) and a chunk of every prompt row (as ``fill``) in one forward pass.
     Returns the state, the rows, each slot's new token [S] (-1 where done) and the rows' logits
     [P, V]."""
-    s = state.settings
-    tokens, seg, finish = decode_feed(params, state, s, s.stop, s.max_new, decode_ev)
+    s, fresh = state.settings, fresh_state(decode_ev)
+    tokens, seg, finish = decode_feed(params, state, s, s.stop, s.max_new, decode_ev, fresh)
     fill_seg = chunk_segment(ev, filling.lengths, chunk.n, chunk.end, chunk.tokens.shape[1])
     groups = ((tokens, state.cache, seg), (chunk.tokens, filling.cache, fill_seg))
     (hidden, _), (cache, filled), logits = _chunk_forward(params, groups, chunk, ev)
     state, new = finish(hidden, cache)
     filling = Filling(cache=filled, lengths=filling.lengths + chunk.n)
-    return constrain(state), constrain(filling), new, logits
+    return constrain(zero_state(state) if fresh else state), constrain(filling), new, logits
 
 
 @jit(donate_argnames=("filling",))
@@ -359,12 +359,15 @@ def generate(
     [S, steps] int32: each active slot's new token per step, -1 where the slot was done (free,
     finished by a stop id or its token limit)."""
 
+    fresh = fresh_state(ev)
+
     def body(s: Slots, _):
-        s, tokens = decode_step(params, s, s.settings, s.settings.stop, s.settings.max_new, ev)
+        settings = s.settings
+        s, tokens = decode_step(params, s, settings, settings.stop, settings.max_new, ev, fresh)
         return constrain(s), tokens
 
     state, tokens = jax.lax.scan(body, state, None, length=steps)
-    return state, tokens.T
+    return zero_state(state) if fresh else state, tokens.T
 
 
 class Engine:
