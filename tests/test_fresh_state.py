@@ -1,8 +1,8 @@
 """Decoding that evicts at every step under a scorer that zeroes its state at every eviction point
-(SnapKV, TOVA, and SnapKV under MomentKV or AdaKV) computes each step's state from its own column and leaves it at its eviction point
-(``Segment.fresh_state``; ``decode_steps`` zeroes it once at its end). It must decode exactly as
-the stored state's update and reset do: the same tokens, slots, positions, order and moments, and
-a zero state after."""
+(SnapKV, TOVA, and SnapKV under MomentKV or AdaKV) computes each step's state from its own column
+and leaves it at its eviction point (``Segment.fresh_state``; ``decode_steps`` zeroes it once at
+its end). It must decode exactly as the stored state's update and reset do: the same tokens,
+slots, positions, order and moments, and a zero state after."""
 
 from __future__ import annotations
 

@@ -164,9 +164,7 @@ class BudgetCache(SlotsView):
             seg,
             decode,
             block,
-            lambda h: h._evict_layer(
-                p, seg.seen, (k_all, v_all, layer), reset=not seg.fresh_state
-            ),
+            lambda h: h._evict_layer(p, seg.seen, (k_all, v_all, layer), reset=not seg.fresh_state),
         )
         return out, here.replace(k=k_all, v=v_all)
 
@@ -180,10 +178,12 @@ class BudgetCache(SlotsView):
         self = self.replace(stats=p.scorer.settle(self.stats))
         steps = self.slots - p.budget if p.modifier_spec.sequential_choice else 0
         small = over_layers(
-            lambda a: a[0]
-            .replace(k=a[1], v=a[2])
-            ._evict_layer(p, seen, reset=reset)
-            .replace(k=None, v=None),
+            lambda a: (
+                a[0]
+                .replace(k=a[1], v=a[2])
+                ._evict_layer(p, seen, reset=reset)
+                .replace(k=None, v=None)
+            ),
             (self.replace(k=None, v=None), k, v),
             steps,
         )
@@ -282,8 +282,10 @@ class BudgetCache(SlotsView):
         weight = (jnp.take_along_axis(self.pos, dropped, -1) >= 0).astype(jnp.float32)
         freed = set_slots(jnp.zeros(self.pos.shape, bool), dropped, True)
         state = jnp.where(freed[:, :, None, :], 0.0, self.state)
-        if p.scorer.reset_after_evict:  # after the keys' reads: a reset XLA:GPU was free to run
-            state = _reset(state) if reset else self.state  # first made it copy the state
+        if p.scorer.reset_after_evict:
+            # zeroed after the keys' reads (a reset that XLA:GPU was free to run first made it copy
+            # the state every step); left as it is unless ``reset``: the next step overwrites it
+            state = _reset(state) if reset else self.state
         return self.replace(
             pos=jnp.where(freed, -1, self.pos),
             state=state,
