@@ -281,8 +281,7 @@ def decode_segment(
     fresh_state: bool = False,
 ) -> Segment:
     """The Segment of one decode step: token at position ``lengths`` [B] for the ``active`` [B]
-    rows; ``fresh_state``: the caller zeroed the scorer's state before its first step, and
-    ``ev.fresh_state`` holds (``Segment.fresh_state``)."""
+    rows; ``fresh_state``: ``Segment.fresh_state``, only where ``ev.fresh_state`` holds."""
     positions = lengths[:, None]
     if ev is None:
         return Segment(positions=positions)
