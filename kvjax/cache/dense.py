@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache.attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV, attend_scored
-from kvjax.cache.slots_view import SlotsView
+from kvjax.cache.slots_view import SlotsView, reset_state
 from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.moments import Moments, over_layers
 from kvjax.eviction.priority import keys_by_position
@@ -198,7 +198,7 @@ class BudgetCache(SlotsView):
         b = p.budget
         if self.slots <= b:  # everything fits: only the state reset remains
             resets = p.scorer.reset_after_evict and reset
-            return self.replace(state=_reset(self.state)) if resets else self
+            return self.replace(state=reset_state(self.state)) if resets else self
         n_drop = self.slots - b
         if n_drop == 1 and p.pooled_aggregate:  # a decoding step's: in a kernel on CUDA
             return self._drop_few(p, self._lowest_place(p, seen)[..., None], reset)
@@ -285,7 +285,7 @@ class BudgetCache(SlotsView):
         if p.scorer.reset_after_evict:
             # zeroed after the keys' reads (a reset that XLA:GPU was free to run first made it copy
             # the state every step); left as it is unless ``reset``: the next step overwrites it
-            state = _reset(state) if reset else self.state
+            state = reset_state(state) if reset else self.state
         return self.replace(
             pos=jnp.where(freed, -1, self.pos),
             state=state,
@@ -305,13 +305,6 @@ def _write(store, layer: jax.Array, free: jax.Array, new: jax.Array):
         jax.tree.map(lambda pair: pair[0], both, is_leaf=lambda x: isinstance(x, tuple)),
         jax.tree.map(lambda pair: pair[1], both, is_leaf=lambda x: isinstance(x, tuple)),
     )
-
-
-def _reset(state: jax.Array) -> jax.Array:
-    """Zeros in place of a (finite) state, computed from it: with a data dependency on the old
-    state, XLA overwrites it in place; plain zeros made XLA copy the stacked state in the decode
-    loop (floating-point x * 0 is not folded, because of NaN and inf; docs/performance.md)."""
-    return state * 0.0
 
 
 UNROLLED_DROPS = 8  # up to this many evictions per step, repeated argmins and shifts beat a sort

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache.attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV, attend_scored
-from kvjax.cache.slots_view import SlotsView
+from kvjax.cache.slots_view import SlotsView, reset_state
 from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.allocations import ranks
 from kvjax.eviction.moments import Moments, over_layers
@@ -450,7 +450,7 @@ class PagedCache(SlotsView):
         live = slot < n[..., None]
         pos = jnp.where(live, jnp.take_along_axis(self.pos, source, -1), -1)
         if p.scorer.reset_after_evict:  # unreset, the next step overwrites it
-            state = self.state * 0.0 if reset else self.state
+            state = reset_state(self.state) if reset else self.state
         else:
             state = jnp.where(
                 live[..., None, :], jnp.take_along_axis(self.state, source[..., None, :], -1), 0.0

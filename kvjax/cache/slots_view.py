@@ -1,4 +1,5 @@
-"""What both budget caches (``BudgetCache``, ``PagedCache``) read the same way off their slots.
+"""What both budget caches (``BudgetCache``, ``PagedCache``) read the same way off their slots,
+and the reset of their scorer state.
 
 A mixin of properties only: it adds no fields, so each cache stays the same ``flax.struct`` pytree.
 """
@@ -29,3 +30,10 @@ class SlotsView:
         """Positions in ``order``: each (layer, row, KV head)'s valid positions ascending,
         then -1s."""
         return jnp.take_along_axis(self.pos, self.order, -1)
+
+
+def reset_state(state: jax.Array) -> jax.Array:
+    """Zeros in place of a (finite) scorer state, computed from it: with a data dependency on the
+    old state, XLA overwrites it in place; plain zeros made XLA copy the stacked state in the decode
+    loop (floating-point x * 0 is not folded, because of NaN and inf; docs/performance.md)."""
+    return state * 0.0

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from kvjax.cache.dense import BudgetCache
 from kvjax.cache.full import FullCache
 from kvjax.cache.paged import PagedCache
+from kvjax.cache.slots_view import reset_state
 from kvjax.model.decoder import decode_hidden, logits_from_hidden
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment
@@ -243,8 +244,8 @@ def fresh_state(ev: Eviction | None) -> bool:
 
 def zero_state(s):
     """``s`` (a ``DecodeState`` or the serving engine's ``Slots``) with its cache's scorer state
-    zeroed, computed from it so that XLA writes it in place."""
-    return s.replace(cache=s.cache.replace(state=s.cache.state * 0.0))
+    zeroed (``reset_state``)."""
+    return s.replace(cache=s.cache.replace(state=reset_state(s.cache.state)))
 
 
 class Generation:
