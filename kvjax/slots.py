@@ -135,12 +135,24 @@ def inverse_permutation(permutation: jax.Array) -> jax.Array:
     )
 
 
+# ``true_first`` cuts of at most this many entries are one ``jax.lax.top_k`` pass (XLA:GPU runs
+# top-k of up to 16 in a kernel of its own, larger ones as a sort)
+FEW_FIRST = 16
+
+
 def true_first(mask: jax.Array, k: int | None = None) -> jax.Array:
     """[..., k] indices of mask [..., N]'s True entries ascending, then of its False ones ascending:
     the first ``k`` (default N) of ``jnp.argsort(~mask, stable=True)``, by a cumulative sum and a
-    scatter instead of a sort."""
+    scatter instead of a sort; up to ``FEW_FIRST`` of them (a decoding step's dropped slots, holes
+    and tails) by one ``jax.lax.top_k`` over N − index where True and 0 where False (its ties go to
+    the lower index), which writes no [..., N] index array for a scatter."""
     N = mask.shape[-1]
     k = N if k is None else k
+    if k <= FEW_FIRST:
+        index = jnp.arange(N, dtype=jnp.float32)  # exact below 2**24
+        first = jax.lax.top_k(jnp.where(mask, N - index, 0.0), k)[1]
+        # fused into its users, the cut made XLA:CPU sort whole rows (docs/performance.md)
+        return jax.lax.optimization_barrier(first.astype(jnp.int32))
     index = jnp.broadcast_to(jnp.arange(N), mask.shape)
     trues = jnp.cumsum(mask, -1, dtype=jnp.int32)  # inclusive: i − trues Falses before a False i
     rank = jnp.where(mask, trues - 1, trues[..., -1:] + index - trues)

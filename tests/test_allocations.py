@@ -249,13 +249,30 @@ def test_adakv_targets_match_brute_force(floor_mode):
     assert reached > 0
 
 
+def _shuffled(rng, key, pos):
+    """key, pos [..., S] with each head's slots in a random order (as a paged cache's compaction
+    leaves them), and that head's ``order``: its slots by position, valid ones first, then the
+    empty ones ascending."""
+    perm = np.argsort(rng.random(pos.shape), -1)
+    key, pos = np.take_along_axis(key, perm, -1), np.take_along_axis(pos, perm, -1)
+    slot = np.arange(pos.shape[-1])
+    order = np.argsort(np.where(pos >= 0, pos, pos.shape[-1] * 4 + slot), -1, kind="stable")
+    return jnp.asarray(key), jnp.asarray(pos, jnp.int32), jnp.asarray(order, jnp.int32)
+
+
+def _by_pos(key, order):
+    """The keys listed by position, as ``few_dropped`` takes them."""
+    return jnp.take_along_axis(key, order, -1)
+
+
 @pytest.mark.parametrize("floor", [0, 3, 6])
 def test_a_decoding_steps_few_drops_equal_the_sorted_ranking(floor):
     """``shared_drops`` (AdaKV's eviction in a decoding step: at most one slot per head to drop over
     the layer's heads, by greedy min-reductions) drops exactly the slots that ``shared_targets`` and
     the ranking by (key, position, head) leave out: on keys with many exact ties (within and across
-    heads, equal positions in several heads), protected slots, heads at their floor and heads over
-    the cap (AdaKV's: the layer's total)."""
+    heads, equal positions in several heads), zeros of both signs, protected slots, heads at their
+    floor and heads over the cap (AdaKV's: the layer's total), with each head's slots out of
+    position order."""
     rng = np.random.default_rng(floor)
     B, H, S, total = 600, 3, 24, 21  # a budget of 7 per head
     count = rng.integers(2, 13, (B, H))
@@ -274,11 +291,13 @@ def test_a_decoding_steps_few_drops_equal_the_sorted_ranking(floor):
         pos >= 0, rng.integers(0, 4, (B, H, S)).astype(np.float32), -np.inf
     )  # 4 values: ties
     key = np.where((pos >= 0) & (rng.random((B, H, S)) < 0.1), np.inf, key)
-    key, pos = jnp.asarray(key), jnp.asarray(pos, jnp.int32)
+    key = np.where((key == 0) & (rng.random((B, H, S)) < 0.5), -0.0, key)
+    key, pos, order = _shuffled(rng, key, pos)
     kept = shared_targets(key, pos, total, floor, total)
     expected = np.asarray((key > -jnp.inf) & ~(ranks(-key, -pos) < kept[..., None]))
     np.testing.assert_array_equal(
-        np.asarray(shared_drops(key, pos, total, floor, total, H)), expected
+        np.asarray(shared_drops(_by_pos(key, order), pos, order, total, floor, total, H)),
+        expected,
     )
     drops = expected.sum((-2, -1))
     assert (drops > 0).mean() > 0.3 and (drops == H).any() and (count > total).any()
@@ -306,10 +325,12 @@ def test_a_decoding_steps_drop_per_head_equals_the_sorted_ranking(kind):
     key = np.where(
         (pos >= 0) & (rng.random((L, B, Hk, S)) < 0.3), np.inf, key
     )  # all protected, in some heads
-    key, pos = jnp.asarray(key), jnp.asarray(pos, jnp.int32)
+    key, pos, order = _shuffled(rng, key, pos)
     kept = spec.targets(key, pos, budgets, 0, max(budgets), head_budgets)
     expected = np.asarray((key > -jnp.inf) & ~(ranks(-key, -pos) < kept[..., None]))
-    fits, dropped = spec.few_dropped(key, pos, budgets, 0, max(budgets), head_budgets)
+    fits, dropped = spec.few_dropped(
+        _by_pos(key, order), pos, order, budgets, 0, max(budgets), head_budgets
+    )
     assert bool(fits)
     np.testing.assert_array_equal(np.asarray(dropped()), expected)
     assert expected.sum(-1).max() == 1 and expected.any(-1).mean() > 0.2
@@ -317,9 +338,11 @@ def test_a_decoding_steps_drop_per_head_equals_the_sorted_ranking(kind):
         np.asarray((key == jnp.inf).sum(-1)) > limit
     ).any()  # the ranking drops a protected slot there
     two_over = np.arange(S) < limit[1, 0, 2] + 2
+    order = order.at[1, 0, 2].set(np.arange(S))
     fits, _ = spec.few_dropped(
-        key.at[1, 0, 2].set(np.where(two_over, 1.0, -np.inf)),
+        _by_pos(key.at[1, 0, 2].set(np.where(two_over, 1.0, -np.inf)), order),
         pos.at[1, 0, 2].set(np.where(two_over, np.arange(S), -1)),
+        order,
         budgets,
         0,
         max(budgets),

@@ -256,12 +256,16 @@ def test_shared_allocations_with_modifiers_match_reference(model3, case, allocat
             allocation="adakv",
         ),
         ALLOCATION_CASES[3] | PYRAMID | dict(allocation="pyramidkv"),
+        dict(scorer="momentkv", obs_window=4, pool="max", kernel=3, allocation="pyramidkv")
+        | PYRAMID,
     ],
     ids=lambda c: f"{c['allocation']}-{c['scorer']}",
 )
 def test_evicting_every_decoding_step_matches_reference(model3, case):
     """evict_every=1: each decoding step drops one slot per KV head (AdaKV: over the layer's heads),
-    found by min-reductions (``Allocation.few_dropped``) instead of the ranking's sorts."""
+    found by ``Allocation.few_dropped`` instead of the ranking's sorts, and evicts at most the
+    heads sharing a budget times one new token each (``PagedCache._most_dropped``: MomentKV under
+    PyramidKV then evicts one token per head, its single-eviction rule)."""
     check_against_reference(model3, case | dict(page_size=4), "prefill", 1, distinct_prompts())
 
 

@@ -219,6 +219,36 @@ def test_moved_bytes_counts_what_a_layer_scan_slices_out_once_per_trip():
     assert moved_bytes(loop.lower(list(stacked), x).compile().as_text()) < n * n * 4
 
 
+def test_step_traffic_counts_a_decoding_loops_body_outside_its_layer_scan():
+    """``aot.py --traffic``'s count (``common.step_traffic``) on a loop shaped like the decoding
+    loop: its layer scan is left out (more layers, the same count), a gather of 8 elements counts
+    what it takes, not the array it takes them from (a larger array, the same count), and each
+    branch of a conditional is counted apart (the one that rewrites a 1 MB array reads and writes
+    it)."""
+    import jax
+    import jax.numpy as jnp
+
+    step_traffic = gpu_script("common").step_traffic
+    n = 1 << 18  # 1 MB of float32
+
+    def traffic(layers: int, table: int) -> dict:
+        def body(i, carry):
+            x, big, ws, lookup = carry
+            x = jax.lax.scan(lambda h, w: (jnp.tanh(w @ h), None), x, ws)[0]
+            big = jax.lax.cond(x[0] > 2.0, lambda b: b * 2.0 + 1.0, lambda b: b, big)
+            return x + lookup[jnp.arange(8) * 7 + i].sum(), big, ws, lookup
+
+        loop = jax.jit(lambda *carry: jax.lax.fori_loop(0, 5, body, carry))
+        args = jnp.ones(64), jnp.ones(n), jnp.ones((layers, 64, 64)), jnp.ones(table)
+        return step_traffic(loop.lower(*args).compile().as_text())
+
+    base = traffic(2, n)
+    branches = sorted(v for k, v in base.items() if k != "step")
+    assert len(base) == 3 and len(branches) == 2 and branches[1] >= 2 * 4 * n
+    assert traffic(8, n) == base  # the layer scan is not counted
+    assert traffic(2, 4 * n) == base  # nor what the gather does not read
+
+
 def test_moved_bytes_reads_xla_gpus_asynchronous_slice_copies():
     """On XLA:GPU's compile of the 8B decoding step
     (``benchmarks/gpu/aot.py --caches full --batches 1 --hlo``, full cache, batch 1; jax 0.11.2),

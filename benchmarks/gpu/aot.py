@@ -12,6 +12,8 @@ wheels):
     /tmp/aot/bin/python benchmarks/gpu/aot.py                     # about 3 minutes on 2 cores
     # the programs' text
     /tmp/aot/bin/python benchmarks/gpu/aot.py --caches full --batches 1 --hlo /tmp/hlo
+    # what a step reads and writes outside the layer scan, each branch of its conditionals apart
+    /tmp/aot/bin/python benchmarks/gpu/aot.py --caches "adakv 1024" --batches 64 --traffic
 
 Variants: "kvjax" compiles with the options kvjax's programs take on a GPU
 (``kvjax.runtime.jit.OPTIONS``: no Triton GEMM fusions, so cuBLAS reads each layer's weights in
@@ -39,6 +41,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import step_traffic  # noqa: E402
 from layers_part import moved_bytes  # noqa: E402
 from model_part import LLAMA_8B, NEW, OUT_WIDTH, tile_state  # noqa: E402
 
@@ -83,6 +86,12 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument(
         "--hlo", type=Path, help="write each compiled program's text to this directory"
+    )
+    parser.add_argument(
+        "--traffic",
+        action="store_true",
+        help="also print what kvjax's program reads and writes per step outside its loops "
+        "(``common.step_traffic``): every step, and each branch of its conditionals",
     )
     args = parser.parse_args()
     on = compile_only_sharding()
@@ -168,6 +177,9 @@ def main() -> int:
                     f"| {moved_bytes(text) / 1e6:.1f} | {cublas} / {triton} | {seconds:.1f} |",
                     flush=True,
                 )
+                if args.traffic and variant == "kvjax":
+                    for where, nbytes in step_traffic(text).items():
+                        print(f"    {cache} at {batch}, {where}: {nbytes / 1e9:.2f} GB", flush=True)
     return 0
 
 

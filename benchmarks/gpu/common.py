@@ -292,6 +292,106 @@ def copied_bytes(copies: list[tuple[str, tuple[int, ...], int]]) -> int:
     return sum(HLO_BYTES.get(dtype, 4) * math.prod(shape) * times for dtype, shape, times in copies)
 
 
+_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_OP = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)")
+_SKIP = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
+
+
+def _shape_bytes(shape: str) -> int:
+    return sum(
+        HLO_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+        for dtype, dims in _SHAPE.findall(shape)
+        if dtype in HLO_BYTES
+    )
+
+
+def _instructions(body: list[str]) -> list[tuple[str, str, str, list[str], str]]:
+    """(name, result shape, op, operand names, line) of each instruction."""
+    found = []
+    for line in body:
+        m = _OP.match(line)
+        if m:
+            name, shape, op, rest = m.groups()
+            found.append((name, shape, op, re.findall(r"%([\w.\-]+)", rest.split(")")[0]), line))
+    return found
+
+
+def _fused_reads(fused: list[str], index: int, whole: int) -> int:
+    """Bytes a fused computation reads of its parameter ``index``: what its gathers and dynamic
+    slices take where it is read only through them (nothing where it is only updated in place),
+    else all of it."""
+    ops = _instructions(fused)
+    names = {n for n, _, op, _, line in ops if op == "parameter" and f"parameter({index})" in line}
+    for n, _, op, args, _ in ops:  # its bitcasts and reshapes are it
+        if op in ("bitcast", "reshape") and args and args[0] in names:
+            names.add(n)
+    read = 0
+    for n, shape, op, args, _ in ops:
+        for i, arg in enumerate(args):
+            if arg not in names or n in names:
+                continue
+            if i == 0 and op in ("gather", "dynamic-slice"):
+                read += _shape_bytes(shape)
+            elif not (i == 0 and op in ("scatter", "dynamic-update-slice")):
+                return whole
+    return read
+
+
+def step_traffic(hlo: str) -> dict[str, float]:
+    """Bytes read and written per step, about, by the decoding loop's body outside its loops
+    (key "step": the instructions that always run) and by each branch of its conditionals (key:
+    the conditional and "true", "false" or the branch's index; a step runs one branch of each),
+    the loops inside a branch times their trip counts. Each instruction counts its result and its
+    operands; a fusion counts of an operand only what its gathers and dynamic slices read of it,
+    and nothing for a result it updates in place (a scatter's buffer). From the program's text:
+    no timing, and XLA may keep some of it in the caches."""
+    prog = Hlo.parse(hlo)
+    # the decode loop: the outermost loop around the layer scan
+    decode = next(prog.enclosing(name)[-1] for name in prog.trips if len(prog.enclosing(name)) == 2)
+    traffic: dict[str, float] = collections.defaultdict(float)
+
+    def walk(comp: str, key: str, times: int, top: bool) -> None:
+        traffic[key] += 0.0  # a branch that moves nothing is listed too
+        ops = _instructions(prog.lines[comp])
+        shapes = {n: shape for n, shape, *_ in ops}
+        for name, shape, op, args, line in ops:
+            if op in _SKIP:
+                continue
+            if op == "while":
+                if not top:  # the layer scan and the decode loop's other loops are not counted
+                    body = re.search(r"body=%([\w.\-]+)", line).group(1)
+                    walk(body, key, times * prog.trips.get(body, 1), False)
+                continue
+            if op == "conditional":  # true / false, or the branch's index
+                branches = re.findall(r"(true|false)_computation=%([\w.\-]+)", line) or [
+                    (str(i), b.strip().lstrip("%"))
+                    for g in re.findall(r"branch_computations=\{([^}]*)\}", line)
+                    for i, b in enumerate(g.split(","))
+                ]
+                for label, branch in branches:
+                    walk(branch, f"{name} {label}", times, False)
+                continue
+            fused = re.search(r"calls=%([\w.\-]+)", line)
+            # a fusion's instructions, or the instruction alone as if it were one
+            fused = (
+                prog.lines.get(fused.group(1))
+                if op == "fusion" and fused
+                else [f"ROOT %x = {shape} {op}({', '.join(f'%p{i}' for i in range(len(args)))})"]
+                + [f"%p{i} = s32[] parameter({i})" for i in range(len(args))]
+            )
+            out = _shape_bytes(shape)
+            root = next((f for f in fused if f.lstrip().startswith("ROOT")), "")
+            if re.search(r" (scatter|dynamic-update-slice)\(", root):
+                out = 0  # written in place: its updates are counted as read
+            reads = sum(
+                _fused_reads(fused, i, _shape_bytes(shapes.get(a, ""))) for i, a in enumerate(args)
+            )
+            traffic[key] += times * (out + reads)
+
+    walk(decode, "step", 1, True)
+    return dict(traffic)
+
+
 def memory_stats() -> dict[str, int]:
     """The default device's allocator figures (bytes_limit, bytes_in_use, peak_bytes_in_use and, if
     it gives it, largest_free_block_bytes), {} where the platform gives none (CPU)."""

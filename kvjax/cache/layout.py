@@ -125,11 +125,12 @@ class Paged:
             n_pool,
             dtype,
             policy.moment_dim(cfg.head_dim),
+            spare,
             kv_dtype,
         )
 
     def fit(self, cache: PagedCache, cfg, policy, spare: int) -> PagedCache:
-        return cache.resize(*self.geometry(cfg, policy, spare))
+        return cache.resize(*self.geometry(cfg, policy, spare), spare)
 
     def compress(self, policy, k, v, pos, state, stats, seen, head_budgets=None) -> PagedCache:
         moment_dim = policy.moment_dim(k.shape[-1])

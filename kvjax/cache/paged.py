@@ -26,6 +26,7 @@ from kvjax.cache.slots_view import SlotsView, reset_state
 from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.allocations import ranks
 from kvjax.eviction.moments import Moments, over_layers
+from kvjax.eviction.priority import keys_by_position
 from kvjax.kernels.paged_attention import (
     paged_block_attention_with_scores,
     paged_decode_attention_with_scores,
@@ -36,7 +37,7 @@ from kvjax.model.config import ModelConfig
 from kvjax.model.layer_fields import join_layers, split_layers
 from kvjax.model.segment import Segment
 from kvjax.sharding import per_shard
-from kvjax.slots import per_row, scatter_set, set_slots, true_first
+from kvjax.slots import FEW_FIRST, per_row, scatter_set, set_slots, true_first
 
 
 def pool_pages(
@@ -69,6 +70,9 @@ class PagedCache(SlotsView):
             layers in every view, each layer adding to its own in place (``Base.observe``).
         n_layers (static): L, which a layer's view (its ``LAYER_FIELDS`` without the layer axis)
             cannot read off its shapes.
+        spare (static): the new tokens a head takes between eviction points (the geometry's
+            ``spare``; the capacity C also holds the rounding up to whole pages), which bounds
+            what one eviction point can drop.
     """
 
     k_pages: jax.Array | Quantized
@@ -82,6 +86,7 @@ class PagedCache(SlotsView):
     moments: Moments
     stats: object = None
     n_layers: int = struct.field(pytree_node=False, default=0)
+    spare: int = struct.field(pytree_node=False, default=0)
 
     # The pool is split by batch row only: its pages hold every KV head (see docs/sharding.md).
     AXES = dict(
@@ -106,10 +111,12 @@ class PagedCache(SlotsView):
         n_pool: int,
         dtype,
         moment_dim: int,
+        spare: int,
         kv_dtype: str | None = None,
     ) -> PagedCache:
-        """Empty; ``moment_dim``: the K of its ``Moments`` (``Policy.moment_dim``); keys and values
-        in ``dtype``, or quantized as ``kv_dtype`` says."""
+        """Empty, with room for a head's capacity plus ``spare`` new tokens between eviction points
+        (``pages_per_head`` pages); ``moment_dim``: the K of its ``Moments``
+        (``Policy.moment_dim``); keys and values in ``dtype``, or quantized as ``kv_dtype`` says."""
         L, Hk, K, M, P = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, pages_per_head, page_size
         C = M * P
         return cls(
@@ -123,6 +130,7 @@ class PagedCache(SlotsView):
             order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (L, batch, Hk, C)),
             moments=Moments.zeros((L, batch, Hk), moment_dim),
             n_layers=L,
+            spare=spare,
         )
 
     @classmethod
@@ -136,7 +144,8 @@ class PagedCache(SlotsView):
         moment_dim: int,
     ) -> PagedCache:
         """The paged copy of a full cache. Head (l, h) gets the pages (l·Hk + h)·M … of its row's
-        pool (M = ⌈S / P⌉); those past its tokens are free.
+        pool (M = ⌈S / P⌉); those past its tokens are free. Its ``spare`` is S: a head may lose
+        every token.
 
         Args:
             k, v: [L, B, Hk, S, K] (arrays or ``Quantized``).
@@ -175,6 +184,7 @@ class PagedCache(SlotsView):
             order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), pos.shape),
             moments=Moments.zeros((L, B, Hk), moment_dim),
             n_layers=L,
+            spare=S,
         )
 
     @property
@@ -318,8 +328,9 @@ class PagedCache(SlotsView):
             seen: [B] one past the newest position.
             max_evict: the most slots one (layer, row, KV head) can lose (static). None: the bound
                 when every layer held at most its total budget before the newest tokens (decoding,
-                prompt blocks): the spare slots of a head (C − cap) times the heads that share a
-                budget; a cache filled otherwise (a full prefill being compressed) must give it.
+                prompt blocks): the new tokens of a head (``spare``) times the heads that share a
+                budget (``_most_dropped``); a cache filled otherwise (a full prefill being
+                compressed) must give it.
             head_budgets: [L, Hk] int32 each head's budget under the "heads" allocation
                 (kvzip-head).
             reset: False leaves the state of a scorer that zeroes it at every eviction point as
@@ -328,7 +339,7 @@ class PagedCache(SlotsView):
         L, B, Hk, C = self.pos.shape
         cap, sharing = p.head_capacity(L, Hk), p.allocation_spec.sharing(L, Hk)
         if max_evict is None:
-            max_evict = min(C, (C - cap) * sharing)
+            max_evict = self._most_dropped(sharing)
         budgets = p.layer_budgets(L)
         self = self.replace(stats=p.scorer.settle(self.stats))
         return self._evict(
@@ -340,9 +351,9 @@ class PagedCache(SlotsView):
     ) -> PagedCache:
         """``evict`` on a layer's view (its statistics too), for layer ``layer`` (a traced index;
         not under a "global" allocation)."""
-        L, Hk, C = self.n_layers, self.pos.shape[1], self.slots
+        L, Hk = self.n_layers, self.pos.shape[1]
         cap, sharing = p.head_capacity(L, Hk), p.allocation_spec.sharing(L, Hk)
-        max_evict = min(C, (C - cap) * sharing)
+        max_evict = self._most_dropped(sharing)
         part, fields = split_layers(self)
         part = join_layers(part, jax.tree.map(lambda x: x[None], fields))
         part = part.replace(stats=jax.tree.map(lambda x: x[None], self.stats))
@@ -350,6 +361,13 @@ class PagedCache(SlotsView):
         part = part._evict(p, seen, max_evict, cap, budgets, p.group_budget(sharing), reset=reset)
         part, fields = split_layers(part)
         return join_layers(part, jax.tree.map(lambda x: x[0], fields)).replace(stats=self.stats)
+
+    def _most_dropped(self, sharing: int) -> int:
+        """The most slots one head can lose at an eviction point when every layer held at most its
+        total budget before the newest tokens: the ``sharing`` heads of a budget took ``spare``
+        each since, and one head may lose all of their excess. (Not C − cap: C rounds up to whole
+        pages, 15 slots a head above a decoding step's one at 16-token pages.)"""
+        return min(self.slots, self.spare * sharing)
 
     def _evict(
         self,
@@ -371,22 +389,35 @@ class PagedCache(SlotsView):
             kv = jax.vmap(lambda t, n, s: gather_pages(k_pages, v_pages, t, n, s)[:2])(
                 self.table, self.n_pages, self.pos
             )
-        key, prio, unprotected = jax.vmap(
-            lambda s, q, k, v, o, st: eviction_keys(p, s, q, k, v, o, st, seen)
-        )(self.state, self.pos, *kv, self.order, self.stats)
         valid = self.pos >= 0
         count = valid.sum(-1)
         spec, floor = p.allocation_spec, p.floor_count()
+        if p.pooled_aggregate:  # the keys by position, not permuted back (``keys_by_position``)
+            key = prio = unprotected = None
+            by_pos = jax.vmap(lambda s, q, o: keys_by_position(p, s, q, o, seen))(
+                self.state, self.pos, self.order
+            )
+            present = valid  # such a key is -inf exactly at the empty slots
+        else:
+            key, prio, unprotected = jax.vmap(
+                lambda s, q, k, v, o, st: eviction_keys(p, s, q, k, v, o, st, seen)
+            )(self.state, self.pos, *kv, self.order, self.stats)
+            by_pos = jnp.take_along_axis(key, self.order, -1)
+            present = key > -jnp.inf
 
         def ranked():  # kept counts [L, B, Hk] and kept slots [L, B, Hk, C], by sorting
-            kept = spec.targets(key, self.pos, budgets, floor, cap, head_budgets, group)
-            return kept, valid & (ranks(-key, -self.pos) < kept[..., None])
+            # by slot: placed back from the positions' order, in the branch that reads them
+            k = key if key is not None else set_slots(by_pos, self.order, by_pos, 3, unique=True)
+            kept = spec.targets(k, self.pos, budgets, floor, cap, head_budgets, group)
+            return kept, valid & (ranks(-k, -self.pos) < kept[..., None])
 
         def unsorted(find):  # the same from the slots that ``find`` drops
-            keep = (key > -jnp.inf) & ~find()
+            keep = present & ~find()
             return keep.sum(-1).astype(jnp.int32), keep
 
-        few = spec.few_dropped(key, self.pos, budgets, floor, cap, head_budgets, group)
+        few = spec.few_dropped(
+            by_pos, self.pos, self.order, budgets, floor, cap, head_budgets, group
+        )
         if few is None:
             kept, best = ranked()
         else:  # a decoding step's few drops need no sort
@@ -445,21 +476,43 @@ class PagedCache(SlotsView):
 
         k_pages, v_pages = move(self.k_pages), move(self.v_pages)
         identity = jnp.broadcast_to(slot, keep.shape)
-        source = set_slots(identity, jnp.where(moving, holes, C), tails, lead=3, mode="drop")
-        new_slot = set_slots(identity, jnp.where(moving, tails, C), holes, lead=3, mode="drop")
+        if max_moves <= FEW_FIRST:  # against the moves' short lists: no [..., C] permutations
+
+            def from_tails(x):  # x [L, B, Hk, ..., C]: each moving hole takes its tail's entry
+                lead = x.shape[:3] + (1,) * (x.ndim - 4)
+                at = jnp.broadcast_to(tails.reshape(lead + (-1,)), x.shape[:-1] + (max_moves,))
+                taken, out = jnp.take_along_axis(x, at, -1), x
+                for i in range(max_moves):
+                    hit = (slot == holes[..., i : i + 1]) & moving[..., i : i + 1]
+                    out = jnp.where(hit.reshape(lead + (C,)), taken[..., i : i + 1], out)
+                return out
+
+            def renamed(v):  # slot numbers v [L, B, Hk, C]: each moving tail's is its hole's
+                out = v
+                for i in range(max_moves):
+                    hit = (v == tails[..., i : i + 1]) & moving[..., i : i + 1]
+                    out = jnp.where(hit, holes[..., i : i + 1], out)
+                return out
+        else:
+            source = set_slots(identity, jnp.where(moving, holes, C), tails, lead=3, mode="drop")
+            new_slot = set_slots(identity, jnp.where(moving, tails, C), holes, lead=3, mode="drop")
+
+            def from_tails(x):
+                at = source.reshape(source.shape[:3] + (1,) * (x.ndim - 4) + (C,))
+                return jnp.take_along_axis(x, jnp.broadcast_to(at, x.shape), -1)
+
+            def renamed(v):
+                return jnp.take_along_axis(new_slot, v, -1)
+
         live = slot < n[..., None]
-        pos = jnp.where(live, jnp.take_along_axis(self.pos, source, -1), -1)
+        pos = jnp.where(live, from_tails(self.pos), -1)
         if p.scorer.reset_after_evict:  # unreset, the next step overwrites it
             state = reset_state(self.state) if reset else self.state
         else:
-            state = jnp.where(
-                live[..., None, :], jnp.take_along_axis(self.state, source[..., None, :], -1), 0.0
-            )
+            state = jnp.where(live[..., None, :], from_tails(self.state), 0.0)
         kept_in_order = jnp.take_along_axis(keep, self.order, -1)
         rank = jnp.where(kept_in_order, jnp.cumsum(kept_in_order, -1) - 1, C)
-        order = set_slots(
-            identity, rank, jnp.take_along_axis(new_slot, self.order, -1), lead=3, mode="drop"
-        )
+        order = set_slots(identity, rank, renamed(self.order), lead=3, mode="drop")
         n_pages = -(-n // P)
         released = jnp.arange(self.table.shape[-1]) >= n_pages[..., None]
         released &= jnp.arange(self.table.shape[-1]) < self.n_pages[..., None]
@@ -478,10 +531,11 @@ class PagedCache(SlotsView):
             moments=moments,
         )
 
-    def resize(self, pages_per_head: int, n_pool: int) -> PagedCache:
+    def resize(self, pages_per_head: int, n_pool: int, spare: int) -> PagedCache:
         """The same contents in a new pool of ``n_pool`` pages and tables of ``pages_per_head``
-        pages, each head's pages packed in (layer, KV head) order. Every head's tokens must be in
-        slots 0 … n−1 (as after an eviction point) and fit."""
+        pages, each head's pages packed in (layer, KV head) order, for ``spare`` new tokens per
+        head between eviction points. Every head's tokens must be in slots 0 … n−1 (as after an
+        eviction point) and fit."""
         L, B, Hk, M = self.table.shape
         P = self.page_size
         M2, C2 = pages_per_head, pages_per_head * P
@@ -533,4 +587,5 @@ class PagedCache(SlotsView):
             pos=fit(self.pos, -1),
             state=fit(self.state, 0.0),
             order=order.astype(jnp.int32),
+            spare=spare,
         )

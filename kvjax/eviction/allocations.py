@@ -113,36 +113,54 @@ def shared_targets(key: jax.Array, pos: jax.Array, total: int, floor: int, cap: 
     return jnp.where(count.sum(-1, keepdims=True) <= total, count, kept)
 
 
-def shared_drops(key: jax.Array, pos: jax.Array, total, floor: int, cap, picks: int) -> jax.Array:
+def shared_drops(
+    by_pos: jax.Array, pos: jax.Array, order: jax.Array, total, floor: int, cap, picks: int
+) -> jax.Array:
     """[..., H, S] the slots ``shared_targets`` leaves out, found in ``picks`` greedy steps instead
-    of two sorts, for when at most ``picks`` slots go (the heads' count over ``total``). total,
-    cap: ints, or arrays broadcasting to [..., 1].
+    of two sorts, for when at most ``picks`` slots go (the heads' count over ``total``).
+
+    Args:
+        by_pos: [..., H, S] each head's eviction keys listed by position (at the places of
+            ``order``).
+        pos: [..., H, S] the positions by slot.
+        order: [..., H, S] each head's slots by position, valid ones first (``SlotsView.order``).
+        total, cap: ints, or arrays broadcasting to [..., 1].
 
     Each step drops one slot: while a head holds more than ``cap``, the lowest of such heads' slots;
     else the lowest of the heads above their floor (sorted last by ``shared_targets``: lowest key,
-    then earliest position, then highest head).
+    then earliest position, then highest head). A head's drops are its lowest slots by key, then
+    position, so the steps run on each head's ``picks`` lowest, found in one pass over its slots
+    (``jax.lax.top_k`` in position order, whose ties go to the lower index: the earlier position).
     """
-    H = key.shape[-2]
-    valid, count, floored = _floored(key, floor)
+    H, S = by_pos.shape[-2:]
+    picks = min(picks, S)
+    valid, count, floored = _floored(by_pos, floor)
     over = count.sum(-1, keepdims=True) > total  # [..., 1]: else every slot is kept
-    head = jnp.broadcast_to(jnp.arange(H)[:, None], key.shape)
+    # +0.0: -0.0 and 0.0, equal keys, rank alike; empty slots (after the valid ones) last
+    place = jax.lax.top_k(-jnp.where(valid, by_pos + 0.0, jnp.inf), picks)[1]  # [..., H, picks]
+    slot = jnp.take_along_axis(order, place, -1)
+    low_key, low_valid = (jnp.take_along_axis(x, place, -1) for x in (by_pos, valid))
+    low_pos = jnp.take_along_axis(pos, slot, -1)
+    head = jnp.arange(H)
 
-    def lowest(x, among, fill):  # [..., 1, 1] the least x over the heads' slots ``among``
-        return jnp.min(jnp.where(among, x, fill), (-2, -1), keepdims=True)
+    def lowest(x, among, fill):  # [..., 1] the least x over the heads ``among``
+        return jnp.min(jnp.where(among, x, fill), -1, keepdims=True)
 
-    dropped, n = jnp.zeros(key.shape, bool), count
+    taken, n = jnp.zeros(count.shape, jnp.int32), count
     for _ in range(picks):
         forced = n > cap  # [..., H]
         anyone = forced.any(-1, keepdims=True)
         go = over & (anyone | (n.sum(-1, keepdims=True) > total))
         heads = jnp.where(anyone, forced, n > floored) & go
-        cand = valid & ~dropped & heads[..., None]
-        cand &= key == lowest(key, cand, jnp.inf)
-        cand &= pos == lowest(pos, cand, jnp.iinfo(jnp.int32).max)
+        at = jnp.minimum(taken, picks - 1)[..., None]  # each head's lowest slot not yet dropped
+        k, p, ok = (jnp.take_along_axis(x, at, -1)[..., 0] for x in (low_key, low_pos, low_valid))
+        cand = heads & ok & (taken < picks)
+        cand &= k == lowest(k, cand, jnp.inf)
+        cand &= p == lowest(p, cand, jnp.iinfo(jnp.int32).max)
         cand &= head == -lowest(-head, cand, 1)  # the highest head
-        dropped |= cand
-        n = n - cand.sum(-1)
-    return dropped
+        taken, n = taken + cand, n - cand
+    gone = jnp.where(jnp.arange(picks) < taken[..., None], slot, -1)  # [..., H, picks]
+    return (jnp.arange(S)[:, None] == gone[..., None, :]).any(-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,18 +225,21 @@ class Allocation:
         themselves)."""
         return jnp.asarray(budgets, jnp.int32)[:, None, None]
 
-    def few_dropped(self, key, pos, budgets, floor, cap, head_budgets=None, group=None):
+    def few_dropped(self, by_pos, pos, order, budgets, floor, cap, head_budgets=None, group=None):
         """(fits, dropped) for a decoding step's eviction, found without a sort, or None where this
         allocation has none. fits: a bool scalar, True where every head holds at most one slot
         over its limit (heads sharing a budget: at most one each over their total); dropped: a
         function of no arguments returning the [L, B, Hk, S] slots that ``targets`` and the
-        ranking leave out, valid only where fits. Arguments as for ``targets``."""
-        limit = self.limits(budgets, head_budgets, key.shape[2])[..., None]  # [L, 1, Hk|1, 1]
-        fits = jnp.all((key > -jnp.inf).sum(-1) <= limit[..., 0] + 1)
+        ranking leave out, valid only where fits. by_pos: the keys [L, B, Hk, S] listed by
+        position, as ``order`` [L, B, Hk, S] lists the slots (valid ones first,
+        ``SlotsView.order``); the other arguments as for ``targets``."""
+        limit = self.limits(budgets, head_budgets, by_pos.shape[2])[..., None]  # [L, 1, Hk|1, 1]
+        fits = jnp.all((by_pos > -jnp.inf).sum(-1) <= limit[..., 0] + 1)
         one_head = lambda x: x[..., None, :]  # noqa: E731  each head a budget of its own
 
         def dropped():  # shared_drops over one head: its lowest key, then earliest position
-            return shared_drops(one_head(key), one_head(pos), limit, 0, limit, 1)[..., 0, :]
+            heads = (one_head(x) for x in (by_pos, pos, order))
+            return shared_drops(*heads, limit, 0, limit, 1)[..., 0, :]
 
         return fits, dropped
 
@@ -266,11 +287,11 @@ class AdaKV(Allocation):
         group = key.shape[2] * budgets[0] if group is None else group
         return shared_targets(key, pos, group, floor, cap).astype(jnp.int32)
 
-    def few_dropped(self, key, pos, budgets, floor, cap, head_budgets=None, group=None):
-        Hk = key.shape[2]
+    def few_dropped(self, by_pos, pos, order, budgets, floor, cap, head_budgets=None, group=None):
+        Hk = by_pos.shape[2]
         group = Hk * budgets[0] if group is None else group
-        fits = jnp.all((key > -jnp.inf).sum((-2, -1)) <= group + Hk)
-        return fits, lambda: shared_drops(key, pos, group, floor, cap, Hk)
+        fits = jnp.all((by_pos > -jnp.inf).sum((-2, -1)) <= group + Hk)
+        return fits, lambda: shared_drops(by_pos, pos, order, group, floor, cap, Hk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +318,7 @@ class Global(AdaKV):
         kept = shared_targets(rows(key), rows(pos), group, floor, cap)
         return kept.reshape(B, L, Hk).transpose(1, 0, 2).astype(jnp.int32)
 
-    def few_dropped(self, key, pos, budgets, floor, cap, head_budgets=None, group=None):
+    def few_dropped(self, by_pos, pos, order, budgets, floor, cap, head_budgets=None, group=None):
         return None  # one new slot per head is L × Hk greedy steps over a whole row: the sorts
 
 
