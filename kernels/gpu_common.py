@@ -129,14 +129,14 @@ def online_softmax(q, qpos, tiles: Callable[[Any], KeyTile], start, stop, scale:
     """Online softmax of the query rows q [R, K] (positions qpos [R]) over the key tiles
     ``tiles(j)``, j = start .. stop − 1 (the first one starts with a real slot) -> (unnormalised
     output acc [R, K] float32, max m [R], sum l [R]); -inf, 0 and 0 for an empty range.
-    ``store(j, logits)``, if given, receives each tile's masked logits [R, bk]."""
+    ``store(j, tile, logits)``, if given, receives each tile and its masked logits [R, bk]."""
 
     def body(j, carry):
         acc, m, l = carry
         tile = tiles(j)
         logits, _, _ = tile_logits(q, qpos, tile, scale)
         if store is not None:
-            store(j, logits)
+            store(j, tile, logits)
         m_next = jnp.maximum(m, jnp.max(logits, axis=1))  # finite from the first tile on
         p = jnp.exp(logits - m_next[:, None])
         alpha = jnp.exp(m - m_next)
@@ -187,25 +187,36 @@ def softmax_kernel(
     split_axis: int | None = None,
     head: tuple = (),
     z_rows: int = 0,
+    after_tile: Callable[[Any, KeyTile], None] | None = None,
 ):
     """Online softmax of a tile of query rows over ``n_tiles`` key tiles of the whole-head refs
     k_ref, v_ref [S, K] (or ``Quantized`` of refs; or their head at the leading indices ``head``)
     and spos_ref [S]: from slot 0, or — with split_axis — from the split chosen by that grid axis
     (n_tiles tiles per split; every split starts with a real slot). Writes the normalised o and m,
     l, and, given z_ref [R, ≥ S], the masked logits of the first ``z_rows`` rows at each tile's
-    slots."""
+    slots; ``after_tile(start, tile)``, if given, receives each tile and its first slot."""
     offset = 0 if split_axis is None else pl.program_id(split_axis) * (n_tiles * block_k)
 
     def tile(j):
         start = offset + j * block_k
         return dense_tile(k_ref, v_ref, spos_ref, start, block_k, n_slots, q_ref.dtype, head)
 
-    def store(j, logits):
-        rows = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 0) < z_rows
-        plgpu.store(z_ref.at[:, pl.ds(offset + j * block_k, block_k)], logits, mask=rows)
+    def store(j, tile, logits):
+        start = offset + j * block_k
+        if z_ref is not None:
+            rows = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 0) < z_rows
+            plgpu.store(z_ref.at[:, pl.ds(start, block_k)], logits, mask=rows)
+        if after_tile is not None:
+            after_tile(start, tile)
 
     acc, m, l = online_softmax(
-        q_ref[...], qpos_ref[...], tile, 0, n_tiles, scale, None if z_ref is None else store
+        q_ref[...],
+        qpos_ref[...],
+        tile,
+        0,
+        n_tiles,
+        scale,
+        None if z_ref is None and after_tile is None else store,
     )
     o_ref[...] = acc / l[:, None]
     m_ref[...] = m

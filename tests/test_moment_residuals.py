@@ -6,8 +6,10 @@ step's moment-informed eviction):
 * the TPU and Triton kernels under the Pallas interpreter against the reference: one layer and
   the middle layer of a stack, ragged key tiles, float32 and bfloat16, int8 and float8 codes (int4,
   stored rotated, runs the reference);
+* the decode attention kernels give the same norms from the tiles their softmax pass reads
+  (``decode_attention_with_scores(residuals=...)``), their attention unchanged;
 * ``jax.export`` lowers the kernels for TPU and CUDA over the whole stack (no slice of a layer), and
-  MomentKV's decoding step on the dense cache lowers to the kernel;
+  MomentKV's decoding step on the dense cache lowers to the decode kernel alone, the norms fused;
 * bad shapes name the argument.
 """
 
@@ -18,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kvjax.kernels import moment_residual_norms, quantize
+from kvjax.kernels import decode_attention_with_scores, moment_residual_norms, quantize
+from kvjax.kernels.decode_attention import gpu as decode_gpu
 from kvjax.kernels.moment_residuals import gpu, reference, tpu
 from kvjax.kernels.quantized import values
 from test_kernels import GPU_EXPORT_CHECKS, TRITON_CALL
@@ -129,6 +132,123 @@ def test_quantized_keys_and_values_are_read_as_their_values(kind):
         np.testing.assert_allclose(got, want, rtol=4e-3)
 
 
+def decode_case(k, seed=1, G=2):
+    """A query per row for keys k [L, B, Hk, S, K]: q [B, 1, Hk·G, K], slot positions with empty
+    slots, query positions and weights."""
+    _, B, Hk, S, K = k.shape
+    ks = jax.random.split(jax.random.PRNGKey(seed), 2)
+    q = jax.random.normal(ks[0], (B, 1, Hk * G, K)).astype(k.dtype)
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, Hk, S))
+    pos = jnp.where(jax.random.uniform(ks[1], pos.shape) < 0.2, -1, pos)
+    return q, pos, jnp.full((B, 1), S, jnp.int32), jnp.ones((B, 1), jnp.float32)
+
+
+FUSED = {"tpu": {"impl": "pallas_tpu"}, "gpu": {"impl": "pallas_gpu", "block_k": 32}}
+
+
+@pytest.mark.parametrize("kernel", sorted(FUSED))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("score,weighted", [("attn", True), ("attn", False), ("obcache-key", True)])
+@pytest.mark.parametrize("zeroth", [False, True])
+def test_decode_kernels_give_the_norms_of_the_tiles_they_read(
+    kernel, dtype, score, weighted, zeroth
+):
+    """A stack's middle layer, 150 slots (ragged tiles: 128 + 22 on TPU, 5 tiles of 32 on GPU), a
+    row whose statistics are empty; the "attn" column from the softmax's logits or a scores pass
+    (obcache-key: phase 1 on TPU). The attention's outputs are those of the same kernel asked for
+    no norms, bit for bit; the norms are the residual kernel's reference's."""
+    k, v, m = case(dtype=dtype)
+    q, pos, qpos, w = decode_case(k)
+    w = w if weighted else None
+    layer = jnp.int32(1)
+    run = functools.partial(
+        decode_attention_with_scores, q, k, v, pos, qpos, w, score, layer=layer, interpret=True
+    )
+    *got, norms = run(residuals=(m, zeroth), **FUSED[kernel])
+    for a, b in zip(got, run(**FUSED[kernel]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    want = moment_residual_norms(k, v, m, zeroth, layer=layer, impl="xla")
+    np.testing.assert_allclose(norms, want, rtol=2e-6, atol=1e-6)
+    *ref, ref_norms = run(residuals=(m, zeroth), impl="xla")  # the reference: the same pass apart
+    np.testing.assert_array_equal(ref_norms, want)
+    for a, b in zip(ref, run(impl="xla"), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gpu_decode_kernel_norms_where_a_split_runs_past_the_tiles():
+    """10 tiles of 16 slots in 4 splits of 3: the last split runs 2 tiles past the keys, whose norms
+    (of no slot) land in the buffer's spare columns, never in a real slot's."""
+    k, v, m = case(S=150)
+    q, pos, qpos, w = decode_case(k)
+    *_, norms = decode_gpu.decode_attention_gpu(
+        q,
+        k,
+        v,
+        pos,
+        qpos,
+        w,
+        layer=jnp.int32(2),
+        residual_stats=stats(m),
+        block_k=16,
+        splits=4,
+        interpret=True,
+    )
+    want = reference.residual_norms(k[2], v[2], *stats(m), False)
+    np.testing.assert_allclose(norms, want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_decode_kernels_norms_of_quantized_keys_and_values(kind):
+    """int8 codes dequantized in the tile the softmax reads (within a bfloat16 rounding, as the
+    residual kernel); int4, stored rotated, runs ``moment_residual_norms``'s reference exactly."""
+    k, v, m = case(dtype=jnp.bfloat16)
+    kq, vq = quantize(k, kind), quantize(v, kind)
+    q, pos, qpos, w = decode_case(k)
+    want = reference.residual_norms(values(kq)[1], values(vq)[1], *stats(m), False)
+    for impl in ("pallas_tpu", "pallas_gpu"):
+        *_, norms = decode_attention_with_scores(
+            q,
+            kq,
+            vq,
+            pos,
+            qpos,
+            w,
+            layer=jnp.int32(1),
+            residuals=(m, False),
+            impl=impl,
+            interpret=True,
+        )
+        if kind == "int4":
+            np.testing.assert_array_equal(norms, want)
+        else:
+            np.testing.assert_allclose(norms, want, rtol=4e-3)
+
+
+def test_decode_kernels_refuse_norms_read_in_another_dtype():
+    """The kernels name the mismatch; the API then runs the residuals' own pass."""
+    k, v, m = case(dtype=jnp.bfloat16)
+    q, pos, qpos, w = decode_case(k)
+    q32 = q.astype(jnp.float32)
+    with pytest.raises(ValueError, match="keys read in q's dtype float32"):
+        decode_gpu.decode_attention_gpu(
+            q32, k, v, pos, qpos, w, layer=jnp.int32(1), residual_stats=stats(m), interpret=True
+        )
+    *_, norms = decode_attention_with_scores(
+        q32,
+        k,
+        v,
+        pos,
+        qpos,
+        w,
+        layer=jnp.int32(1),
+        residuals=(m, False),
+        impl="pallas_gpu",
+        interpret=True,
+    )
+    want = moment_residual_norms(k, v, m, layer=jnp.int32(1), impl="xla")
+    np.testing.assert_allclose(norms, want, rtol=2e-6, atol=1e-6)
+
+
 LOWERINGS = [("tpu", "pallas_tpu", "tpu_custom_call"), ("cuda", "pallas_gpu", TRITON_CALL)]
 
 
@@ -202,9 +322,15 @@ def kernel_calls_in_decoding(scorer: str, platform: str, kernel: str) -> list[st
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_momentkv_decoding_lowers_to_the_kernel_over_the_stacked_cache(platform):
-    """MomentKV's decoding loop on the dense budget cache (it evicts inside the layer scan) calls
-    the residual-norm kernel on the whole stacked keys and values; SnapKV's does not call it."""
-    calls = kernel_calls_in_decoding("momentkv", platform, "moment_residual_norms")
-    assert calls and all(re.search(r"3x1x2x\d+x64xbf16", line) for line in calls), calls
-    assert not kernel_calls_in_decoding("snapkv", platform, "moment_residual_norms")
+@pytest.mark.parametrize("scorer", ["momentkv", "snapkv+momentkv-mi"])
+def test_momentkv_decoding_reads_the_stacked_cache_once_per_layer(platform, scorer):
+    """MomentKV's decoding loop on the dense budget cache (it evicts inside the layer scan) gets
+    its residual norms from the one decode kernel that attends over the whole stacked keys and
+    values: it takes the layer's statistics (vk_sum [1, 2, 64, 64]) and gives a norm a slot; no
+    residual-norm kernel reads the keys and values again (with or without the corrected
+    attention). SnapKV's decode kernel takes no statistics."""
+    assert not kernel_calls_in_decoding(scorer, platform, "moment_residual_norms")
+    (call,) = kernel_calls_in_decoding(scorer, platform, "decode_attention")
+    assert re.search(r"3x1x2x\d+x64xbf16", call) and "1x2x64x64xf32" in call, call
+    (call,) = kernel_calls_in_decoding("snapkv", platform, "decode_attention")
+    assert "64x64xf32" not in call, call

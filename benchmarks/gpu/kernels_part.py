@@ -4,7 +4,8 @@ on fresh random inputs, and timed against the XLA reference and (attention outpu
 
 Checks: block attention, decode attention (plain, with MomentKV's first- and zeroth-order
 correction), MomentKV's residual norms (``moment_residual_norms``, op "moment_residuals": its
-decoding eviction), Expected Attention's expected logits (``expected_logits``, op
+decoding eviction; op "decode_residuals": the same norms from the decode kernel's softmax pass,
+which is what the decoding step runs), Expected Attention's expected logits (``expected_logits``, op
 "expected_logits": its scoring at every eviction point, statistics of 300 queries and of one),
 paged block and paged decode attention (plain and corrected), every score kind, and the dense
 cache's decoding eviction (``lowest_place``, op "lowest_place": each head's place of the lowest
@@ -85,13 +86,16 @@ OPS = {
     "paged_decode": (True, True, None),
     "paged_decode+momentkv": (True, True, "first"),
     # MomentKV's residual norms (a decoding step's moment-informed eviction) on the decode inputs;
-    # the row's "out" is the norms
+    # the row's "out" is the norms: in their own kernel, and from the decode kernel's softmax pass
+    # (``decode_attention_with_scores(residuals=...)``, what the decoding step runs)
     "moment_residuals": (False, True, "first"),
+    "decode_residuals": (False, True, "first"),
     # Expected Attention's logits (its scoring at an eviction point) of the decode inputs' keys; the
     # row's "out" is the logits
     "expected_logits": (False, True, "queries"),
 }
 MOMENT_RESIDUALS = "moment_residuals"
+DECODE_RESIDUALS = "decode_residuals"
 EXPECTED_LOGITS = "expected_logits"
 # the dense cache's decoding eviction, SnapKV's settings; its inputs: a layer's state, positions,
 # order and seen, float32 states whatever the case's dtype says
@@ -261,6 +265,17 @@ def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = Fa
             return moment_residual_norms(k, v, mom, layer=layer, **opts), None, None
 
         return jax.jit(fn)
+    if case.op == DECODE_RESIDUALS:
+
+        def fn(q, k, v, sp, qp, w, mom):
+            stack = (jnp.stack([v, k, v]), jnp.stack([k, v, k]), jnp.int32(1))
+            k, v, layer = stack if in_stack else (k, v, None)
+            *_, norms = decode_attention_with_scores(
+                q, k, v, sp, qp, w, score, layer=layer, residuals=(mom, False), **opts
+            )
+            return norms, None, None
+
+        return jax.jit(fn)
     if not paged:
         if decode and in_stack:
 
@@ -358,7 +373,7 @@ def timing_cases(smoke: bool) -> list[Case]:
         + [  # the decoding evictions' kernels (their "attn" is nominal: they score no attention)
             Case(op, "attn", shape, "bfloat16", slots, batch)
             for slots in lengths
-            for op in (MOMENT_RESIDUALS, EXPECTED_LOGITS)
+            for op in (MOMENT_RESIDUALS, DECODE_RESIDUALS, EXPECTED_LOGITS)
         ]
         + [  # a decoding step's eviction of every layer: budget 1024 + the new token
             Case(LOWEST_PLACE, "attn", shape, "float32", 129 if smoke else 1025, rows)

@@ -19,19 +19,34 @@ import jax.numpy as jnp
 from kvjax.kernels._shared import check_impl, check_score, check_shapes, one_layer
 from kvjax.kernels.block_attention.api import by_platform
 from kvjax.kernels.decode_attention import gpu, reference, tpu
-from kvjax.kernels.decode_attention.reference import corrected_attention
+from kvjax.kernels.decode_attention.reference import corrected_attention, fusable
+from kvjax.kernels.moment_residuals import moment_residual_norms
 from kvjax.kernels.quantized import rotate
 
 
 def _reference(
-    q, k, v, slot_pos, query_pos, query_weights, moments, layer, *, score: str, zeroth: bool
+    q,
+    k,
+    v,
+    slot_pos,
+    query_pos,
+    query_weights,
+    moments,
+    layer,
+    residual_moments,
+    *,
+    score: str,
+    zeroth: bool,
+    residual_zeroth: bool,
 ):
+    residuals = _residuals(residual_moments, residual_zeroth)
+    norms = () if residuals is None else (_norms(k, v, residuals, layer, "xla"),)
     if layer is not None:
         k, v = k[layer], v[layer]
     if rotate(q, k) is q:
-        return reference.decode_attention_with_scores(
+        return *reference.decode_attention_with_scores(
             q, k, v, slot_pos, query_pos, query_weights, score, moments, zeroth
-        )
+        ), *norms
     # rotated keys and values: attend in their stored domain, correct in the values' own
     out, lse, col = reference.decode_attention_with_scores(
         rotate(q, k), k, v, slot_pos, query_pos, query_weights, score
@@ -39,17 +54,52 @@ def _reference(
     out = rotate(out.astype(jnp.float32), k)
     if moments is not None:
         out = corrected_attention(out, lse, q, moments, zeroth)
-    return out.astype(q.dtype), lse, col
+    return out.astype(q.dtype), lse, col, *norms
+
+
+def _residuals(moments, zeroth: bool) -> tuple | None:
+    """The ``residuals`` argument from its traced and static parts."""
+    return None if moments is None else (moments, zeroth)
+
+
+def _norms(k, v, residuals, layer, impl, interpret=False):
+    """MomentKV's residual norms in their own pass (``moment_residual_norms``)."""
+    moments, zeroth = residuals
+    return moment_residual_norms(k, v, moments, zeroth, layer=layer, impl=impl, interpret=interpret)
 
 
 def _corrected(
-    kernel, q, k, v, slot_pos, query_pos, query_weights, moments, layer, *, zeroth: bool
+    kernel,
+    q,
+    k,
+    v,
+    slot_pos,
+    query_pos,
+    query_weights,
+    moments,
+    layer,
+    residual_moments,
+    *,
+    zeroth: bool,
+    residual_zeroth: bool,
+    impl: str,
+    interpret: bool,
 ):
-    out, lse, col = kernel(rotate(q, k), k, v, slot_pos, query_pos, query_weights, layer=layer)
+    residuals = _residuals(residual_moments, residual_zeroth)
+    fused = residuals is not None and fusable(q, k)
+    stats = {}
+    if fused:
+        m, stats["zeroth"] = residuals
+        stats["residual_stats"] = (m.count, m.k_sum, m.v_sum, m.vk_sum)
+    out, lse, col, *norms = kernel(
+        rotate(q, k), k, v, slot_pos, query_pos, query_weights, layer=layer, **stats
+    )
+    if residuals is not None and not fused:  # their own pass (rotated keys: the reference)
+        norms = [_norms(k, v, residuals, layer, impl, interpret)]
     out = rotate(out, k)  # back from k's stored domain
     if moments is not None:
         out = corrected_attention(out, lse, q, moments, zeroth)
-    return out.astype(q.dtype), lse, col
+    return out.astype(q.dtype), lse, col, *norms
 
 
 def decode_attention_with_scores(
@@ -64,6 +114,7 @@ def decode_attention_with_scores(
     zeroth: bool = False,
     *,
     layer=None,
+    residuals: tuple | None = None,
     impl: str | None = None,
     interpret=False,
     block_k: int | None = None,
@@ -84,23 +135,31 @@ def decode_attention_with_scores(
         zeroth: the zeroth-order correction (estimate v̄ only).
         layer: an int32 scalar, the layer of stacked k, v to attend over. The kernels read it in
             place (codes and scales alike); the XLA reference slices it out.
+        residuals: (moments, zeroth) of MomentKV's moment-informed eviction, or None: then a
+            fourth output, the residual norm of every slot under those statistics, as
+            ``moment_residual_norms`` gives it. The kernels form it from the key and value tiles
+            their softmax pass reads (the stored keys and values are read once for both); keys
+            stored rotated, or read in another dtype than q's, run ``moment_residual_norms``.
         impl / interpret / block_k: as ``block_attention_with_scores``.
 
     Returns (out [B, 1, H, K] in q's dtype, lse [B, 1, H] float32 of the kept slots,
-    col [B, Hk, G, S] float32 or None).
+    col [B, Hk, G, S] float32 or None), then with ``residuals`` the norms [B, Hk, S] float32.
     """
     check_score(score)
     check_impl(impl)
     reference.check_decode(q)
     layer_shape = one_layer(k, v, layer)
     check_shapes(q, layer_shape, layer_shape, slot_pos, query_pos, query_weights)
-    kernel = functools.partial(_corrected, zeroth=zeroth)
+    r_moments, r_zeroth = residuals or (None, False)
+    kernel = functools.partial(
+        _corrected, zeroth=zeroth, residual_zeroth=r_zeroth, impl=impl, interpret=interpret
+    )
     tiles = {"score": score, "block_k": block_k}
     return by_platform(
-        (q, k, v, slot_pos, query_pos, query_weights, moments, layer),
+        (q, k, v, slot_pos, query_pos, query_weights, moments, layer, r_moments),
         impl,
         q.shape[-1],
-        xla=functools.partial(_reference, score=score, zeroth=zeroth),
+        xla=functools.partial(_reference, score=score, zeroth=zeroth, residual_zeroth=r_zeroth),
         tpu_kernel=functools.partial(
             kernel, functools.partial(tpu.decode_attention_tpu, interpret=interpret, **tiles)
         ),

@@ -20,6 +20,11 @@ The cache is read in masked power-of-two tiles (``gpu_common.load_tile``), never
 the stacked [L, B, Hk, S, K] arrays at the layer given (a [1] input each program reads): the layer's
 keys and values are never sliced out into a copy. ``Quantized`` ones are read alike — codes and
 scales [L, B, Hk, S, 1] — and dequantized in registers (``gpu_common.load_values``).
+
+MomentKV's decoding eviction scores every slot by its residual norm (``moment_residual_norms``);
+asked for them (``residual_stats``), the softmax pass forms them from each tile it holds
+(``moment_residuals.gpu.tile_norms``: S k_j by one ``tl.dot`` against the head's [K, K] sums) and
+writes one float a slot, so the step reads the layer's keys and values once, not twice.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from kvjax.kernels import gpu_common as common
 from kvjax.kernels._shared import check_score, check_shapes, kv_spec, next_pow2, stacked_layer
-from kvjax.kernels.decode_attention.reference import check_decode
+from kvjax.kernels.decode_attention.reference import check_decode, check_fusable
+from kvjax.kernels.moment_residuals.gpu import stat_inputs, stat_specs, tile_norms
 
 
 def _heads(layer_ref) -> tuple:
@@ -41,9 +47,20 @@ def _heads(layer_ref) -> tuple:
     return layer_ref[0], pl.program_id(0), pl.program_id(1)
 
 
-def _softmax_kernel(layer_ref, *refs, **kwargs):
-    """``gpu_common.softmax_kernel`` over this program's head of the stacked k, v refs."""
-    common.softmax_kernel(*refs, head=_heads(layer_ref), **kwargs)
+def _softmax_kernel(layer_ref, *refs, zeroth: bool | None, **kwargs):
+    """``gpu_common.softmax_kernel`` over this program's head of the stacked k, v refs; unless
+    zeroth is None, the refs after the query positions' are one head's MomentKV statistics, and
+    the last one takes the residual norms of the tiles the softmax reads."""
+    if zeroth is None:
+        common.softmax_kernel(*refs, head=_heads(layer_ref), **kwargs)
+        return
+    (*inputs, count, k_sum, v_sum, vk_sum), (*outputs, r_ref) = refs[:9], refs[9:]
+
+    def norms(start, tile):
+        r = tile_norms(tile.k, tile.v, (count, k_sum, v_sum, vk_sum), zeroth)
+        plgpu.store(r_ref.at[pl.ds(start, r.shape[0])], r)
+
+    common.softmax_kernel(*inputs, *outputs, head=_heads(layer_ref), after_tile=norms, **kwargs)
 
 
 def _scores_kernel(
@@ -84,6 +101,8 @@ def decode_attention_gpu(
     score: str = "attn",
     *,
     layer=None,
+    residual_stats: tuple | None = None,
+    zeroth: bool = False,
     block_k: int | None = None,
     splits: int | None = None,
     interpret=False,
@@ -94,7 +113,10 @@ def decode_attention_gpu(
     ``reference.decode_attention_with_scores`` without moments; with ``layer`` (an int32 scalar),
     k, v are [L, B, Hk, S, K] and layer ``layer`` is read. block_k is rounded up to a power of two
     ≥ 16; splits (default ``gpu_common.decode_splits``, at most the key tiles) is the number of
-    cache splits of the softmax pass."""
+    cache splits of the softmax pass. With ``residual_stats`` (one layer's MomentKV count, k_sum,
+    v_sum, vk_sum), a fourth output: each slot's residual norm [B, Hk, S] under them (first order,
+    or ``zeroth``), as ``moment_residual_norms``, from the tiles the softmax pass reads; keys and
+    values must then be read in q's dtype and not stored rotated."""
     check_score(score)
     check_decode(q)
     k, v, layer, shape = stacked_layer(k, v, layer)
@@ -109,6 +131,8 @@ def decode_attention_gpu(
     scale = math.sqrt(K)
     params = plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages)
     spos = slot_pos.astype(jnp.int32)
+    if residual_stats is not None:
+        check_fusable(q, k)
 
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, s: (b, h, 0, 0))
 
@@ -125,7 +149,10 @@ def decode_attention_gpu(
     width = n_splits * per_split * bk
     z_spec = [pl.BlockSpec((None, None, gp, width), lambda b, h, s: (b, h, 0, 0))]
     z_shape = [jax.ShapeDtypeStruct((B, Hk, gp, width), jnp.float32)]
-    o_part, m_part, l_part, *z = pl.pallas_call(
+    fused = residual_stats is not None
+    r_spec = [pl.BlockSpec((None, None, width), lambda b, h, s: (b, h, 0))]
+    r_shape = [jax.ShapeDtypeStruct((B, Hk, width), jnp.float32)]
+    o_part, m_part, l_part, *extra = pl.pallas_call(
         functools.partial(
             _softmax_kernel,
             n_slots=S,
@@ -134,6 +161,7 @@ def decode_attention_gpu(
             scale=scale,
             split_axis=2,
             z_rows=G,
+            zeroth=zeroth if fused else None,
         ),
         grid=(B, Hk, n_splits),
         in_specs=[
@@ -143,33 +171,38 @@ def decode_attention_gpu(
             stack(v),
             head_pos,
             pl.BlockSpec((None, gp), lambda b, h, s: (b, 0)),
+            *(stat_specs(K) if fused else []),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, gp, K), lambda b, h, s: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
             pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
             *(z_spec if logits_out else []),
+            *(r_spec if fused else []),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((B, Hk, n_splits, gp, K), jnp.float32),
             jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32),
             jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32),
             *(z_shape if logits_out else []),
+            *(r_shape if fused else []),
         ],
         compiler_params=params,
         interpret=interpret,
         name="decode_attention_partial_softmax",
-    )(layer, rows, k, v, spos, qpos)
+    )(layer, rows, k, v, spos, qpos, *(stat_inputs(*residual_stats) if fused else ()))
+    z = extra[:1] if logits_out else []
+    norms = (extra[-1][:, :, :S],) if fused else ()
 
     m = jnp.max(m_part, axis=2)  # every split has a real slot: all finite
     o, l = common.merge_splits(o_part, m_part, l_part, m)  # [B, Hk, gp, K], [B, Hk, gp]
     out, lse = common.decode_outputs(o, m, l, G)
     if query_weights is None:
-        return out, lse, None
+        return out, lse, None, *norms
     weights = query_weights.astype(jnp.float32).reshape(B, 1, 1, 1)
     if logits_out:  # A = exp(z − m) / l at the merged statistics, as the scores pass forms it
         a = jnp.exp(z[0][:, :, :G, :S] - m[:, :, :G, None]) / l[:, :, :G, None]
-        return out, lse, a * weights
+        return out, lse, a * weights, *norms
 
     head_pos = pl.BlockSpec((None, None, S), lambda b, h, j: (b, h, 0))
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, j: (b, h, 0, 0))
@@ -196,4 +229,4 @@ def decode_attention_gpu(
         interpret=interpret,
         name="decode_attention_scores",
     )(layer, rows, k, v, spos, qpos, o, m, l)
-    return out, lse, col[:, :, :G, :S] * weights
+    return out, lse, col[:, :, :G, :S] * weights, *norms

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from kvjax.kernels.block_attention.reference import block_attention_with_scores
+from kvjax.kernels.quantized import ROTATED, Quantized
 
 CLAMP = 1e-6  # entries of S̃ below this magnitude are set to zero (MomentKV App. C.2)
 
@@ -69,6 +70,24 @@ def check_decode(q) -> None:
     if q.ndim != 4 or q.shape[1] != 1:
         raise ValueError(
             f"decode attention takes one query per sequence: q must be [B, 1, H, K]; got {q.shape}"
+        )
+
+
+def fusable(q, k) -> bool:
+    """Whether a decode kernel can give MomentKV's residual norms from the tiles its softmax reads:
+    keys and values read in q's dtype (as ``moment_residual_norms`` reads them) and not stored
+    rotated."""
+    return jnp.dtype(k.dtype) == jnp.dtype(q.dtype) and not (
+        isinstance(k, Quantized) and k.kind in ROTATED
+    )
+
+
+def check_fusable(q, k) -> None:
+    if not fusable(q, k):
+        raise ValueError(
+            f"residual norms in the decode kernel need keys read in q's dtype {q.dtype} and not "
+            f"stored rotated; got {k.dtype}"
+            + (f", kv_dtype={k.kind!r}" if isinstance(k, Quantized) else "")
         )
 
 

@@ -23,6 +23,10 @@ so is the layer: K and V are tiled straight out of the stacked [L, B, Hk, S, K] 
 handed to the kernel would be a copy of the layer's keys and values every step) — for ``Quantized``
 keys and values, the codes and the scales [L, B, Hk, S, 1] alike, dequantized in VMEM after the
 load (``tpu_common.load``).
+
+Asked for MomentKV's residual norms (``residual_stats``), phase 0 also forms them from each tile it
+holds in VMEM (``moment_residuals.tpu.tile_norms``) into a [1, bk] block whose index follows the
+key tile in phase 0 and stays on the last one through phase 1, so each is written back once.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels import tpu_common as common
 from kvjax.kernels._shared import check_score, check_shapes, kv_spec, round_up, stacked_layer
-from kvjax.kernels.decode_attention.reference import check_decode
+from kvjax.kernels.decode_attention.reference import check_decode, check_fusable
+from kvjax.kernels.moment_residuals.tpu import stat_inputs, stat_specs, tile_norms
 
 
 def _decode_kernel(
@@ -46,17 +51,19 @@ def _decode_kernel(
     k_ref,
     v_ref,
     spos_ref,
-    o_ref,
-    stats_ref,
-    *rest,
+    *refs,
     score: str | None,
     n_heads: int,
     n_slots: int,
     scale: float,
     precision,
+    zeroth: bool | None,
 ):
-    col_ref = rest[0] if score is not None else None
-    m_sc, l_sc, acc_sc = rest[-3:]
+    """Unless zeroth is None, the refs after the slot positions' are one head's MomentKV
+    statistics and the outputs end with the residual norms of the tiles phase 0 reads."""
+    n_stats = 0 if zeroth is None else 4
+    stat_refs, (o_ref, stats_ref, *outs, m_sc, l_sc, acc_sc) = refs[:n_stats], refs[n_stats:]
+    col_ref = outs[0] if score is not None else None
     b, phase, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     bk = k_ref.shape[0]
     pl.when((phase == 0) & (j == 0))(functools.partial(common.reset_softmax, m_sc, l_sc, acc_sc))
@@ -75,6 +82,10 @@ def _decode_kernel(
     @pl.when(phase == 0)
     def _softmax():
         common.online_softmax(tile.logits, tile.values(), m_sc, l_sc, acc_sc)
+        if zeroth is not None:
+            outs[-1][...] = tile_norms(
+                k_ref, v_ref, stat_refs, j * bk, n_slots, zeroth, q_ref.dtype
+            )
 
         @pl.when(j == pl.num_programs(3) - 1)
         def _finish():
@@ -102,13 +113,18 @@ def decode_attention_tpu(
     score: str = "attn",
     *,
     layer=None,
+    residual_stats: tuple | None = None,
+    zeroth: bool = False,
     block_k: int | None = None,
     interpret=False,
 ):
     """Attention of one query per sequence over the cache: (o [B, 1, H, K] float32 — uncorrected —,
     lse [B, 1, H], col [B, Hk, G, S] or None), as ``reference.decode_attention_with_scores`` without
     moments; with ``layer`` (an int32 scalar), k, v are [L, B, Hk, S, K] and layer ``layer`` is
-    read. block_k is rounded up to a multiple of 128."""
+    read. block_k is rounded up to a multiple of 128. With ``residual_stats`` (one layer's MomentKV
+    count, k_sum, v_sum, vk_sum), a fourth output: each slot's residual norm [B, Hk, S] under them
+    (first order, or ``zeroth``), as ``moment_residual_norms``, from the tiles phase 0 reads; keys
+    and values must then be read in q's dtype and not stored rotated."""
     check_score(score)
     check_decode(q)
     k, v, layer, shape = stacked_layer(k, v, layer)
@@ -121,6 +137,9 @@ def decode_attention_tpu(
     nk = -(-S // bk)  # the last key tile may be ragged
     scoring = query_weights is not None
     kernel_score = score if scoring else None
+    fused = residual_stats is not None
+    if fused:
+        check_fusable(q, k)
 
     spos = slot_pos.astype(jnp.int32)[:, :, None, :]  # [B, Hk, 1, S]
     qpos = query_pos.astype(jnp.int32).reshape(B)
@@ -145,6 +164,13 @@ def decode_attention_tpu(
             pl.BlockSpec((None, None, gp, bk), lambda b, h, p, j, *_: (b, h, 0, p * j))
         )
         out_shape.append(jax.ShapeDtypeStruct((B, Hk, gp, S), jnp.float32))
+    if fused:  # written in phase 0; phase 1 stays on the last tile, so nothing is written again
+        out_specs.append(
+            pl.BlockSpec(
+                (None, None, 1, bk), lambda b, h, p, j, *_: (b, h, 0, j + p * (nk - 1 - j))
+            )
+        )
+        out_shape.append(jax.ShapeDtypeStruct((B, Hk, 1, S), jnp.float32))
     results = pl.pallas_call(
         functools.partial(
             _decode_kernel,
@@ -153,6 +179,7 @@ def decode_attention_tpu(
             n_slots=S,
             scale=math.sqrt(K),
             precision=common.mxu_precision(q.dtype),
+            zeroth=zeroth if fused else None,
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
@@ -162,6 +189,7 @@ def decode_attention_tpu(
                 k_spec,
                 v_spec,
                 pl.BlockSpec((None, None, 1, bk), lambda b, h, p, j, *_: (b, h, 0, j)),
+                *(stat_specs(K) if fused else []),
             ],
             out_specs=out_specs,
             scratch_shapes=common.softmax_scratch(gp, K),
@@ -170,9 +198,10 @@ def decode_attention_tpu(
         compiler_params=common.compiler_params(2),
         interpret=interpret,
         name="decode_attention_with_scores",
-    )(qpos, layer, rows, k, v, spos)
+    )(qpos, layer, rows, k, v, spos, *(stat_inputs(*residual_stats) if fused else ()))
     out, lse, _, _ = common.decode_outputs(*results[:2], G)
+    norms = (results[-1][:, :, 0],) if fused else ()
     if not scoring:
-        return out, lse, None
+        return out, lse, None, *norms
     col = results[2][:, :, :G] * query_weights.astype(jnp.float32).reshape(B, 1, 1, 1)
-    return out, lse, col
+    return out, lse, col, *norms

@@ -26,6 +26,24 @@ from kvjax.kernels.moment_residuals.tiles import (
 )
 
 
+def tile_norms(k, v, stat_refs, zeroth: bool):
+    """‖r_j‖ [bk] of a tile's keys and values k, v [bk, K] (read in the model's dtype) under one
+    head's statistics (count [1], k_sum, v_sum [K], vk_sum [K, K] refs). The decode attention
+    kernel calls it on the tiles its softmax pass holds."""
+    count_ref, k_sum_ref, v_sum_ref, vk_sum_ref = stat_refs
+    stats = (  # [1, 1], [1, K], [1, K], [K, K]
+        count_ref[...][:, None],
+        k_sum_ref[...][None, :],
+        v_sum_ref[...][None, :],
+        vk_sum_ref[...],
+    )
+    f32 = jnp.float32
+    r = residuals(
+        k.astype(f32), v.astype(f32), *stats, zeroth, lambda a, b: common.dot(a, b, NT_DIMS)
+    )
+    return jnp.sqrt(jnp.sum(r * r, axis=1))
+
+
 def _kernel(
     layer_ref,
     k_ref,
@@ -45,16 +63,26 @@ def _kernel(
     load = functools.partial(
         common.load_tile, start=pl.program_id(2) * block_k, size=block_k, n_slots=n_slots, head=head
     )
-    k = common.load_values(k_ref, dtype, load).astype(jnp.float32)
-    v = common.load_values(v_ref, dtype, load).astype(jnp.float32)
-    stats = (  # [1, 1], [1, K], [1, K], [K, K]
-        count_ref[...][:, None],
-        k_sum_ref[...][None, :],
-        v_sum_ref[...][None, :],
-        vk_sum_ref[...],
-    )
-    r = residuals(k, v, *stats, zeroth, lambda a, b: common.dot(a, b, NT_DIMS))
-    out_ref[...] = jnp.sqrt(jnp.sum(r * r, axis=1))
+    k = common.load_values(k_ref, dtype, load)
+    v = common.load_values(v_ref, dtype, load)
+    out_ref[...] = tile_norms(k, v, (count_ref, k_sum_ref, v_sum_ref, vk_sum_ref), zeroth)
+
+
+def stat_specs(head_dim: int):
+    """The BlockSpecs of one head's statistics (``stat_inputs``) in a grid whose first two axes
+    are the row and the KV head."""
+    K = head_dim
+
+    def spec(block):
+        return pl.BlockSpec((None, None, *block), lambda b, h, *_: (b, h) + (0,) * len(block))
+
+    return [spec(block) for block in ((1,), (K,), (K,), (K, K))]
+
+
+def stat_inputs(count, k_sum, v_sum, vk_sum) -> tuple:
+    """The statistics as the kernels take them: count [B, Hk, 1] float32, k_sum, v_sum
+    [B, Hk, K], vk_sum [B, Hk, K, K]."""
+    return count.astype(jnp.float32)[..., None], k_sum, v_sum, vk_sum
 
 
 def moment_residual_norms_gpu(
@@ -85,9 +113,6 @@ def moment_residual_norms_gpu(
     def whole(x):
         return kv_spec(x, x.shape, lambda b, h, j: (0,) * len(x.shape))
 
-    def head(*block):
-        return pl.BlockSpec((None, None, *block), lambda b, h, j: (b, h) + (0,) * len(block))
-
     out = pl.pallas_call(
         functools.partial(_kernel, n_slots=S, block_k=bk, zeroth=zeroth, dtype=read_dtype(k)),
         grid=(B, Hk, nk),
@@ -95,10 +120,7 @@ def moment_residual_norms_gpu(
             pl.BlockSpec((1,), lambda b, h, j: (0,)),
             whole(k),
             whole(v),
-            head(1),
-            head(K),
-            head(K),
-            head(K, K),
+            *stat_specs(K),
         ],
         out_specs=pl.BlockSpec((None, None, bk), lambda b, h, j: (b, h, j)),
         out_shape=jax.ShapeDtypeStruct((B, Hk, nk * bk), jnp.float32),
@@ -107,5 +129,5 @@ def moment_residual_norms_gpu(
         ),
         interpret=interpret,
         name="moment_residual_norms",
-    )(layer, k, v, count.astype(jnp.float32)[..., None], k_sum, v_sum, vk_sum)
+    )(layer, k, v, *stat_inputs(count, k_sum, v_sum, vk_sum))
     return out[:, :, :S]

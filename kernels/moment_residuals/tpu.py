@@ -27,6 +27,26 @@ from kvjax.kernels.moment_residuals.tiles import (
 )
 
 
+def _dot(a, b):
+    """a · bᵀ on the MXU at full float32 precision."""
+    precision = jax.lax.Precision.HIGHEST
+    return jax.lax.dot_general(
+        a, b, NT_DIMS, preferred_element_type=jnp.float32, precision=precision
+    )
+
+
+def tile_norms(k_ref, v_ref, stat_refs, first, n_slots, zeroth: bool, dtype):
+    """‖r_j‖ [1, bk] of the key and value tiles k_ref, v_ref [bk, K] (refs, or ``Quantized`` of
+    refs, read in ``dtype``, then float32) from slot ``first`` on, under one head's statistics
+    (count [1, 1], k_sum, v_sum [1, K], vk_sum [K, K] refs): the rows past ``n_slots`` zeroed.
+    The decode attention kernel calls it on the tiles its softmax pass holds."""
+    k = common.load(k_ref, dtype).astype(jnp.float32)
+    v = common.load(v_ref, dtype).astype(jnp.float32)
+    stats = [ref[...] for ref in stat_refs]
+    r = common.real_rows(residuals(k, v, *stats, zeroth, _dot), first, n_slots)
+    return jnp.sqrt(common.row_sums(r * r))
+
+
 def _kernel(
     layer_ref,
     k_ref,
@@ -43,19 +63,26 @@ def _kernel(
     dtype,
 ):
     del layer_ref  # read by the index maps
+    stat_refs = (count_ref, k_sum_ref, v_sum_ref, vk_sum_ref)
     first = pl.program_id(2) * block_k
-    k = common.load(k_ref, dtype).astype(jnp.float32)
-    v = common.load(v_ref, dtype).astype(jnp.float32)
+    out_ref[...] = tile_norms(k_ref, v_ref, stat_refs, first, n_slots, zeroth, dtype)
 
-    def dot(a, b):
-        precision = jax.lax.Precision.HIGHEST
-        return jax.lax.dot_general(
-            a, b, NT_DIMS, preferred_element_type=jnp.float32, precision=precision
-        )
 
-    stats = (count_ref[...], k_sum_ref[...], v_sum_ref[...], vk_sum_ref[...])  # [1, 1], [1, K]
-    r = common.real_rows(residuals(k, v, *stats, zeroth, dot), first, n_slots)
-    out_ref[...] = jnp.sqrt(common.row_sums(r * r))
+def stat_specs(head_dim: int):
+    """The BlockSpecs of one head's statistics (``stat_inputs``) in a grid whose first two axes
+    are the row and the KV head."""
+    K = head_dim
+
+    def spec(block):
+        return pl.BlockSpec((None, None, *block), lambda b, h, *_: (b, h) + (0,) * len(block))
+
+    return [spec(block) for block in ((1, 1), (1, K), (1, K), (K, K))]
+
+
+def stat_inputs(count, k_sum, v_sum, vk_sum) -> tuple:
+    """The statistics as the kernels take them: count [B, Hk, 1, 1] float32, k_sum, v_sum
+    [B, Hk, 1, K], vk_sum [B, Hk, K, K]."""
+    return count.astype(jnp.float32)[..., None, None], k_sum[:, :, None], v_sum[:, :, None], vk_sum
 
 
 def moment_residual_norms_tpu(
@@ -81,9 +108,6 @@ def moment_residual_norms_tpu(
     nk = -(-S // bk)
     tile = (None, None, None, bk, K)
 
-    def head(*block):
-        return pl.BlockSpec((None, None, *block), lambda b, h, j, *_: (b, h, 0, 0))
-
     kinds = pltpu.GridDimensionSemantics
     out = pl.pallas_call(
         functools.partial(_kernel, n_slots=S, block_k=bk, zeroth=zeroth, dtype=read_dtype(k)),
@@ -93,10 +117,7 @@ def moment_residual_norms_tpu(
             in_specs=[
                 kv_spec(k, tile, lambda b, h, j, layer: (layer[0], b, h, j, 0)),
                 kv_spec(v, tile, lambda b, h, j, layer: (layer[0], b, h, j, 0)),
-                head(1, 1),
-                head(1, K),
-                head(1, K),
-                head(K, K),
+                *stat_specs(K),
             ],
             out_specs=pl.BlockSpec((None, None, 1, bk), lambda b, h, j, *_: (b, h, 0, j)),
         ),
@@ -104,13 +125,5 @@ def moment_residual_norms_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=(kinds.PARALLEL,) * 3),
         interpret=interpret,
         name="moment_residual_norms",
-    )(
-        layer,
-        k,
-        v,
-        count.astype(jnp.float32)[..., None, None],
-        k_sum[:, :, None],
-        v_sum[:, :, None],
-        vk_sum,
-    )
+    )(layer, k, v, *stat_inputs(count, k_sum, v_sum, vk_sum))
     return out[:, :, 0]

@@ -109,7 +109,7 @@ def _stats_kernel(
     def tiles(j):
         return page_tile(table_ref, j, k_ref, v_ref, spos_ref, slot, page_size, q_ref.dtype)
 
-    def store(j, logits):
+    def store(j, tile, logits):
         rows = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 0) < z_rows
         plgpu.store(z_ref.at[:, pl.ds(j * page_size, page_size)], logits, mask=rows)
 

@@ -26,25 +26,32 @@ Kernel = Callable[..., tuple[jax.Array, jax.Array, jax.Array | None]]
 
 
 def scored_attention(
-    policy, seg, q: jax.Array, block: Kernel, decode: Kernel, moments
-) -> tuple[jax.Array, jax.Array | None]:
-    """The output [B, T, H, K] of queries q [B, T, H, K] and the scoring queries' per-slot column
-    [B, Hk, G, S] (None if none score), the modifier's correction included.
+    policy, seg, q: jax.Array, block: Kernel, decode: Kernel, moments, residuals=None
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """The output [B, T, H, K] of queries q [B, T, H, K], the scoring queries' per-slot column
+    [B, Hk, G, S] (None if none score), the modifier's correction included, and the residual norms
+    [B, Hk, S] that ``residuals`` asks a decoding step's kernel for (else None).
 
     Args:
         policy: the ``kvjax.eviction.Policy``.
         seg: the ``kvjax.cache.Segment``.
         block(weights) -> (out, lse, col): the cache's block kernel over its slots.
-        decode(weights, *correction) -> (out, lse, col): its decode kernel, corrected by the
-            modifier's arguments (``Modifier.correction``).
+        decode(weights, *correction[, residuals=]) -> (out, lse, col[, norms]): its decode
+            kernel, corrected by the modifier's arguments (``Modifier.correction``).
         moments: this layer's ``Moments``.
+        residuals: ``Modifier.residuals``' request, or None.
     """
     modifier = policy.modifier_spec
     if q.shape[1] == 1:
-        out, _, col = decode(seg.query_weights, *modifier.correction(moments))
-        return out, col
+        if residuals is None:
+            out, _, col = decode(seg.query_weights, *modifier.correction(moments))
+            return out, col, None
+        out, _, col, norms = decode(
+            seg.query_weights, *modifier.correction(moments), residuals=residuals
+        )
+        return out, col, norms
     out, lse, col = block(seg.query_weights)
-    return modifier.correct(out, lse, q, moments), col
+    return modifier.correct(out, lse, q, moments), col, None
 
 
 def fold_scores(
@@ -59,7 +66,16 @@ def fold_scores(
     return state, policy.scorer.observe(stats, layer, q, seg.positions, seg.valid, policy)
 
 
-def attend_scored(cache, layer: jax.Array, q: jax.Array, seg, decode, block: Kernel, evict_layer):
+def attend_scored(
+    cache,
+    layer: jax.Array,
+    q: jax.Array,
+    seg,
+    decode,
+    block: Kernel,
+    evict_layer,
+    residuals=None,
+):
     """The rest of layer ``layer``'s step once ``cache`` (its ``LAYER_FIELDS`` the layer's, its
     statistics stacked) holds the new tokens: the output [B, T, H, K] of queries q and the cache
     with the scorer's state and statistics folded in, evicted here when ``seg.evict_in_layer`` says
@@ -68,19 +84,20 @@ def attend_scored(cache, layer: jax.Array, q: jax.Array, seg, decode, block: Ker
     Args:
         decode(c) -> Kernel: the cache's decode kernel over the storage of cache ``c``.
         block: its block kernel over ``cache``'s storage.
-        evict_layer(c): the cache ``c``, its statistics this layer's, after this layer's eviction
-            point.
+        evict_layer(c, norms): the cache ``c``, its statistics this layer's, after this layer's
+            eviction point; norms: what the decode kernel gave for ``residuals``, or None.
+        residuals: the modifier's request for residual norms (``Modifier.residuals``) when this
+            layer's eviction point reads them, or None.
     """
     p = seg.policy
-    out, col = scored_attention(p, seg, q, block, decode(cache), cache.moments)
+    out, col, norms = scored_attention(p, seg, q, block, decode(cache), cache.moments, residuals)
     state, stats = fold_scores(p, seg, layer, q, cache.state, cache.stats, col)
     cache = cache.replace(state=state, stats=stats)
 
     def evict_here(c):  # the eviction reads this layer's statistics, settled
         settled = p.scorer.settle(c.stats, layer)
-        return evict_layer(c.replace(stats=jax.tree.map(lambda x: x[layer], settled))).replace(
-            stats=settled
-        )
+        one_layer = c.replace(stats=jax.tree.map(lambda x: x[layer], settled))
+        return evict_layer(one_layer, norms).replace(stats=settled)
 
     if seg.evict_in_layer and seg.attend_kept:
 

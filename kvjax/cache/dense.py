@@ -138,16 +138,26 @@ class BudgetCache(SlotsView):
         p = seg.policy
 
         def decode(h: BudgetCache):  # reads layer ``layer`` of the stacked k_all, v_all in place
-            return lambda weights, moments, *static: per_shard(
-                lambda *a: decode_attention_with_scores(
-                    *a[:-2], p.score_kind, a[-2], *static, layer=a[-1], impl=p.impl
-                ),
-                (q, k_all, v_all, h.pos, seg.positions, weights, moments, layer),
-                (ATTENTION_AXES[0], (None, *KV), (None, *KV), *ATTENTION_AXES[3:], KV, ()),
-                ATTENTION_OUT_AXES,
-                B,
-                Hk,
-            )
+            def kernel(weights, moments, *static, residuals=None):
+                asked, *flags = residuals or (None,)  # the modifier's moments and static flags
+                return per_shard(
+                    lambda *a: decode_attention_with_scores(
+                        *a[:6],
+                        p.score_kind,
+                        a[6],
+                        *static,
+                        layer=a[7],
+                        residuals=None if residuals is None else (a[8], *flags),
+                        impl=p.impl,
+                    ),
+                    (q, k_all, v_all, h.pos, seg.positions, weights, moments, layer, asked),
+                    (ATTENTION_AXES[0], (None, *KV), (None, *KV), *ATTENTION_AXES[3:], KV, (), KV),
+                    ATTENTION_OUT_AXES + ((KV,) if residuals else ()),
+                    B,
+                    Hk,
+                )
+
+            return kernel
 
         block = lambda weights: per_shard(  # noqa: E731
             lambda *a: block_attention_with_scores(*a, p.score_kind, impl=p.impl),
@@ -157,6 +167,12 @@ class BudgetCache(SlotsView):
             B,
             Hk,
         )
+        # a decoding step's eviction of one slot can read the residual norms the kernel gives
+        residuals = (
+            p.modifier_spec.residuals(self.moments, self.slots - p.budget, p)
+            if seg.evict_in_layer and T == 1
+            else None
+        )
         out, here = attend_scored(
             here,
             layer,
@@ -164,7 +180,10 @@ class BudgetCache(SlotsView):
             seg,
             decode,
             block,
-            lambda h: h._evict_layer(p, seg.seen, (k_all, v_all, layer), reset=not seg.fresh_state),
+            lambda h, norms: h._evict_layer(
+                p, seg.seen, (k_all, v_all, layer), reset=not seg.fresh_state, norms=norms
+            ),
+            residuals,
         )
         return out, here.replace(k=k_all, v=v_all)
 
@@ -190,11 +209,17 @@ class BudgetCache(SlotsView):
         return small.replace(k=k, v=v)
 
     def _evict_layer(
-        self, p: Policy, seen: jax.Array, stack: tuple | None = None, reset: bool = True
+        self,
+        p: Policy,
+        seen: jax.Array,
+        stack: tuple | None = None,
+        reset: bool = True,
+        norms: jax.Array | None = None,
     ) -> BudgetCache:
         """One layer's slice ([B, Hk, ...] leaves); ``stack``: (stored keys, values, layer) of
         every layer, of which this slice's are that layer's (read in place by the modifier's
-        kernels); ``reset`` as in ``evict``."""
+        kernels); ``reset`` as in ``evict``; ``norms``: the residual norms [B, Hk, S] the decode
+        kernel gave for ``Modifier.residuals``, or None."""
         b = p.budget
         if self.slots <= b:  # everything fits: only the state reset remains
             resets = p.scorer.reset_after_evict and reset
@@ -206,7 +231,7 @@ class BudgetCache(SlotsView):
         if p.pooled_aggregate:
             key = keys_by_position(p, self.state, self.pos, self.order, seen)
         else:
-            key = jnp.take_along_axis(self._keys(p, seen, n_drop, stack), self.order, -1)
+            key = jnp.take_along_axis(self._keys(p, seen, n_drop, stack, norms), self.order, -1)
         if n_drop <= UNROLLED_DROPS:
             return self._drop_few(p, lowest_few(key, n_drop), reset)
         drop = lowest_slots(key, n_drop)
@@ -237,9 +262,11 @@ class BudgetCache(SlotsView):
         )
         return place
 
-    def _keys(self, p: Policy, seen: jax.Array, n_drop: int, stack: tuple | None) -> jax.Array:
+    def _keys(
+        self, p: Policy, seen: jax.Array, n_drop: int, stack: tuple | None, norms=None
+    ) -> jax.Array:
         """``eviction_keys`` [B, Hk, S] by slot, the modifier's choice of ``n_drop`` at most
-        (if it chooses) the lowest."""
+        (if it chooses) the lowest (from the decode kernel's residual ``norms`` if given)."""
         pos = self.pos
         k, v = values(self.k), values(self.v)  # what attention reads (unused ones: dropped)
         key, prio, unprotected = eviction_keys(
@@ -247,7 +274,7 @@ class BudgetCache(SlotsView):
         )
         n_evict = jnp.maximum((pos >= 0).sum(-1) - p.budget, 0)
         chosen = p.modifier_spec.choose(
-            prio, unprotected, n_evict, k, v, pos, self.moments, n_drop, p, stack
+            prio, unprotected, n_evict, k, v, pos, self.moments, n_drop, p, stack, norms
         )
         if chosen is not None:  # the modifier chose: its evicted slots lowest, the rest above
             key = jnp.where(unprotected, jnp.where(chosen, 0.0, 1.0), key)

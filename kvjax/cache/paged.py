@@ -310,7 +310,8 @@ class PagedCache(SlotsView):
             seg,
             decode,
             block,
-            lambda c: c._evict_layer(p, seg.seen, layer, reset=not seg.fresh_state),
+            # no residuals asked: MomentKV evicts after the step on the paged cache
+            lambda c, _: c._evict_layer(p, seg.seen, layer, reset=not seg.fresh_state),
         )
 
     def evict(

@@ -112,6 +112,13 @@ def lowest_slots(score: jax.Array, pos: jax.Array, n: int) -> jax.Array:
     return jnp.where(chosen == size, chosen[..., :1], chosen)
 
 
+def scores_at_once(max_evict: int, batch: int) -> bool:
+    """Whether ``moment_informed_eviction`` of at most ``max_evict`` (``batch`` as there) scores
+    every candidate by its residual norm at once, with no loop (a decoding step's): the norms a
+    decode kernel can give from the tiles it reads."""
+    return max_evict == 1 and batch == 1
+
+
 def moment_informed_eviction(
     priority: jax.Array,
     candidates: jax.Array,
@@ -124,6 +131,7 @@ def moment_informed_eviction(
     max_evict: int,
     batch: int = 1,
     stack: tuple | None = None,
+    norms: jax.Array | None = None,
     impl: str | None = None,
 ) -> jax.Array:
     """Algorithm 1's eviction loop: evict the candidate of lowest ``priority · ‖r_j‖`` with
@@ -159,6 +167,11 @@ def moment_informed_eviction(
     batch > 1 (``mi_batch``), a faster approximation when a prefill evicts thousands of tokens:
     ``_batched_eviction``.
     """
+    if norms is not None and not scores_at_once(max_evict, batch):
+        raise ValueError(
+            f"norms are read by a decoding step's eviction (max_evict=1, batch=1) only; got "
+            f"max_evict={max_evict}, batch={batch}"
+        )
     if batch > 1:
         return _batched_eviction(
             priority, candidates, n_evict, k, v, pos, moments, zeroth, max_evict, batch
@@ -166,15 +179,16 @@ def moment_informed_eviction(
     f32 = jnp.float32
     # a decoding step: every candidate scored from its vectors, nothing to screen or update
     if max_evict == 1:
-        k_all, v_all, layer = stack or (k, v, None)
-        lead = ("batch", "kv_heads") if layer is None else (None, "batch", "kv_heads")
-        (norms,) = per_shard(
-            lambda k, v, m, i: (moment_residual_norms(k, v, m, zeroth, layer=i, impl=impl),),
-            (k_all, v_all, moments, layer),
-            (lead, lead, ("batch", "kv_heads"), ()),
-            (("batch", "kv_heads"),),
-            *priority.shape[:2],
-        )
+        if norms is None:
+            k_all, v_all, layer = stack or (k, v, None)
+            lead = ("batch", "kv_heads") if layer is None else (None, "batch", "kv_heads")
+            (norms,) = per_shard(
+                lambda k, v, m, i: (moment_residual_norms(k, v, m, zeroth, layer=i, impl=impl),),
+                (k_all, v_all, moments, layer),
+                (lead, lead, ("batch", "kv_heads"), ()),
+                (("batch", "kv_heads"),),
+                *priority.shape[:2],
+            )
         score = jnp.where(candidates, priority * norms, jnp.inf)
         tied = _tied_with_lowest(score)  # the earliest position among them, as the loop chooses
         first = jnp.where(tied, pos, jnp.iinfo(jnp.int32).max).min(-1, keepdims=True)

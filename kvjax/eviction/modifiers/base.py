@@ -74,11 +74,29 @@ class Modifier:
         """A block's attention output out [B, T, H, K] (lse [B, T, H], queries q) corrected."""
         return out
 
+    def residuals(self, moments, max_drop: int, policy) -> tuple | None:
+        """(moments, zeroth) when its ``choose`` of at most ``max_drop`` slots reads every slot's
+        MomentKV residual norm under one layer's ``moments``: a decode kernel can give them from
+        the tiles it reads (``decode_attention_with_scores(residuals=...)``). Else None."""
+        return None
+
     def choose(
-        self, prio, unprotected, n_evict, k, v, pos, moments, max_drop: int, policy, stack=None
+        self,
+        prio,
+        unprotected,
+        n_evict,
+        k,
+        v,
+        pos,
+        moments,
+        max_drop: int,
+        policy,
+        stack=None,
+        norms=None,
     ):
         """The slots [..., S] it evicts itself (``n_evict`` [...] of the ``unprotected`` ones, at
         most ``max_drop``, by the priority ``prio`` and what it reads, under ``policy``), or None:
         the allocation's count of the lowest priorities. ``stack``: (stored keys, values, layer)
-        of which k, v are the layer's values, for kernels that read the layer in place."""
+        of which k, v are the layer's values, for kernels that read the layer in place; ``norms``:
+        the residual norms [..., S] that ``residuals`` asked the decode kernel for, or None."""
         return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.eviction.modifiers.base import Modifier
-from kvjax.eviction.moments import moment_informed_eviction
+from kvjax.eviction.moments import moment_informed_eviction, scores_at_once
 from kvjax.kernels import corrected_attention
 
 
@@ -54,7 +54,25 @@ class MomentKV(Modifier):
     def correct(self, out, lse, q, moments):
         return corrected_attention(out, lse, q, moments, self.zeroth) if self.nc else out
 
-    def choose(self, prio, unprotected, n_evict, k, v, pos, moments, max_drop, policy, stack=None):
+    def residuals(self, moments, max_drop, policy):
+        if self.mi and scores_at_once(max_drop, policy.mi_batch):
+            return moments, self.zeroth
+        return None
+
+    def choose(
+        self,
+        prio,
+        unprotected,
+        n_evict,
+        k,
+        v,
+        pos,
+        moments,
+        max_drop,
+        policy,
+        stack=None,
+        norms=None,
+    ):
         if not self.mi:
             return None
         return moment_informed_eviction(
@@ -69,6 +87,7 @@ class MomentKV(Modifier):
             max_drop,
             policy.mi_batch,
             stack=stack,
+            norms=norms,
             impl=policy.impl,
         )
 
