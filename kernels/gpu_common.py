@@ -188,13 +188,15 @@ def softmax_kernel(
     head: tuple = (),
     z_rows: int = 0,
     after_tile: Callable[[Any, KeyTile], None] | None = None,
+    o_rows: int | None = None,
 ):
     """Online softmax of a tile of query rows over ``n_tiles`` key tiles of the whole-head refs
     k_ref, v_ref [S, K] (or ``Quantized`` of refs; or their head at the leading indices ``head``)
     and spos_ref [S]: from slot 0, or — with split_axis — from the split chosen by that grid axis
     (n_tiles tiles per split; every split starts with a real slot). Writes the normalised o and m,
     l, and, given z_ref [R, ≥ S], the masked logits of the first ``z_rows`` rows at each tile's
-    slots; ``after_tile(start, tile)``, if given, receives each tile and its first slot."""
+    slots; ``after_tile(start, tile)``, if given, receives each tile and its first slot. With
+    ``o_rows``, o's rows from that one on are not written (padding rows that nothing reads)."""
     offset = 0 if split_axis is None else pl.program_id(split_axis) * (n_tiles * block_k)
 
     def tile(j):
@@ -218,7 +220,11 @@ def softmax_kernel(
         scale,
         None if z_ref is None and after_tile is None else store,
     )
-    o_ref[...] = acc / l[:, None]
+    o = acc / l[:, None]
+    if o_rows is None:
+        o_ref[...] = o
+    else:
+        plgpu.store(o_ref, o, mask=jax.lax.broadcasted_iota(jnp.int32, o.shape, 0) < o_rows)
     m_ref[...] = m
     l_ref[...] = l
 

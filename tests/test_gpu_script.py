@@ -52,8 +52,18 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert {r.get("attention") for r in checks if r["op"] == kernels_part.PROMPT} == {"xla"}
     assert all(r["ok"] and r["max_err"] < 1e-2 for r in checks)
     times = parts["kernel_times"]
-    assert {r["impl"] for r in times} == {"pallas_gpu", kernels_part.WIDE, "xla", "cudnn"}
+    assert {r["impl"] for r in times} == {
+        "pallas_gpu",
+        kernels_part.WIDE,
+        *kernels_part.SPLITS,
+        "xla",
+        "cudnn",
+    }
     assert {r["op"] for r in times if r["impl"] == kernels_part.WIDE} == {*kernels_part.WIDE_OPS}
+    # the dense decode kernel by its splits, at a budget cache's slots
+    assert {(r["op"], r["slots"]) for r in times if r["impl"] in kernels_part.SPLITS} == {
+        ("decode", 129)
+    }
     decode = parts["decode"]
     quantized = {f"{c} {kv}" for c in ("full", "snapkv 64") for kv in ("int8", "float8_e4m3fn")}
     assert {r["cache"] for r in decode if r.get("largest_batch")} == {
@@ -247,6 +257,67 @@ def test_step_traffic_counts_a_decoding_loops_body_outside_its_layer_scan():
     assert len(base) == 3 and len(branches) == 2 and branches[1] >= 2 * 4 * n
     assert traffic(8, n) == base  # the layer scan is not counted
     assert traffic(2, 4 * n) == base  # nor what the gather does not read
+
+
+# A decoding loop as XLA:GPU prints it, cut down: the decode loop's body holds a layer scan of 4
+# trips whose kernel (a custom call) is handed the whole stacked cache [4, 2, 64] float32, and a
+# fusion that slices one layer out of it and gathers 1 row of 64 floats.
+TRIPS = ', backend_config={"known_trip_count":{"n":"%d"}}'
+LOOPS_HLO = "\n".join(
+    [
+        "%fused_take (param_0.1: f32[4,2,64], param_1.1: s32[]) -> f32[1,64] {",
+        "  %param_0.1 = f32[4,2,64]{2,1,0} parameter(0)",
+        "  %param_1.1 = s32[] parameter(1)",
+        "  %c = s32[] constant(0)",
+        "  %ds = f32[1,2,64]{2,1,0} dynamic-slice(%param_0.1, %param_1.1, %c, %c), "
+        "dynamic_slice_sizes={1,2,64}",
+        "  %layer = f32[2,64]{1,0} bitcast(%ds)",
+        "  %idx = s32[1,1]{1,0} constant({ {1} })",
+        "  ROOT %g = f32[1,64]{1,0} gather(%layer, %idx), offset_dims={1}, "
+        "collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,64}",
+        "}",
+        "",
+        "%layers (p.1: (s32[], f32[4,2,64])) -> (s32[], f32[4,2,64]) {",
+        "  %p.1 = (s32[], f32[4,2,64]{2,1,0}) parameter(0)",
+        "  %i = s32[] get-tuple-element(%p.1), index=0",
+        "  %cache = f32[4,2,64]{2,1,0} get-tuple-element(%p.1), index=1",
+        '  %kernel = f32[2,8]{1,0} custom-call(%cache), custom_call_target="__gpu$xla.gpu.triton"',
+        "  %take = f32[1,64]{1,0} fusion(%cache, %i), kind=kLoop, calls=%fused_take",
+        "  ROOT %t.1 = (s32[], f32[4,2,64]{2,1,0}) tuple(%i, %cache)",
+        "}",
+        "",
+        "%decode (p.2: (s32[], f32[4,2,64])) -> (s32[], f32[4,2,64]) {",
+        "  %p.2 = (s32[], f32[4,2,64]{2,1,0}) parameter(0)",
+        "  %w = (s32[], f32[4,2,64]{2,1,0}) while(%p.2), condition=%cond, body=%layers" + TRIPS % 4,
+        "  %x = f32[4,2,64]{2,1,0} get-tuple-element(%w), index=1",
+        "  %n = f32[4,2,64]{2,1,0} negate(%x)",
+        "  ROOT %t.2 = (s32[], f32[4,2,64]{2,1,0}) tuple(%i, %n)",
+        "}",
+        "",
+        "ENTRY %main (p.3: (s32[], f32[4,2,64])) -> (s32[], f32[4,2,64]) {",
+        "  %p.3 = (s32[], f32[4,2,64]{2,1,0}) parameter(0)",
+        "  ROOT %w.1 = (s32[], f32[4,2,64]{2,1,0}) while(%p.3), condition=%cond, body=%decode"
+        + TRIPS % 5,
+        "}",
+    ]
+)
+
+
+def test_loop_traffic_counts_the_layer_scan_a_kernel_reading_its_layer_in_place():
+    """``aot.py --traffic``'s count of the decoding loop's loops (``common.loop_traffic``): every
+    trip of the layer scan; the kernel handed the stacked cache [4, 2, 64] reads one layer of it
+    (512 bytes) and writes its [2, 8] result (64 bytes); the fusion that slices a layer (512 bytes)
+    and gathers a row counts the row (256 bytes, read and written) and the layer index (4 bytes);
+    the decode loop's own negate (outside the scan) is ``step_traffic``'s alone."""
+    common = gpu_script("common")
+    items = []
+    loops = common.loop_traffic(LOOPS_HLO, items)
+    assert loops == {"loop w (4 trips)": 4 * ((512 + 64) + (256 + 4 + 256))}, loops
+    assert sorted((n, op) for _, _, n, op, _ in items) == [
+        ("kernel", "custom-call"),
+        ("take", "fusion"),
+    ]
+    assert common.step_traffic(LOOPS_HLO) == {"step": 2 * 4 * 2 * 64 * 4}
 
 
 def test_moved_bytes_reads_xla_gpus_asynchronous_slice_copies():

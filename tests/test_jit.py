@@ -40,8 +40,13 @@ def test_called_inside_another_trace_it_is_the_plain_jit(monkeypatch):
         double(x)
 
 
-def test_on_a_gpu_triton_gemm_fusions_are_off():
-    assert jit_module.OPTIONS == {"gpu": {"xla_gpu_enable_triton_gemm": False}}
+def test_on_a_gpu_triton_gemm_fusions_and_rematerialization_are_off():
+    """The options, and XLA knows them (a misspelt one fails the compile, as above)."""
+    assert jit_module.OPTIONS == {
+        "gpu": {"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes": "rematerialization"}
+    }
+    compiled = jax.jit(lambda x: x + 1, compiler_options=jit_module.OPTIONS["gpu"])
+    assert compiled(jnp.arange(3.0)).tolist() == [1.0, 2.0, 3.0]
 
 
 def test_no_module_jits_around_kvjax_jit():

@@ -12,19 +12,21 @@ wheels):
     /tmp/aot/bin/python benchmarks/gpu/aot.py                     # about 3 minutes on 2 cores
     # the programs' text
     /tmp/aot/bin/python benchmarks/gpu/aot.py --caches full --batches 1 --hlo /tmp/hlo
-    # what a step reads and writes outside the layer scan, each branch of its conditionals apart
+    # what a step reads and writes outside the layer scan, each branch of its conditionals apart,
+    # and in the layer scan (a kernel's stacked operand: its layer's share), beside its floor
     /tmp/aot/bin/python benchmarks/gpu/aot.py --caches "adakv 1024" --batches 64 --traffic
 
 Variants: "kvjax" compiles with the options kvjax's programs take on a GPU
 (``kvjax.runtime.jit.OPTIONS``: no Triton GEMM fusions, so cuBLAS reads each layer's weights in
-place); "triton" with Triton GEMM fusions allowed (XLA's default, and kvjax's until 2026-11-28);
-"unstacked" is kvjax's options over ``kvjax.unstack_layers``. Checked against the card: call 2's
-measured temporaries at batch 1 (full cache 437.3 MB, SnapKV 1024 440.5 MB) against this compile's
-with Triton GEMM fusions (436.2 and 446.8 MB: one layer's weights, 436.2 MB, is the copy); call 3's
-with kvjax's options (full cache at batch 1 0.05 GB, SnapKV 1024 at 64 0.94 GB) against 50.4 and
-943.9 MB here, whose copies of SnapKV's keys and values the card's profile timed
-(benchmarks/gpu/NOTES.md). Without autotuning, the card's own compile may choose other kernels for
-some products.
+place; no rematerialization pass); "triton" with Triton GEMM fusions allowed (XLA's default, and
+kvjax's until 2026-11-28); "unstacked" is kvjax's options over ``kvjax.unstack_layers``; "remat" is
+kvjax's options with XLA's rematerialization pass on (kvjax's until 2026-11-29). ``--variants``
+picks. Checked against the card: call 2's measured temporaries at batch 1 (full cache 437.3 MB,
+SnapKV 1024 440.5 MB) against this compile's with Triton GEMM fusions (436.2 and 446.8 MB: one
+layer's weights, 436.2 MB, is the copy); call 3's with kvjax's options (full cache at batch 1
+0.05 GB, SnapKV 1024 at 64 0.94 GB) against 50.4 and 943.9 MB here, whose copies of SnapKV's keys
+and values the card's profile timed (benchmarks/gpu/NOTES.md). Without autotuning, the card's own
+compile may choose other kernels for some products.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import step_traffic  # noqa: E402
+from common import loop_traffic, step_traffic  # noqa: E402
 from layers_part import moved_bytes  # noqa: E402
 from model_part import LLAMA_8B, NEW, OUT_WIDTH, tile_state  # noqa: E402
 
@@ -59,6 +61,7 @@ platform_name: "CUDA" dnn_version_info { major: 9 minor: 28 } runtime_version { 
 device_description_str: "NVIDIA H200"
 """
 TRITON = {"xla_gpu_enable_triton_gemm": True}
+REMAT_OFF = "xla_disable_hlo_passes"  # kvjax's option that turns the rematerialization pass off
 
 
 def compile_only_sharding() -> NamedSharding:
@@ -91,7 +94,18 @@ def main() -> int:
         "--traffic",
         action="store_true",
         help="also print what kvjax's program reads and writes per step outside its loops "
-        "(``common.step_traffic``): every step, and each branch of its conditionals",
+        "(``common.step_traffic``): every step, and each branch of its conditionals; in each "
+        "loop (``common.loop_traffic``: the layer scan); and the step's floor bytes",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["kvjax", "triton", "unstacked"],
+        choices=["kvjax", "triton", "unstacked", "remat"],
+        help="unstacked: at batch 1, full and SnapKV 1024 only",
+    )
+    parser.add_argument(
+        "--top", type=int, default=10, help="with --traffic: the largest instructions counted"
     )
     args = parser.parse_args()
     on = compile_only_sharding()
@@ -110,6 +124,17 @@ def main() -> int:
         jax.eval_shape(lambda: kvjax.init_params(LLAMA_8B, jax.random.key(0), jnp.bfloat16))
     )
     unstacked = place(jax.eval_shape(kvjax.unstack_layers, params))
+    # a step's floor: every weight but the embedding table, and each row's kept keys and values
+    # (bfloat16: the budget and the new token per layer and KV head, or the whole context)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) - (
+        params.embed.size * params.embed.dtype.itemsize
+    )
+    cfg = LLAMA_8B
+
+    def floor_kv_bytes(cache: str, batch: int) -> int:
+        kept = args.context if cache == "full" else int(cache.split()[1])
+        return batch * cfg.n_layers * cfg.n_kv_heads * (kept + 1) * 2 * cfg.head_dim * 2
+
     tokens = jax.ShapeDtypeStruct((1, args.context), jnp.int32)
     lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -146,8 +171,10 @@ def main() -> int:
     print("| --- | ---: | --- | ---: | ---: | --- | ---: |")
     for cache in args.caches:
         for batch in args.batches:
-            variants = ["kvjax", "triton"] + (
-                ["unstacked"] if batch == 1 and cache in ("full", "snapkv 1024") else []
+            variants = [v for v in args.variants if v != "unstacked"] + (
+                ["unstacked"]
+                if "unstacked" in args.variants and batch == 1 and cache in ("full", "snapkv 1024")
+                else []
             )
             for variant in variants:
                 s, ev = state(cache, batch)
@@ -161,7 +188,13 @@ def main() -> int:
                     (),
                     None if ev is None else ev.decoding(),
                 )
-                compiled = lowered.compile(TRITON if variant == "triton" else OPTIONS["gpu"])
+                compiled = lowered.compile(
+                    TRITON
+                    if variant == "triton"
+                    else {k: v for k, v in OPTIONS["gpu"].items() if k != REMAT_OFF}
+                    if variant == "remat"
+                    else OPTIONS["gpu"]
+                )
                 seconds = time.perf_counter() - t0
                 text = compiled.as_text()
                 if args.hlo:
@@ -177,9 +210,16 @@ def main() -> int:
                     f"| {moved_bytes(text) / 1e6:.1f} | {cublas} / {triton} | {seconds:.1f} |",
                     flush=True,
                 )
-                if args.traffic and variant == "kvjax":
-                    for where, nbytes in step_traffic(text).items():
+                if args.traffic and variant in ("kvjax", "remat"):
+                    floor = weight_bytes + floor_kv_bytes(cache, batch)
+                    print(f"    {cache} at {batch}, floor: {floor / 1e9:.2f} GB", flush=True)
+                    items = []
+                    moved = {**step_traffic(text, items), **loop_traffic(text, items)}
+                    for where, nbytes in moved.items():
                         print(f"    {cache} at {batch}, {where}: {nbytes / 1e9:.2f} GB", flush=True)
+                    for nbytes, where, name, op, line in sorted(items, reverse=True)[: args.top]:
+                        shape = line.split(" = ", 1)[1].split(f" {op}(")[0][:60]
+                        print(f"      {nbytes / 1e9:.2f} GB {where}: {name} {op} {shape}")
     return 0
 
 

@@ -319,76 +319,157 @@ def _instructions(body: list[str]) -> list[tuple[str, str, str, list[str], str]]
 def _fused_reads(fused: list[str], index: int, whole: int) -> int:
     """Bytes a fused computation reads of its parameter ``index``: what its gathers and dynamic
     slices take where it is read only through them (nothing where it is only updated in place),
-    else all of it."""
+    else all of it. A dynamic slice read only by gathers in turn counts what they take."""
     ops = _instructions(fused)
-    names = {n for n, _, op, _, line in ops if op == "parameter" and f"parameter({index})" in line}
-    for n, _, op, args, _ in ops:  # its bitcasts and reshapes are it
-        if op in ("bitcast", "reshape") and args and args[0] in names:
-            names.add(n)
-    read = 0
-    for n, shape, op, args, _ in ops:
-        for i, arg in enumerate(args):
-            if arg not in names or n in names:
-                continue
-            if i == 0 and op in ("gather", "dynamic-slice"):
-                read += _shape_bytes(shape)
-            elif not (i == 0 and op in ("scatter", "dynamic-update-slice")):
-                return whole
-    return read
+    shapes = {n: shape for n, shape, *_ in ops}
+
+    def reads(names: set, size: int) -> int:
+        for n, _, op, args, _ in ops:  # its bitcasts and reshapes are it
+            if op in ("bitcast", "reshape") and args and args[0] in names:
+                names.add(n)
+        read = 0
+        for n, shape, op, args, _ in ops:
+            for i, arg in enumerate(args):
+                if arg not in names or n in names:
+                    continue
+                if i == 0 and op == "gather":
+                    read += _shape_bytes(shape)
+                elif i == 0 and op == "dynamic-slice":
+                    read += reads({n}, _shape_bytes(shapes[n]))
+                elif not (i == 0 and op in ("scatter", "dynamic-update-slice")):
+                    return size
+        return min(read, size)
+
+    return reads(
+        {n for n, _, op, _, line in ops if op == "parameter" and f"parameter({index})" in line},
+        whole,
+    )
 
 
-def step_traffic(hlo: str) -> dict[str, float]:
+def _count(
+    prog: Hlo,
+    comp: str,
+    key: str,
+    times: int,
+    traffic: dict[str, float],
+    *,
+    loops: bool = True,
+    stacked: int = 0,
+    prefix: str = "",
+    items: list | None = None,
+) -> None:
+    """Add computation ``comp``'s bytes, run ``times`` times, to ``traffic[key]``; its conditionals'
+    branches to keys of their own (``prefix`` + the conditional and its branch), its loops (unless
+    not ``loops``) to ``key`` times their trips. With ``stacked`` (a loop's trip count), a custom
+    call's operand whose leading axis is that long counts one trip's share: a kernel handed the
+    whole stacked cache reads its layer in place. ``items``, if given, receives (bytes, key,
+    instruction, op, its line) of each instruction counted."""
+    traffic[key] += 0.0  # a branch that moves nothing is listed too
+    ops = _instructions(prog.lines[comp])
+    shapes = {n: shape for n, shape, *_ in ops}
+    for name, shape, op, args, line in ops:
+        if op in _SKIP:
+            continue
+        if op == "while":
+            if loops:
+                body = re.search(r"body=%([\w.\-]+)", line).group(1)
+                trips = prog.trips.get(body, 1)
+                _count(
+                    prog,
+                    body,
+                    key,
+                    times * trips,
+                    traffic,
+                    stacked=stacked,
+                    prefix=prefix,
+                    items=items,
+                )
+            continue
+        if op == "conditional":  # true / false, or the branch's index
+            branches = re.findall(r"(true|false)_computation=%([\w.\-]+)", line) or [
+                (str(i), b.strip().lstrip("%"))
+                for g in re.findall(r"branch_computations=\{([^}]*)\}", line)
+                for i, b in enumerate(g.split(","))
+            ]
+            for label, branch in branches:
+                branch_key = f"{prefix}{name} {label}"
+                _count(
+                    prog,
+                    branch,
+                    branch_key,
+                    times,
+                    traffic,
+                    stacked=stacked,
+                    prefix=prefix,
+                    items=items,
+                )
+            continue
+        fused = re.search(r"calls=%([\w.\-]+)", line)
+        # a fusion's instructions, or the instruction alone as if it were one
+        fused = (
+            prog.lines.get(fused.group(1))
+            if op == "fusion" and fused
+            else [f"ROOT %x = {shape} {op}({', '.join(f'%p{i}' for i in range(len(args)))})"]
+            + [f"%p{i} = s32[] parameter({i})" for i in range(len(args))]
+        )
+        out = _shape_bytes(shape)
+        root = next((f for f in fused if f.lstrip().startswith("ROOT")), "")
+        if re.search(r" (scatter|dynamic-update-slice)\(", root):
+            out = 0  # written in place: its updates are counted as read
+        if "__cublas" in line or any("__cublas" in f for f in fused):
+            out -= sum(_shape_bytes(s8) for s8 in re.findall(r"\bs8\[[\d,]*\]", shape))  # workspace
+        reads = 0
+        for i, a in enumerate(args):
+            whole = _shape_bytes(shapes.get(a, ""))
+            dims = _SHAPE.search(shapes.get(a, ""))
+            if (
+                op == "custom-call"
+                and stacked
+                and dims
+                and dims.group(2).split(",")[0] == str(stacked)
+            ):
+                reads += whole // stacked
+            else:
+                reads += _fused_reads(fused, i, whole)
+        traffic[key] += times * (out + reads)
+        if items is not None:
+            items.append((times * (out + reads), key, name, op, line))
+
+
+def _decode_loop(prog: Hlo) -> str:
+    """The decode loop's body: the outermost loop around the layer scan."""
+    return next(prog.enclosing(name)[-1] for name in prog.trips if len(prog.enclosing(name)) == 2)
+
+
+def step_traffic(hlo: str, items: list | None = None) -> dict[str, float]:
     """Bytes read and written per step, about, by the decoding loop's body outside its loops
     (key "step": the instructions that always run) and by each branch of its conditionals (key:
     the conditional and "true", "false" or the branch's index; a step runs one branch of each),
     the loops inside a branch times their trip counts. Each instruction counts its result and its
     operands; a fusion counts of an operand only what its gathers and dynamic slices read of it,
     and nothing for a result it updates in place (a scatter's buffer). From the program's text:
-    no timing, and XLA may keep some of it in the caches."""
+    no timing, and XLA may keep some of it in the caches. ``items``: as ``_count``'s."""
     prog = Hlo.parse(hlo)
-    # the decode loop: the outermost loop around the layer scan
-    decode = next(prog.enclosing(name)[-1] for name in prog.trips if len(prog.enclosing(name)) == 2)
     traffic: dict[str, float] = collections.defaultdict(float)
+    _count(prog, _decode_loop(prog), "step", 1, traffic, loops=False, items=items)
+    return dict(traffic)
 
-    def walk(comp: str, key: str, times: int, top: bool) -> None:
-        traffic[key] += 0.0  # a branch that moves nothing is listed too
-        ops = _instructions(prog.lines[comp])
-        shapes = {n: shape for n, shape, *_ in ops}
-        for name, shape, op, args, line in ops:
-            if op in _SKIP:
-                continue
-            if op == "while":
-                if not top:  # the layer scan and the decode loop's other loops are not counted
-                    body = re.search(r"body=%([\w.\-]+)", line).group(1)
-                    walk(body, key, times * prog.trips.get(body, 1), False)
-                continue
-            if op == "conditional":  # true / false, or the branch's index
-                branches = re.findall(r"(true|false)_computation=%([\w.\-]+)", line) or [
-                    (str(i), b.strip().lstrip("%"))
-                    for g in re.findall(r"branch_computations=\{([^}]*)\}", line)
-                    for i, b in enumerate(g.split(","))
-                ]
-                for label, branch in branches:
-                    walk(branch, f"{name} {label}", times, False)
-                continue
-            fused = re.search(r"calls=%([\w.\-]+)", line)
-            # a fusion's instructions, or the instruction alone as if it were one
-            fused = (
-                prog.lines.get(fused.group(1))
-                if op == "fusion" and fused
-                else [f"ROOT %x = {shape} {op}({', '.join(f'%p{i}' for i in range(len(args)))})"]
-                + [f"%p{i} = s32[] parameter({i})" for i in range(len(args))]
-            )
-            out = _shape_bytes(shape)
-            root = next((f for f in fused if f.lstrip().startswith("ROOT")), "")
-            if re.search(r" (scatter|dynamic-update-slice)\(", root):
-                out = 0  # written in place: its updates are counted as read
-            reads = sum(
-                _fused_reads(fused, i, _shape_bytes(shapes.get(a, ""))) for i, a in enumerate(args)
-            )
-            traffic[key] += times * (out + reads)
 
-    walk(decode, "step", 1, True)
+def loop_traffic(hlo: str, items: list | None = None) -> dict[str, float]:
+    """Bytes read and written per step, about, by each loop of the decoding loop's body (key
+    "loop" and its trip count: the layer scan is the one of as many trips as layers), every trip
+    counted as ``step_traffic`` counts, and by each branch of the conditionals inside it (key: the
+    loop's, then the conditional's; a trip runs one branch of each). A custom call handed an
+    operand stacked over the loop's trips (a kernel reading its layer of the stacked cache in
+    place) counts one trip's share of it. ``items``: as ``_count``'s."""
+    prog = Hlo.parse(hlo)
+    traffic: dict[str, float] = collections.defaultdict(float)
+    for name, _, op, _, line in _instructions(prog.lines[_decode_loop(prog)]):
+        if op == "while":
+            body = re.search(r"body=%([\w.\-]+)", line).group(1)
+            trips = prog.trips.get(body, 1)
+            key = f"loop {name} ({trips} trips)"
+            _count(prog, body, key, trips, traffic, stacked=trips, prefix=f"{key} / ", items=items)
     return dict(traffic)
 
 

@@ -29,7 +29,9 @@ program holds.
 Timings (Llama-3.1-8B heads, bfloat16, 4 rows, 1K / 4K / 32K slots, every slot visible): the median
 of batches of back-to-back calls, inputs rotated among 3 sets when they would fit in L2. The
 eviction's ``lowest_place`` is timed as one decoding step of the 8B's 32 layers at batch 1 and 64
-(32 and 2,048 rows of 8 heads, 1,025 slots: budget 1024), against the XLA form it replaces.
+(32 and 2,048 rows of 8 heads, 1,025 slots: budget 1024), against the XLA form it replaces. The
+dense decode kernel is also timed at a budget cache's batches 64 and 512 (1,025 slots) with 1, 2 and
+4 flash-decoding splits beside the default's (``gpu_common.decode_splits``: 8 there).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from kvjax.kernels import (
     lowest_place,
     moment_residual_norms,
 )
+from kvjax.kernels.decode_attention import gpu as decode_gpu
 from kvjax.kernels.paged_attention import (
     paged_block_attention_with_scores,
     paged_decode_attention_with_scores,
@@ -108,6 +111,11 @@ PROMPT = "prompt"
 # loads its head's [K, K] float32 matrices, so larger tiles halve those loads (gpu/NOTES.md)
 WIDE = "pallas_gpu_128"
 WIDE_OPS = (MOMENT_RESIDUALS, EXPECTED_LOGITS)
+# The dense decode kernel at a budget cache's large batches (budget 1024 + the new token) with fewer
+# flash-decoding splits than the default's 8: B · Hk programs alone fill the card there, and every
+# split writes partial outputs that a merge reads back (gpu/NOTES.md, eighth session)
+SPLITS = {f"pallas_gpu_splits{n}": n for n in (1, 2, 4)}
+SPLIT_BATCHES = (64, 512)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +265,11 @@ def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = Fa
         return jax.jit(lambda *args: (lowest_place(*args, **PLACE_OPTIONS, **opts), None, None))
     paged, decode, moments = OPS[case.op]
     score = "attn" if case.score == "none" else case.score
+    if impl in SPLITS:  # the dense decode kernel itself, its splits given
+        kernel = functools.partial(
+            decode_gpu.decode_attention_gpu, score=score, splits=SPLITS[impl], interpret=interpret
+        )
+        return jax.jit(lambda q, k, v, sp, qp, w, mom: kernel(q, k, v, sp, qp, w))
     if case.op == MOMENT_RESIDUALS:
 
         def fn(q, k, v, sp, qp, w, mom):
@@ -375,6 +388,10 @@ def timing_cases(smoke: bool) -> list[Case]:
             for slots in lengths
             for op in (MOMENT_RESIDUALS, DECODE_RESIDUALS, EXPECTED_LOGITS)
         ]
+        + [  # the dense decode kernel at large batches (budget 1024 + the new token), by splits
+            Case("decode", "attn", shape, "bfloat16", 129 if smoke else 1025, b)
+            for b in ((1,) if smoke else SPLIT_BATCHES)
+        ]
         + [  # a decoding step's eviction of every layer: budget 1024 + the new token
             Case(LOWEST_PLACE, "attn", shape, "float32", 129 if smoke else 1025, rows)
             for rows in ((1,) if smoke else (PLACE_LAYERS, 64 * PLACE_LAYERS))
@@ -475,6 +492,9 @@ def submit_timings(compiler: Compiler, smoke: bool) -> dict:
         futures[c, "xla"] = compiler.submit(kernel_fn(c, "xla", False), *args)
         if c.op in WIDE_OPS:
             futures[c, WIDE] = compiler.submit(kernel_fn(c, WIDE, smoke), *args)
+        if c.op == "decode" and c.slots in (129, 1025):
+            for impl in SPLITS:
+                futures[c, impl] = compiler.submit(kernel_fn(c, impl, smoke), *args)
         if c.score == "none" and not OPS[c.op][0]:
             q, k = args[0], args[1]
             kt = jax.ShapeDtypeStruct((k.shape[0], k.shape[2], k.shape[1], k.shape[3]), k.dtype)
@@ -497,7 +517,7 @@ def run_timings(results: Results, deadline: Deadline, futures: dict, smoke: bool
             kv_bytes = c.batch * Hk * c.slots * (4 * G + 8)
         n_sets = 1 if kv_bytes > L2_BYTES else 3
         sets = None
-        for impl in ("pallas_gpu", WIDE, "xla", "cudnn"):
+        for impl in ("pallas_gpu", WIDE, *SPLITS, "xla", "cudnn"):
             if (c, impl) not in futures:
                 continue
             if deadline.passed():
@@ -626,6 +646,25 @@ def tables(results: Results) -> list[str]:
                 f"{cell('xla')} | {cell('cudnn')} | {ratio} "
                 f"| {p.get('kv_gb_s', float('nan')):.0f} |"
             )
+        split_rows = [(key, impls) for key, impls in by.items() if set(impls) & set(SPLITS)]
+        if split_rows:
+            lines += [
+                "",
+                "The dense decode kernel by flash-decoding splits (ms; default: "
+                "`gpu_common.decode_splits`):",
+                "",
+                "| slots | batch | default | "
+                + " | ".join(f"{n} splits" for n in SPLITS.values())
+                + " |",
+                "| ---: | ---: | ---: | " + " | ".join("---:" for _ in SPLITS) + " |",
+            ]
+            for (op, score, slots, batch), impls in split_rows:
+                cells = " | ".join(
+                    f"{impls[i]['ms']:.3f}" if "ms" in impls.get(i, {}) else "" for i in SPLITS
+                )
+                default = impls.get("pallas_gpu", {})
+                first = f"{default['ms']:.3f}" if "ms" in default else ""
+                lines.append(f"| {slots} | {batch} | {first} | {cells} |")
         errors = [r for r in times if "error" in r]
         for r in errors:
             lines.append(f"\n- {r['op']} {r['score']} {r['slots']} {r['impl']}: {r['error'][:300]}")

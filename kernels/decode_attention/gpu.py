@@ -162,6 +162,8 @@ def decode_attention_gpu(
             split_axis=2,
             z_rows=G,
             zeroth=zeroth if fused else None,
+            # the padding rows' partial outputs are read by the scores pass only
+            o_rows=G if query_weights is None or logits_out else None,
         ),
         grid=(B, Hk, n_splits),
         in_specs=[

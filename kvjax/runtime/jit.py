@@ -8,6 +8,13 @@ compile of the 8B decoding step for an H200, made on a CPU without a device
 (``benchmarks/gpu/aot.py``): the copy's buffer is one layer's weights with Triton GEMM fusions,
 and absent without them (the figures: docs/performance.md, "Figures that used to live in code
 comments").
+
+Also on CUDA, no rematerialization pass (``xla_disable_hlo_passes``): XLA:GPU's memory limit for a
+program is 80% of the device's memory less its arguments, so a decoding step whose cache fills the
+card (the largest batch the memory holds) gets a limit of zero, and the pass then recomputes
+products, reading their weights again, to save almost nothing (the 8B with SnapKV 1024 at 793 rows
+and 32K: three more cuBLAS products per layer, 12.6 GB more read a step, for 0.2 GB less peak
+memory: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import functools
 
 import jax
 
-OPTIONS: dict[str, dict] = {"gpu": {"xla_gpu_enable_triton_gemm": False}}
+OPTIONS: dict[str, dict] = {
+    "gpu": {"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes": "rematerialization"}
+}
 
 
 class Jitted:
