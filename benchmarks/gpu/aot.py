@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import loop_traffic, step_traffic  # noqa: E402
 from layers_part import moved_bytes  # noqa: E402
-from model_part import LLAMA_8B, NEW, OUT_WIDTH, tile_state  # noqa: E402
+from model_part import LLAMA_8B, NEW, OUT_WIDTH, step_weight_bytes, tile_state  # noqa: E402
 
 H200 = """
 gpu_device_info {
@@ -124,11 +124,9 @@ def main() -> int:
         jax.eval_shape(lambda: kvjax.init_params(LLAMA_8B, jax.random.key(0), jnp.bfloat16))
     )
     unstacked = place(jax.eval_shape(kvjax.unstack_layers, params))
-    # a step's floor: every weight but the embedding table, and each row's kept keys and values
-    # (bfloat16: the budget and the new token per layer and KV head, or the whole context)
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) - (
-        params.embed.size * params.embed.dtype.itemsize
-    )
+    # a step's floor: the weights it reads, and each row's kept keys and values (bfloat16: the
+    # budget and the new token per layer and KV head, or the whole context)
+    weight_bytes = step_weight_bytes(params)
     cfg = LLAMA_8B
 
     def floor_kv_bytes(cache: str, batch: int) -> int:

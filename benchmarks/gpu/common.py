@@ -372,8 +372,7 @@ def _count(
             continue
         if op == "while":
             if loops:
-                body = re.search(r"body=%([\w.\-]+)", line).group(1)
-                trips = prog.trips.get(body, 1)
+                body, trips = _loop(prog, line)
                 _count(
                     prog,
                     body,
@@ -436,6 +435,12 @@ def _count(
             items.append((times * (out + reads), key, name, op, line))
 
 
+def _loop(prog: Hlo, line: str) -> tuple[str, int]:
+    """(body, trip count) of the while instruction ``line``."""
+    body = re.search(r"body=%([\w.\-]+)", line).group(1)
+    return body, prog.trips.get(body, 1)
+
+
 def _decode_loop(prog: Hlo) -> str:
     """The decode loop's body: the outermost loop around the layer scan."""
     return next(prog.enclosing(name)[-1] for name in prog.trips if len(prog.enclosing(name)) == 2)
@@ -466,8 +471,7 @@ def loop_traffic(hlo: str, items: list | None = None) -> dict[str, float]:
     traffic: dict[str, float] = collections.defaultdict(float)
     for name, _, op, _, line in _instructions(prog.lines[_decode_loop(prog)]):
         if op == "while":
-            body = re.search(r"body=%([\w.\-]+)", line).group(1)
-            trips = prog.trips.get(body, 1)
+            body, trips = _loop(prog, line)
             key = f"loop {name} ({trips} trips)"
             _count(prog, body, key, trips, traffic, stacked=trips, prefix=f"{key} / ", items=items)
     return dict(traffic)

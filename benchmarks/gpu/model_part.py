@@ -227,6 +227,14 @@ def refit(state: DecodeState, ev, cfg: ModelConfig) -> DecodeState:
     return state.replace(cache=ev.fit(state.cache, cfg, ev.decode_spare(OUT_WIDTH)))
 
 
+def step_weight_bytes(params) -> int:
+    """The weights one decode step reads (arrays or ShapeDtypeStructs): every weight but the
+    embedding table, of which it gathers a row per sequence."""
+    embed = params.embed
+    leaves = jax.tree.leaves(params)
+    return sum(x.size * x.dtype.itemsize for x in leaves) - embed.size * embed.dtype.itemsize
+
+
 def kept_kv_bytes(state: DecodeState, cfg: ModelConfig) -> int:
     """Keys and values a decode step must read, their scales included: every row's context (full
     cache) or kept tokens (budget caches)."""
@@ -266,13 +274,7 @@ class ModelRun:
                 self.sz.cfg, jax.random.key(0), jnp.bfloat16
             )
         )
-        leaves = jax.tree.leaves(self.params)
-        embed = self.params.embed
-        # one decode step reads every weight but the embedding table (of which it gathers a row per
-        # sequence)
-        self.weight_bytes = (
-            sum(x.size * x.dtype.itemsize for x in leaves) - embed.size * embed.dtype.itemsize
-        )
+        self.weight_bytes = step_weight_bytes(self.params)
         self.states: dict[tuple[Cache, int], DecodeState] = {}
         self.kernels, results.meta["decode_attention"] = decode_attention()
         log(f"model: {results.meta['decode_attention']}")
