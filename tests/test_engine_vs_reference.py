@@ -14,6 +14,7 @@ from helpers import kept_positions as kept
 from reference_eviction import run_reference
 
 import kvjax
+from kvjax.eviction.expected_attention import QUERY_BUFFER
 from kvjax.runtime.decoding import Generation, feed_budget
 from kvjax.runtime.inputs import pad_rows, prompt_bucket, round_capacity
 from kvjax.runtime.options import eviction_from
@@ -180,6 +181,15 @@ def test_moment_informed_eviction_of_one_token_per_decode_step_matches_reference
     check_against_reference(model, case, "prefill", 1, distinct_prompts())
 
 
+@pytest.mark.parametrize("evict_every", [1, 3])
+def test_expected_attention_past_its_query_buffer_matches_reference(model, evict_every):
+    """Expected Attention decoding QUERY_BUFFER + 4 tokens: the decoding queries kept aside fill
+    their buffer, which is added to the sums, while every eviction reads sums and buffer."""
+    case = dict(scorer="expected-attention", n_sink=2, window=0)
+    prompts = distinct_prompts()
+    check_against_reference(model, case, "blockwise", evict_every, prompts, QUERY_BUFFER + 4)
+
+
 @pytest.mark.parametrize("protocol", ["blockwise", "prefill"])
 @pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: c["scorer"])
 def test_layer_aggregate_matches_reference(model, case, protocol):
@@ -288,13 +298,13 @@ def test_chunk_selection_matches_reference(model3, case):
 LOGITS = dict(atol=2e-4, rtol=1e-4)
 
 
-def check_against_reference(model, case, protocol, evict_every, prompts):
+def check_against_reference(model, case, protocol, evict_every, prompts, new_tokens=NEW_TOKENS):
     settings = (
         dict(budget=BUDGET, protocol=protocol, block_size=BLOCK, evict_every=evict_every) | case
     )
     refs = [
         run_reference(
-            model, p, NEW_TOKENS, **{k: v for k, v in settings.items() if k != "page_size"}
+            model, p, new_tokens, **{k: v for k, v in settings.items() if k != "page_size"}
         )
         for p in prompts
     ]
@@ -303,12 +313,12 @@ def check_against_reference(model, case, protocol, evict_every, prompts):
     assert [r["near_ties"] - r["exact_ties"] for r in refs] == [0, 0]
 
     ev = eviction_from(**settings)
-    gen = Generation.from_prompts(model, prompts, NEW_TOKENS, Sampling(), 0, (), ev)
+    gen = Generation.from_prompts(model, prompts, new_tokens, Sampling(), 0, (), ev)
     state = gen.state
     for row, ref in enumerate(refs):
         assert kept(np.asarray(state.cache.pos), row) == ref["kept_after_prefill"]
         np.testing.assert_allclose(np.asarray(state.logits[row]), ref["prefill_logits"], **LOGITS)
-    for step in range(NEW_TOKENS):
+    for step in range(new_tokens):
         new = gen.run(1)
         pos, logits = np.asarray(gen.state.cache.pos), np.asarray(gen.state.logits)
         for row, ref in enumerate(refs):

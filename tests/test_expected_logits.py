@@ -8,9 +8,11 @@ at every eviction point):
   rotated, runs the reference);
 * ``jax.export`` lowers the kernels for TPU and CUDA, and Expected Attention's decoding loop to
   them, reading the stacked cache (no slice of a layer);
+* queries kept aside (``pending``) give the logits of the sums that hold their outer products, in
+  the reference and both kernels;
 * bad shapes name the argument;
-* a decoding that evicts every E > 1 steps keeps its queries' outer products aside until an
-  eviction point, and the sums it then holds are the direct ones.
+* a decoding that evicts keeps its queries aside, settling a full buffer, and the sums it then
+  holds are the direct ones.
 """
 
 import re
@@ -26,6 +28,7 @@ from kvjax.kernels.quantized import values
 from test_kernels import GPU_EXPORT_CHECKS, TRITON_CALL
 from test_moment_residuals import decoding_module, kernel_calls_in_decoding
 
+from kvjax.eviction import expected_attention
 from kvjax.eviction.expected_attention import ExpectedAttention, mean_rotation, rotation_matrix
 from kvjax.runtime.decoding import decode_steps, feed_budget
 from kvjax.runtime.options import eviction_from
@@ -71,6 +74,31 @@ def linear(stats):
     return stats[0], None, None
 
 
+def with_pending(stats, k, n=3):
+    """The statistics of ``case`` with its queries' last ``n`` outer products kept aside: the sums
+    of the others, and the queries themselves ([B, Hk, G, n, K]; zero in row 1, whose one query
+    is in the sums)."""
+    mean, _, count = stats
+    ks = jax.random.split(jax.random.PRNGKey(7), 2)
+    q = jax.random.normal(ks[0], mean.shape[:3] + (7, mean.shape[-1])) + 0.5
+    q = q * (jnp.arange(7) < jnp.array([7, 1])[:, None, None, None])[..., None]
+    held, pending = q[:, :, :, : 7 - n], q[:, :, :, 7 - n :]
+    qq = jnp.einsum("bhgti,bhgtj->bhgij", held, held)
+    full = (mean, jnp.einsum("bhgti,bhgtj->bhgij", q, q), count)
+    return (mean, qq, count, pending), full
+
+
+def test_pending_queries_count_as_their_outer_products():
+    """Logits from the sums of 4 queries' outer products and 3 queries aside equal those of the
+    sums of all 7 (and the float64 oracle's)."""
+    k, rot, stats = case()
+    split, full = with_pending(stats, k)
+    got = reference.expected_logits(k, rot, *split)
+    np.testing.assert_allclose(got, reference.expected_logits(k, rot, *full), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, oracle(k, rot, *full), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got, reference.expected_logits(k, rot, *split[:3]), atol=1e-3)
+
+
 @pytest.mark.parametrize("with_cov", [True, False])
 def test_the_reference_is_the_expected_logit(with_cov):
     k, rot, stats = case()
@@ -85,11 +113,14 @@ KERNELS = {"tpu": tpu.expected_logits_tpu, "gpu": gpu.expected_logits_gpu}
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize(("G", "with_cov"), [(4, True), (3, True), (3, False)])
-def test_kernels_equal_the_reference(kernel, dtype, G, with_cov):
-    """Ragged tiles (150 slots: 128 + 22 on TPU, 64 + 64 + 22 on GPU)."""
+@pytest.mark.parametrize(
+    ("G", "terms"), [(4, "cov"), (3, "cov"), (3, "linear"), (4, "pending"), (3, "pending")]
+)
+def test_kernels_equal_the_reference(kernel, dtype, G, terms):
+    """Ragged tiles (150 slots: 128 + 22 on TPU, 64 + 64 + 22 on GPU); 3 pending queries, which
+    the kernels pad to their tiles."""
     k, rot, stats = case(G=G, dtype=dtype)
-    stats = stats if with_cov else linear(stats)
+    stats = {"cov": stats, "linear": linear(stats), "pending": with_pending(stats, k)[0]}[terms]
     want = reference.expected_logits(k, rot, *stats)
     got = KERNELS[kernel](k, rot, *stats, interpret=True)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -127,9 +158,10 @@ LOWERINGS = [("tpu", "pallas_tpu", "tpu_custom_call"), ("cuda", "pallas_gpu", TR
 @pytest.mark.parametrize("platform,impl,call", LOWERINGS)
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_kernels_lower(platform, impl, call, kv_dtype):
-    """SmolLM2's head geometry (3 KV heads of 3 query heads, head dim 64) at 1,040 slots."""
+    """SmolLM2's head geometry (3 KV heads of 3 query heads, head dim 64) at 1,040 slots, with a
+    decoding's 16 pending queries."""
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    args = (f32(2, 64, 64), f32(2, 3, 3, 64), f32(2, 3, 3, 64, 64), f32(2))
+    args = (f32(2, 64, 64), f32(2, 3, 3, 64), f32(2, 3, 3, 64, 64), f32(2), f32(2, 3, 3, 16, 64))
 
     def fn(k, *rest):
         return expected_logits(quantize(k, kv_dtype) if kv_dtype else k, *rest, impl=impl)
@@ -154,6 +186,11 @@ def test_bad_shapes_name_the_argument():
         expected_logits(k[0], rot, mean, qq, count)
     with pytest.raises(ValueError, match="qq_sum and count go together"):
         expected_logits(k, rot, mean, qq, None)
+    pending = jnp.zeros((2, 3, 4, 16, 64))
+    with pytest.raises(ValueError, match=r"pending must be \(B, Hk, G, E, K\)"):
+        expected_logits(k, rot, mean, qq, count, pending[..., :3])
+    with pytest.raises(ValueError, match="pending queries need qq_sum"):
+        expected_logits(k, rot, mean, None, None, pending)
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
@@ -174,16 +211,19 @@ def test_expected_attention_adds_to_its_statistics_in_place():
     assert not re.search(r"dynamic_(update_)?slice.*2x3x64x64xf32", text)
 
 
-def test_deferred_outer_products_equal_the_direct_sums(tiny_llama):
-    """With a buffer of E = 3 decoding queries (``fit_stats``), ``observe`` leaves the [K, K] sums
-    alone and keeps each query aside, settling a full buffer before the next; ``settle`` then
-    gives the sums of adding every product at once: through two overflows, a prompt block (added
-    directly) in between, a row without a query and the sinks' positions."""
+def test_deferred_outer_products_equal_the_direct_sums(tiny_llama, monkeypatch):
+    """With a buffer of E = 3 decoding queries (``fit_stats`` of an evicting decoding),
+    ``observe`` leaves the [K, K] sums alone and keeps each query aside, settling a full buffer
+    before the next; ``settle`` then gives the sums of adding every product at once: through two
+    overflows, a prompt block (added directly) in between, a row without a query and the sinks'
+    positions."""
+    monkeypatch.setattr(expected_attention, "QUERY_BUFFER", 3)
     cfg = tiny_llama.config
     scorer, policy = ExpectedAttention(), SimpleNamespace(n_sink=2)
     B, H, K = 2, cfg.n_heads, cfg.head_dim
     direct = scorer.init_stats(cfg, B)
-    deferred = scorer.fit_stats(scorer.init_stats(cfg, B), 3)
+    deferred = scorer.fit_stats(scorer.init_stats(cfg, B), True)
+    assert deferred.pending.shape == (cfg.n_layers, B, cfg.n_kv_heads, cfg.group_size, 3, K)
     keys = jax.random.split(jax.random.key(1), 9)
     feeds = [1] * 4 + [5] + [1] * 4  # decoding queries, a block of five, decoding queries
     start = 0
@@ -202,17 +242,15 @@ def test_deferred_outer_products_equal_the_direct_sums(tiny_llama):
     for name in ("count", "q_sum", "qq_sum"):
         np.testing.assert_allclose(getattr(settled, name), getattr(direct, name), rtol=1e-5)
     assert np.asarray(direct.qq_sum[0] == 0).all()  # layer 0 saw nothing
-    dropped = scorer.fit_stats(deferred, 0)  # decoding that evicts every step: settled, no buffer
+    dropped = scorer.fit_stats(deferred, False)  # a decoding that does not evict: no buffer
     assert dropped.pending is None and dropped.filled is None
     np.testing.assert_array_equal(dropped.qq_sum, settled.qq_sum)
 
 
-def test_periodic_decoding_adds_the_outer_products_at_its_eviction_points(tiny_llama):
-    """Decoding that evicts every 4 steps leaves the [K, K] sums as the prompt left them for 3
-    steps (the queries wait in the buffer) and adds them at the eviction of the fourth."""
-    ev = eviction_from(
-        context=64, budget=16, scorer="expected-attention", evict_every=4, block_size=8
-    )
+def test_decoding_keeps_its_queries_aside(tiny_llama):
+    """A decoding that evicts at every step leaves the [K, K] sums as the prompt left them while
+    its queries fill the buffer (each step's eviction reads them from there), and counts them."""
+    ev = eviction_from(context=64, budget=16, scorer="expected-attention", block_size=8)
     tokens = jax.random.randint(jax.random.key(0), (2, 40), 4, 97)
     lengths = jnp.array([40, 33])
     state = feed_budget(
@@ -227,18 +265,18 @@ def test_periodic_decoding_adds_the_outer_products_at_its_eviction_points(tiny_l
         ev.decode_spare(8),
     )
     before = state.cache.stats
-    assert before.pending.shape[-2] == 4 and before.filled.tolist() == [0, 0]
-
-    def run(state, steps):
-        return decode_steps(
-            tiny_llama, state, jnp.int32(8), jnp.int32(steps), Sampling(), (), ev.decoding()
-        )
-
-    three = run(jax.tree.map(jnp.copy, state), 3)
+    assert before.pending.shape[-2] == expected_attention.QUERY_BUFFER
+    assert before.filled.tolist() == [0, 0]
+    three = decode_steps(
+        tiny_llama,
+        jax.tree.map(jnp.copy, state),  # donated
+        jnp.int32(8),
+        jnp.int32(3),
+        Sampling(),
+        (),
+        ev.decoding(),
+    )
     np.testing.assert_array_equal(three.cache.stats.qq_sum, before.qq_sum)
     assert three.cache.stats.filled.tolist() == [3, 3]
+    assert np.asarray(three.cache.stats.pending[:, :, :, :, :3]).any()
     assert (three.cache.stats.count == before.count + 3).all()
-    four = run(three, 4)
-    assert four.cache.stats.filled.tolist() == [0, 0]
-    assert not np.asarray(four.cache.stats.pending).any()
-    assert not np.allclose(four.cache.stats.qq_sum, before.qq_sum)

@@ -4,6 +4,8 @@ scorer name with --runslow (KVzip's names, which ``kvjax.prefill`` compresses wi
 itself: the NumPy reference's ``run_kvzip_reference``); appending without eviction
 (``kvjax.decode(..., evict=False)``) keeps the whole question and answer."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from reference_eviction import run_kvzip_reference
 
 import kvjax
 from kvjax.eviction import SCORERS
+from kvjax.runtime.options import eviction_from
 
 BUDGET = 14
 
@@ -181,6 +184,14 @@ def test_momentkv_still_corrects_attention_without_eviction(tiny_llama, prefille
     assert any(not np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def test_compress_on_pages_writes_the_per_slot_state(tiny_llama, prefilled, tiny_head_scores):
+    """The paged cache's compression (AdaKV's allocation) gives Expected Attention's slots their
+    state (log ‖v‖) as the prefill protocol's blocks do."""
+    name = "adakv+expected-attention"
+    assert eviction_from(budget=BUDGET, scorer=name).page_size is not None
+    test_compress_equals_the_prefill_protocol(tiny_llama, prefilled, name, tiny_head_scores)
+
+
 @pytest.mark.parametrize("name", ["adakv", "global+snapkv", "adakv+snapkv+momentkv", "kvzip"])
 def test_compress_when_one_head_may_keep_more_than_the_prompt(tiny_llama, name, tiny_head_scores):
     """A shared allocation whose one-head cap (here 2 × 40 under adakv) exceeds the prefilled cache
@@ -200,22 +211,48 @@ def test_compress_when_one_head_may_keep_more_than_the_prompt(tiny_llama, name, 
     assert int(np.asarray(direct.cache.moments.count).sum()) > 0  # something was evicted
 
 
-@pytest.mark.parametrize("scorer", ["snapkv", "momentkv", "adakv"])
+@pytest.mark.parametrize("scorer", ["snapkv", "momentkv", "adakv", "expected-attention"])
 def test_a_saved_context_loads_as_it_was(tiny_llama, prefilled, scorer, tmp_path):
     """``save_context`` then ``load_context``: every leaf of the cache as it was, MomentKV's moments
     with their sums and the others' with none (zero-size arrays, which orbax cannot write: left out,
-    then put back), and the same answers."""
+    then put back), Expected Attention's statistics settled (without a decoding's buffer of
+    queries) and its state (log ‖v‖ per slot), and the same answers."""
     from kvjax.runtime.saved_context import load_context, save_context
 
     context = prefilled.compress(budget=BUDGET, scorer=scorer, obs_window=4, n_sink=1, window=3)
     save_context(str(tmp_path / "c"), context, tiny_llama)
     loaded = load_context(str(tmp_path / "c"), tiny_llama)
     assert loaded.cache.moments.summed == (scorer == "momentkv")
-    assert jax.tree.structure(loaded.cache) == jax.tree.structure(context.cache)
-    jax.tree.map(np.testing.assert_array_equal, loaded.cache, context.cache)
+    settled = context.cache.replace(
+        stats=context.ev.policy.scorer.fit_stats(context.cache.stats, False)
+    )
+    assert jax.tree.structure(loaded.cache) == jax.tree.structure(settled)
+    jax.tree.map(np.testing.assert_array_equal, loaded.cache, settled)
+    if scorer == "expected-attention":
+        assert context.cache.stats.pending is not None
+        assert np.asarray(loaded.cache.state).any()
     for a, b in zip(
         kvjax.decode(tiny_llama, loaded, max_new_tokens=4, stop_ids=()),
         kvjax.decode(tiny_llama, context, max_new_tokens=4, stop_ids=()),
         strict=True,
     ):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "expected-attention"])
+def test_a_context_saved_in_format_1(tiny_llama, prefilled, scorer, tmp_path):
+    """Contexts saved in format 1 still load, except Expected Attention's, whose state then held
+    no value norms: a clear error asks for a new compression."""
+    from kvjax.checkpoint.errors import CheckpointError
+    from kvjax.runtime.saved_context import META_FILE, load_context, save_context
+
+    context = prefilled.compress(budget=BUDGET, scorer=scorer, obs_window=4, n_sink=1, window=3)
+    path = tmp_path / "c"
+    save_context(str(path), context, tiny_llama)
+    meta = json.loads((path / META_FILE).read_text())
+    (path / META_FILE).write_text(json.dumps(meta | {"format": 1}))
+    if scorer == "snapkv":
+        load_context(str(path), tiny_llama)
+        return
+    with pytest.raises(CheckpointError, match="format 1.*compress the context again"):
+        load_context(str(path), tiny_llama)

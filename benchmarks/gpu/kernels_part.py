@@ -6,7 +6,8 @@ Checks: block attention, decode attention (plain, with MomentKV's first- and zer
 correction), MomentKV's residual norms (``moment_residual_norms``, op "moment_residuals": its
 decoding eviction; op "decode_residuals": the same norms from the decode kernel's softmax pass,
 which is what the decoding step runs), Expected Attention's expected logits (``expected_logits``, op
-"expected_logits": its scoring at every eviction point, statistics of 300 queries and of one),
+"expected_logits": its scoring at every eviction point, statistics of 300 queries, the last 16
+kept aside as a decoding keeps them, and of one),
 paged block and paged decode attention (plain and corrected), every score kind, and the dense
 cache's decoding eviction (``lowest_place``, op "lowest_place": each head's place of the lowest
 pooled key, SnapKV's settings; float32 states, compared place for place: its tolerance is 0),
@@ -68,7 +69,7 @@ from kvjax.kernels.paged_attention import (
     paged_decode_attention_with_scores,
 )
 
-from kvjax.eviction.expected_attention import mean_rotation, rotation_matrix
+from kvjax.eviction.expected_attention import QUERY_BUFFER, mean_rotation, rotation_matrix
 from kvjax.eviction.moments import Moments
 
 SHAPES = {
@@ -221,9 +222,9 @@ def make_inputs(case: Case, seed: int, visible_all: bool = False) -> tuple:
 
 
 def expected_inputs(case: Case, normal, keys) -> tuple:
-    """(k, rotation, mean, qq_sum, count) of ``expected_logits``: the statistics of 300 queries
-    (mean 0.5) in the first row and of one (Σ = 0) in the others, rotated to the 512 positions
-    after the cache."""
+    """(k, rotation, mean, qq_sum, count, pending) of ``expected_logits``: the statistics of 300
+    queries (mean 0.5) in the first row, the last ``QUERY_BUFFER`` of them kept aside as a decoding
+    keeps them, and of one (Σ = 0) in the others, rotated to the 512 positions after the cache."""
     Hk, G, K = SHAPES[case.shape]
     B, S = case.batch, case.slots
     count = jnp.full((B,), 1.0).at[0].set(300.0)
@@ -232,7 +233,9 @@ def expected_inputs(case: Case, normal, keys) -> tuple:
     inv_freq = 500000.0 ** (-jnp.arange(0, K, 2) / K)
     rotation = rotation_matrix(*mean_rotation(inv_freq, jnp.full((B,), S), 512))
     mean = q.sum(3) / count[:, None, None, None]
-    return normal((B, Hk, S, K)), rotation, mean, jnp.einsum("bhgti,bhgtj->bhgij", q, q), count
+    held, pending = q[:, :, :, :-QUERY_BUFFER], q[:, :, :, -QUERY_BUFFER:]
+    qq_sum = jnp.einsum("bhgti,bhgtj->bhgij", held, held)
+    return normal((B, Hk, S, K)), rotation, mean, qq_sum, count, pending
 
 
 def place_inputs(case: Case, keys) -> tuple:

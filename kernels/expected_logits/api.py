@@ -18,6 +18,7 @@ def expected_logits(
     mean,
     qq_sum=None,
     count=None,
+    pending=None,
     *,
     impl: str | None = None,
     interpret=False,
@@ -32,17 +33,20 @@ def expected_logits(
         mean: [B, Hk, G, K] float32, each query head's mean query before RoPE.
         qq_sum, count: [B, Hk, G, K, K] and [B] float32, the sum of the queries' outer products
             and their count (≥ 1), or both None (the linear term alone).
+        pending: [B, Hk, G, E, K] float32 queries counted in ``count`` whose outer products
+            ``qq_sum`` does not hold yet (zeros for none), or None: their products are added to
+            the quadratic term without forming them.
         impl / interpret / block_k: as ``block_attention_with_scores``.
 
     Returns [B, Hk, G, S] float32.
     """
     check_impl(impl)
-    check_inputs(k, rotation, mean, qq_sum, count)  # the shapes, before any branch traces
+    check_inputs(k, rotation, mean, qq_sum, count, pending)  # before any branch traces
 
     def xla(k, *rest):
         return reference.expected_logits(values(k), *rest)
 
-    args = (k, rotation, mean, qq_sum, count)
+    args = (k, rotation, mean, qq_sum, count, pending)
     if isinstance(k, Quantized) and k.kind in ROTATED:
         return xla(*args)
 

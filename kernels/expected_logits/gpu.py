@@ -5,7 +5,8 @@ of the cache (masked loads, ``gpu_common.load_tile``: never sliced or padded in 
 codes and scales dequantized in registers), rotates them with one ``tl.dot`` against the row's
 [K, K] R̄, then forms Q_g k'_j with one ``tl.dot`` per query head of the group against its [K, K]
 sum of outer products, and writes the G logits only: G · bk floats where the XLA form writes
-R̄ᵀk_j and Q_g k'_j ([bk, K] and [G, bk, K] float32) and reads them back.
+R̄ᵀk_j and Q_g k'_j ([bk, K] and [G, bk, K] float32) and reads them back. Queries whose outer
+products the sums do not hold yet (``pending``) add one more ``tl.dot`` per query head against them.
 """
 
 from __future__ import annotations
@@ -23,13 +24,25 @@ from kvjax.kernels.expected_logits.tiles import (
     combine,
     logit_terms,
     operands,
+    pad_pending,
+    pending_terms,
     stat_specs,
 )
 from kvjax.kernels.moment_residuals.tiles import check_unrotated, read_dtype
 
 
 def _kernel(
-    k_ref, rot_t_ref, mean_ref, qq_ref, inv_ref, out_ref, *, n_slots: int, block_k: int, dtype
+    k_ref,
+    rot_t_ref,
+    mean_ref,
+    qq_ref,
+    inv_ref,
+    pending_ref,
+    out_ref,
+    *,
+    n_slots: int,
+    block_k: int,
+    dtype,
 ):
     load = functools.partial(
         common.load_tile,
@@ -49,6 +62,8 @@ def _kernel(
         qq = None if qq_ref is None else qq_ref[g]
         lin, quad = logit_terms(kr, mean_ref[g][None, :], qq, inv, dot)
         quad = None if quad is None else jnp.sum(quad, axis=1)
+        if pending_ref is not None:
+            quad += jnp.sum(pending_terms(kr, pending_ref[g], inv, dot), axis=0)
         out_ref[g, :] = combine(jnp.sum(lin, axis=1), quad, kr.shape[1])
 
 
@@ -58,6 +73,7 @@ def expected_logits_gpu(
     mean,
     qq_sum=None,
     count=None,
+    pending=None,
     *,
     block_k: int | None = None,
     interpret=False,
@@ -66,8 +82,10 @@ def expected_logits_gpu(
 ):
     """z [B, Hk, G, S] float32, as ``reference.expected_logits`` of k (an array, or ``Quantized``
     whose kind is not rotated) read in its model dtype. block_k is rounded up to a power of two
-    ≥ 16; num_warps None: 4, or 8 for tiles of more than 64 slots."""
-    B, Hk, G, S, K = check_inputs(k, rotation, mean, qq_sum, count)
+    ≥ 16; num_warps None: 4, or 8 for tiles of more than 64 slots; pending queries, padded to a
+    multiple of 16 (``tl.dot``'s least)."""
+    B, Hk, G, S, K = check_inputs(k, rotation, mean, qq_sum, count, pending)
+    pending = pad_pending(pending, common.MIN_DOT)
     common.check_head_dim(K)
     check_unrotated(k)
     bk = max(common.MIN_DOT, next_pow2(block_k or common.DEFAULT_BLOCK_K))
@@ -77,7 +95,7 @@ def expected_logits_gpu(
         grid=(B, Hk, nk),
         in_specs=[
             kv_spec(k, k.shape, lambda b, h, j: (0,) * len(k.shape)),
-            *stat_specs(G, K, qq_sum is not None),
+            *stat_specs(G, K, qq_sum is not None, 0 if pending is None else pending.shape[3]),
         ],
         out_specs=pl.BlockSpec((None, None, G, bk), lambda b, h, j: (b, h, 0, j)),
         out_shape=jax.ShapeDtypeStruct((B, Hk, G, nk * bk), jnp.float32),
@@ -86,5 +104,5 @@ def expected_logits_gpu(
         ),
         interpret=interpret,
         name="expected_logits",
-    )(k, *operands(rotation, mean, qq_sum, count))
+    )(k, *operands(rotation, mean, qq_sum, count, pending))
     return out[..., :S]

@@ -20,13 +20,29 @@ def logit_terms(kr, mean, qq_sum, inv_count, dot):
     return lin, None if qq_sum is None else kr * dot(kr, qq_sum) * inv_count
 
 
+def pending_terms(kr, pending, inv_count, dot):
+    """[E, bk] float32 whose column sums are Σ_e (p_e·k'_j)²/n: the share in q_j/n of the queries
+    p [E, K] whose outer products the sums Q do not hold yet."""
+    pk = dot(pending, kr)  # [E, bk]
+    return pk * pk * inv_count
+
+
+def pad_pending(pending, multiple: int):
+    """The pending queries [B, Hk, G, E, K] with zero queries added up to a multiple of
+    ``multiple`` (a zero query adds nothing), or None."""
+    if pending is None or pending.shape[3] % multiple == 0:
+        return pending
+    extra = multiple - pending.shape[3] % multiple
+    return jnp.pad(pending, ((0, 0),) * 3 + ((0, extra), (0, 0)))
+
+
 def combine(lin, quad, head_dim: int):
     """The logits from the row sums of ``logit_terms``."""
     z = lin / math.sqrt(head_dim)
     return z if quad is None else z + (quad - lin * lin) / (2 * head_dim)
 
 
-def check_inputs(k, rotation, mean, qq_sum, count) -> tuple[int, int, int, int, int]:
+def check_inputs(k, rotation, mean, qq_sum, count, pending=None) -> tuple[int, int, int, int, int]:
     """(B, Hk, G, S, K) after checking the other arguments' shapes against the keys [B, Hk, S, K];
     raises ValueError naming the argument."""
     shape = logical(k).shape
@@ -42,12 +58,20 @@ def check_inputs(k, rotation, mean, qq_sum, count) -> tuple[int, int, int, int, 
             raise ValueError(f"{name} must be {expected[name]} for k {shape}; got {x.shape}")
     if (qq_sum is None) != (count is None):
         raise ValueError("qq_sum and count go together (both None: the linear term alone)")
+    if pending is not None:
+        if qq_sum is None:
+            raise ValueError("pending queries need qq_sum and count (the quadratic term)")
+        if pending.ndim != 5 or pending.shape[:3] + pending.shape[4:] != (B, Hk, G, K):
+            raise ValueError(
+                f"pending must be (B, Hk, G, E, K) = ({B}, {Hk}, {G}, E, {K}); got {pending.shape}"
+            )
     return B, Hk, G, S, K
 
 
-def stat_specs(G: int, K: int, with_q: bool) -> list:
+def stat_specs(G: int, K: int, with_q: bool, pending: int = 0) -> list:
     """The BlockSpecs of ``operands``' statistics on a grid (B, Hk, key tiles): a row's [K, K]
-    rotation, a KV head's [G, K] means and [G, K, K] sums, a row's [1, 1] 1/n (None without Q)."""
+    rotation, a KV head's [G, K] means and [G, K, K] sums, a row's [1, 1] 1/n (None without Q),
+    a KV head's [G, E, K] pending queries (None without: ``pending`` = E = 0)."""
 
     def head(*block):
         return pl.BlockSpec((None, None, *block), lambda b, h, j: (b, h) + (0,) * len(block))
@@ -55,11 +79,18 @@ def stat_specs(G: int, K: int, with_q: bool) -> list:
     def row(*block):
         return pl.BlockSpec((None, *block), lambda b, h, j: (b, 0, 0))
 
-    return [row(K, K), head(G, K), head(G, K, K) if with_q else None, row(1, 1) if with_q else None]
+    return [
+        row(K, K),
+        head(G, K),
+        head(G, K, K) if with_q else None,
+        row(1, 1) if with_q else None,
+        head(G, pending, K) if pending else None,
+    ]
 
 
-def operands(rotation, mean, qq_sum, count) -> tuple:
+def operands(rotation, mean, qq_sum, count, pending=None) -> tuple:
     """The statistics as the kernels read them: R̄ᵀ [B, K, K] (a tile's rows then rotate by one
-    a · bᵀ product), the means, the sums and 1/n [B, 1, 1] (None without Q)."""
+    a · bᵀ product), the means, the sums and 1/n [B, 1, 1] (None without Q), the pending
+    queries."""
     inv = None if qq_sum is None else (1.0 / count.astype(jnp.float32))[:, None, None]
-    return jnp.swapaxes(rotation, 1, 2), mean, qq_sum, inv
+    return jnp.swapaxes(rotation, 1, 2), mean, qq_sum, inv, pending

@@ -94,10 +94,9 @@ def attend_scored(
     state, stats = fold_scores(p, seg, layer, q, cache.state, cache.stats, col)
     cache = cache.replace(state=state, stats=stats)
 
-    def evict_here(c):  # the eviction reads this layer's statistics, settled
-        settled = p.scorer.settle(c.stats, layer)
-        one_layer = c.replace(stats=jax.tree.map(lambda x: x[layer], settled))
-        return evict_layer(one_layer, norms).replace(stats=settled)
+    def evict_here(c):  # the eviction reads this layer's statistics
+        one_layer = c.replace(stats=jax.tree.map(lambda x: x[layer], c.stats))
+        return evict_layer(one_layer, norms).replace(stats=c.stats)
 
     if seg.evict_in_layer and seg.attend_kept:
 

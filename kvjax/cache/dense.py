@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache.attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV, attend_scored
-from kvjax.cache.slots_view import SlotsView, reset_state
+from kvjax.cache.slots_view import SlotsView, reset_state, write_token_state
 from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.moments import Moments, over_layers
 from kvjax.eviction.priority import keys_by_position
@@ -134,8 +134,13 @@ class BudgetCache(SlotsView):
         k_all, k_here = _write(self.k, layer, free, k)
         v_all, v_here = _write(self.v, layer, free, v)
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
-        here = self.replace(k=k_here, v=v_here, pos=set_slots(self.pos, free, new_pos))
         p = seg.policy
+        here = self.replace(
+            k=k_here,
+            v=v_here,
+            pos=set_slots(self.pos, free, new_pos),
+            state=write_token_state(p.scorer, self.state, free, v, self.v, seg.valid),
+        )
 
         def decode(h: BudgetCache):  # reads layer ``layer`` of the stacked k_all, v_all in place
             def kernel(weights, moments, *static, residuals=None):
@@ -194,7 +199,6 @@ class BudgetCache(SlotsView):
         point as it is (``Segment.fresh_state``). Only the small per-slot arrays, the statistics
         and the moments change."""
         k, v = self.k, self.v
-        self = self.replace(stats=p.scorer.settle(self.stats))
         steps = self.slots - p.budget if p.modifier_spec.sequential_choice else 0
         small = over_layers(
             lambda a: (

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from kvjax.cache.dense import BudgetCache
 from kvjax.cache.paged import PagedCache, pool_pages
+from kvjax.cache.slots_view import filled_token_state
 from kvjax.eviction.moments import Moments
 
 
@@ -93,7 +94,7 @@ class Dense:
             k=k,
             v=v,
             pos=pos,
-            state=state,
+            state=filled_token_state(policy.scorer, state, pos, v),
             order=order,
             moments=Moments.zeros((L, B, Hk), policy.moment_dim(K)),
             stats=stats,
@@ -134,6 +135,7 @@ class Paged:
 
     def compress(self, policy, k, v, pos, state, stats, seen, head_budgets=None) -> PagedCache:
         moment_dim = policy.moment_dim(k.shape[-1])
+        state = filled_token_state(policy.scorer, state, pos, v)
         full = PagedCache.from_dense(k, v, pos, state, self.page_size, moment_dim)
         full = full.replace(stats=stats)
         # a head may lose every token of the prompt

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache.attention import ATTENTION_AXES, ATTENTION_OUT_AXES, KV, attend_scored
-from kvjax.cache.slots_view import SlotsView, reset_state
+from kvjax.cache.slots_view import SlotsView, reset_state, write_token_state
 from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.allocations import ranks
 from kvjax.eviction.moments import Moments, over_layers
@@ -278,6 +278,7 @@ class PagedCache(SlotsView):
         new_pos = jnp.broadcast_to(jnp.where(seg.valid, seg.positions, -1)[:, None, :], (B, Hk, T))
         pos = set_slots(pos, slot, new_pos)
         p = seg.policy
+        state = write_token_state(p.scorer, cache.state, slot, v, cache.v_pages, seg.valid)
         # pools: per row
         axes = (ATTENTION_AXES[0], ("batch",), ("batch",), KV, KV, *ATTENTION_AXES[3:])
 
@@ -302,7 +303,7 @@ class PagedCache(SlotsView):
             B,
             Hk,
         )
-        cache = cache.replace(k_pages=k_pages, v_pages=v_pages, pos=pos)
+        cache = cache.replace(k_pages=k_pages, v_pages=v_pages, pos=pos, state=state)
         return attend_scored(
             cache,
             layer,
@@ -342,7 +343,6 @@ class PagedCache(SlotsView):
         if max_evict is None:
             max_evict = self._most_dropped(sharing)
         budgets = p.layer_budgets(L)
-        self = self.replace(stats=p.scorer.settle(self.stats))
         return self._evict(
             p, seen, max_evict, cap, budgets, p.group_budget(sharing), head_budgets, reset
         )

@@ -1,5 +1,5 @@
 """What both budget caches (``BudgetCache``, ``PagedCache``) read the same way off their slots,
-and the reset of their scorer state.
+and the writes and reset of their scorer state.
 
 A mixin of properties only: it adds no fields, so each cache stays the same ``flax.struct`` pytree.
 """
@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from kvjax.kernels.quantized import stored, values
+from kvjax.slots import set_slots
 
 
 class SlotsView:
@@ -37,3 +40,25 @@ def reset_state(state: jax.Array) -> jax.Array:
     old state, XLA overwrites it in place; plain zeros made XLA copy the stacked state in the decode
     loop (floating-point x * 0 is not folded, because of NaN and inf; docs/performance.md)."""
     return state * 0.0
+
+
+def write_token_state(scorer, state, slots, v, like, valid) -> jax.Array:
+    """The state [B, Hk, G, S] with the new tokens' ``slots`` [B, Hk, T] set to the base scorer's
+    ``token_state`` of their values v [B, T, Hk, K] as stored like ``like`` and read by the
+    attention, alike for each query head, zero for tokens not ``valid`` [B, T]; unchanged for a
+    scorer without one."""
+    new = scorer.token_state(values(stored(v.swapaxes(1, 2), like)))
+    if new is None:
+        return state
+    new = jnp.where(valid[:, None, :], new, 0.0)
+    return jax.vmap(lambda s: set_slots(s, slots, new, unique=True), in_axes=2, out_axes=2)(state)
+
+
+def filled_token_state(scorer, state, pos, v) -> jax.Array:
+    """The state [..., G, S] of slots whose positions are ``pos`` [..., S] (-1 = empty) and values
+    v [..., S, K] (stored), set as ``write_token_state`` sets a new token's; unchanged for a
+    scorer without one."""
+    new = scorer.token_state(values(v))
+    if new is None:
+        return state
+    return jnp.broadcast_to(jnp.where(pos >= 0, new, 0.0)[..., None, :], state.shape)

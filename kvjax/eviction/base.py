@@ -4,8 +4,9 @@ A base scorer is one frozen dataclass in one module of this package. The engine 
 
 - ``scoring_weights``: which queries of a step score (their attention column joins the state);
 - ``update_state``: how a step's column folds into the per-slot state, and ``reset_after_evict``;
+  or ``token_state``: a state a token's slot gets with it, from its own value;
 - ``init_stats`` / ``observe``: statistics of its own beyond the per-slot state (None for most),
-  and ``fit_stats`` / ``settle`` where decoding may defer part of their update to eviction points;
+  and ``fit_stats``, their form for a decoding (which may keep part of their update aside);
 - ``priority``: the priority of every slot at an eviction point (higher = kept);
 - its defaults: window, pooling, allocation, floor, the modifiers it takes.
 """
@@ -106,6 +107,12 @@ class Base:
             return jnp.where(has_query[:, None, None, None], col, state)
         return state + col
 
+    def token_state(self, v: jax.Array) -> jax.Array | None:
+        """The state [..., T] a new token's slot starts with (each query head's alike), from its
+        value v [..., T, K] as the attention reads it; None: zero (a state of attention
+        columns)."""
+        return None
+
     def init_stats(self, cfg, batch: int):
         """Statistics of its own, stacked over layers (a pytree with ``AXES``), or None."""
         return None
@@ -119,14 +126,9 @@ class Base:
         that the layer loop, which carries the stacked statistics, never copies a layer's."""
         return stats
 
-    def fit_stats(self, stats, pending: int):
-        """The statistics for decoding that evicts every ``pending`` steps (0: at every step, or
-        never), everything observed so far settled."""
-        return stats
-
-    def settle(self, stats, layer: jax.Array | None = None):
-        """The statistics with what ``observe`` deferred added in (every layer's, or layer
-        ``layer``'s): what an eviction point reads."""
+    def fit_stats(self, stats, evicting: bool):
+        """The statistics for a decoding whose steps evict (``evicting``) or not, everything that
+        ``observe`` kept aside so far added in."""
         return stats
 
     def priority(

@@ -6,15 +6,17 @@ The queries before RoPE of every token past the sinks are modelled as a Gaussian
 head, rotated by the mean RoPE rotation R̄ of the next ``n_future`` positions. A key k gets the
 expected logit μ̃·k/√d + kᵀΣ̃k/(2d) (μ̃ = R̄μ, Σ̃ = R̄ΣR̄ᵀ); a softmax over the cached keys past the
 sinks turns those into expected attention; the query heads of a KV head are aggregated; the result
-is scaled by ‖v‖ (+ ``epsilon`` first). The logits come from ``kvjax.kernels.expected_logits`` (on
-TPU and GPU a kernel that reads the keys in place and writes the logits alone). The priority is the
-logarithm of that score, computed without forming it: the same order as kvpress's score wherever
-that does not underflow (in float32 or bfloat16 the probabilities of far-off tokens round to 0 and
-tie); pooling and chunk means act on the logarithms. Query-agnostic, no scoring pass: the
-statistics (sums of the queries and of their outer products) grow with every query the model runs,
-prompt and decoding alike. A decoding that evicts every E > 1 steps keeps its queries' outer
-products aside until the eviction point that reads them (``QueryStats.pending``): the same sums,
-added in another order.
+is scaled by ‖v‖ (+ ``epsilon`` first), whose logarithm each slot's state holds from the moment its
+token is written (``token_state``: an eviction reads no value). The logits come from
+``kvjax.kernels.expected_logits`` (on TPU and GPU a kernel that reads the keys in place and writes
+the logits alone). The priority is the logarithm of that score, computed without forming it: the
+same order as kvpress's score wherever that does not underflow (in float32 or bfloat16 the
+probabilities of far-off tokens round to 0 and tie); pooling and chunk means act on the logarithms.
+Query-agnostic, no scoring pass: the statistics (sums of the queries and of their outer products)
+grow with every query the model runs, prompt and decoding alike. A decoding that evicts keeps its
+last queries aside (``QueryStats.pending``, ``QUERY_BUFFER`` of them), and the eviction adds their
+share of the quadratic term from the queries themselves: the [K, K] sums are written once per
+``QUERY_BUFFER`` steps, not at every step (at the 8B's batch 64 they are 4.3 GB).
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ class QueryStats:
         q_sum: [L, B, Hk, G, K] their sum.
         qq_sum: [L, B, Hk, G, K, K] the sum of their outer products.
         inv_freq: [L, K/2] the model's RoPE frequencies (the same in every layer).
-        pending: [L, B, Hk, G, E, K] decoding's queries since the last eviction point, whose outer
-            products ``qq_sum`` does not hold yet (a decoding that evicts every E > 1 steps; None
-            otherwise): adding a [K, K] product to every head's sums at every step read and wrote
-            them all (4.3 GB each way at the 8B's batch 64), where only an eviction reads them.
+        pending: [L, B, Hk, G, E, K] a decoding's last queries (E = ``QUERY_BUFFER``; zero past
+            ``filled``), counted in ``count`` and ``q_sum`` but whose outer products ``qq_sum``
+            does not hold yet: an eviction reads them as they are (``expected_logits``), and a
+            full buffer is added to ``qq_sum`` before the next query (``settle``). Adding a
+            [K, K] product to every head's sums at every step read and wrote them all (4.3 GB each
+            way at the 8B's batch 64). None outside an evicting decoding.
         filled: [L] int32 the queries ``pending`` holds (None with it).
     """
 
@@ -63,6 +67,9 @@ class QueryStats:
         pending=("layers", "batch", "kv_heads", "group", None, "head_dim"),
         filled=("layers",),
     )
+
+
+QUERY_BUFFER = 16  # decoding queries kept aside (the least rows of a Triton tl.dot)
 
 
 def mean_rotation(inv_freq: jax.Array, start: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
@@ -113,6 +120,10 @@ class ExpectedAttention(Base):
     vnorm: bool = True
     epsilon: float = 0.0
 
+    def token_state(self, v: jax.Array) -> jax.Array | None:
+        """log ‖v‖, which ``priority`` adds (None without ``vnorm``)."""
+        return jnp.log(jnp.linalg.norm(v.astype(jnp.float32), axis=-1)) if self.vnorm else None
+
     def init_stats(self, cfg, batch: int) -> QueryStats:
         L, Hk, G, K = cfg.n_layers, cfg.n_kv_heads, cfg.group_size, cfg.head_dim
         f32 = jnp.float32
@@ -126,8 +137,8 @@ class ExpectedAttention(Base):
 
     def observe(self, stats: QueryStats, layer, q, positions, valid, policy) -> QueryStats:
         """Adds layer ``layer``'s queries at positions >= ``n_sink`` (kvpress drops the first hidden
-        states as outliers), un-rotated by RoPE; a decoding step's outer product waits in
-        ``pending`` when there is one (settled first if it is full)."""
+        states as outliers), un-rotated by RoPE; a decoding step's query waits in ``pending``
+        when there is one (the buffer settled first if it is full)."""
         B, T, H, K = q.shape
         Hk = stats.q_sum.shape[2]
         raw = apply_rope(q.astype(jnp.float32), -positions, stats.inv_freq[layer])
@@ -150,6 +161,8 @@ class ExpectedAttention(Base):
         )
 
     def settle(self, stats: QueryStats, layer=None) -> QueryStats:
+        """The statistics with the pending queries' outer products added to ``qq_sum`` (every
+        layer's, or layer ``layer``'s) and the buffer emptied."""
         if stats.pending is None:
             return stats
         if layer is None:  # a layer at a time (one layer's products at once); empty ones skipped
@@ -168,15 +181,15 @@ class ExpectedAttention(Base):
             filled=stats.filled.at[layer].set(0),
         )
 
-    def fit_stats(self, stats: QueryStats | None, pending: int) -> QueryStats | None:
+    def fit_stats(self, stats: QueryStats | None, evicting: bool) -> QueryStats | None:
         if stats is None:
             return None
         stats = self.settle(stats)
-        if not pending:
+        if not evicting:
             return stats.replace(pending=None, filled=None)
         L, B, Hk, G, K = stats.q_sum.shape
         return stats.replace(
-            pending=jnp.zeros((L, B, Hk, G, pending, K), jnp.float32),
+            pending=jnp.zeros((L, B, Hk, G, QUERY_BUFFER, K), jnp.float32),
             filled=jnp.zeros((L,), jnp.int32),
         )
 
@@ -185,11 +198,13 @@ class ExpectedAttention(Base):
         mean = stats.q_sum / n  # [B, Hk, G, K]
         rot = rotation_matrix(*mean_rotation(stats.inv_freq, seen, self.n_future))  # [B, K, K]
         heads = ("batch", "kv_heads")
-        second = (stats.qq_sum, n[:, 0, 0, 0]) if self.covariance else (None, None)
+        second = (
+            (stats.qq_sum, n[:, 0, 0, 0], stats.pending) if self.covariance else (None, None, None)
+        )
         (logits,) = per_shard(  # [B, Hk, G, S]
             lambda k, rot, *rest: (expected_logits(k, rot, *rest, impl=policy.impl),),
             (k, rot, mean, *second),
-            (heads, ("batch",), heads, heads, ("batch",)),
+            (heads, ("batch",), heads, heads, ("batch",), heads),
             (heads,),
             *k.shape[:2],
         )
@@ -200,7 +215,7 @@ class ExpectedAttention(Base):
         if self.vnorm:
             if self.epsilon:
                 prio = jnp.logaddexp(prio, jnp.log(jnp.float32(self.epsilon)))
-            prio = prio + jnp.log(jnp.linalg.norm(v.astype(jnp.float32), axis=-1))
+            prio = prio + state[:, :, 0]  # log ‖v‖, written with the token (``token_state``)
         if policy.pool != "none":
             prio = pool(prio, unprotected, policy.pool, policy.kernel, order)
         return prio

@@ -115,7 +115,7 @@ class Eviction:
                 "cache (filled under a scorer other than MomentKV) keeps only their count"
             )
         cache = self.layout.fit(cache, cfg, self.policy, spare)
-        return cache.replace(stats=self.policy.scorer.fit_stats(cache.stats, self.pending_queries))
+        return cache.replace(stats=self.policy.scorer.fit_stats(cache.stats, self.decode_evict))
 
     @property
     def fresh_state(self) -> bool:
@@ -124,12 +124,6 @@ class Eviction:
         decoding loop may compute each step's state from that step's column alone and zero it once
         at its end (``Segment.fresh_state``)."""
         return self.decode_evict and self.evict_every == 1 and self.policy.scorer.reset_after_evict
-
-    @property
-    def pending_queries(self) -> int:
-        """How many decoding queries a scorer's statistics may hold aside between eviction points
-        (``Base.fit_stats``): ``evict_every`` when decoding evicts periodically, else 0."""
-        return self.evict_every if self.decode_evict and self.evict_every > 1 else 0
 
     def decoding(self) -> Eviction:
         """What decoding depends on, with protocol and block size normalised: one decode compilation

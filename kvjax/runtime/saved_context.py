@@ -33,7 +33,7 @@ from kvjax.sharding import to_host
 
 META_FILE = "kvjax_context.json"
 CONTEXTS = "contexts"  # the folder of contexts saved by name, in kvjax.loading.checkpoint_root()
-FORMAT = 1
+FORMAT = 2  # 2: Expected Attention's state holds each slot's log ‖v‖ (``Base.token_state``)
 CACHE_KINDS = {"budget": BudgetCache, "paged": PagedCache}
 
 # quantized keys and values (kv_dtype) are saved as their codes and scales
@@ -88,7 +88,11 @@ def save_context(path: str, context: Context, params: Params) -> None:
         "lengths": [int(n) for n in context.lengths],
         "batched": context.batched,
     }
-    cache = _without_empty(to_state_dict(jax.tree.map(to_host, context.cache)))
+    # saved without a decoding's buffers (the statistics settled): the form ``load_context`` reads
+    cache = context.cache.replace(
+        stats=context.ev.policy.scorer.fit_stats(context.cache.stats, False)
+    )
+    cache = _without_empty(to_state_dict(jax.tree.map(to_host, cache)))
     arrays = {"cache": cache, "logits": to_host(context.logits)}
     with atomic_directory(path) as tmp:
         with ocp.StandardCheckpointer() as ckpt:
@@ -131,9 +135,9 @@ def read_meta(path: str) -> dict:
         raise CheckpointError(
             f"{path} is not a saved kvjax context: {META_FILE} is missing or corrupt ({e})"
         ) from e
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in (1, FORMAT):
         raise CheckpointError(
-            f"{path}: saved context format {meta.get('format')!r}, this kvjax reads {FORMAT}"
+            f"{path}: saved context format {meta.get('format')!r}, this kvjax reads 1 and {FORMAT}"
         )
     return meta
 
@@ -159,6 +163,14 @@ def load_context(path: str, params: Params) -> Context:
             f"dtype (got {dtype})"
         )
     ev = _eviction_from_json(meta["eviction"])
+    if (
+        meta["format"] == 1
+        and ev.policy.scorer.token_state(np.ones((1, 1), np.float32)) is not None
+    ):
+        raise CheckpointError(
+            f"{path} was saved in format 1, without the per-slot state of scorer="
+            f"{ev.policy.name!r} (each value's norm); compress the context again"
+        )
     lengths = np.asarray(meta["lengths"], np.int32)
     template = jax.eval_shape(
         lambda: ev.empty_cache(params.config, len(lengths), ev.decode_spare(0), params.dtype)

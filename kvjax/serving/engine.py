@@ -643,7 +643,9 @@ class Engine:
         spare = self.fill_spare if prompt else self.decode_spare
         cfg, dtype = self.params.config, self.params.dtype
         shape = jax.eval_shape(
-            lambda: _empty_cache(cfg, dtype, rows, self.ev, self.capacity, spare, self.full)
+            lambda: _empty_cache(
+                cfg, dtype, rows, self.ev, self.capacity, spare, self.full, not prompt
+            )
         )
         return cache_bytes(shape)
 
@@ -766,24 +768,31 @@ class Engine:
         jax.block_until_ready(self.generate(state))
 
 
-@jit(static_argnames=("cfg", "dtype", "rows", "ev", "capacity", "spare", "full"))
+@jit(static_argnames=("cfg", "dtype", "rows", "ev", "capacity", "spare", "full", "decoding"))
 def _empty_cache(
-    cfg, dtype, rows: int, ev: Eviction | None, capacity: int, spare: int, full: tuple
+    cfg,
+    dtype,
+    rows: int,
+    ev: Eviction | None,
+    capacity: int,
+    spare: int,
+    full: tuple,
+    decoding: bool = False,
 ):
     """An empty cache of ``rows`` rows: the full cache of ``capacity`` slots (ev=None; ``full``:
-    its decode attention and kv_dtype), else ``ev``'s budget cache with ``spare`` slots per head."""
-    return constrain(
-        FullCache.init(cfg, rows, capacity, dtype, *full)
-        if ev is None
-        else ev.empty_cache(cfg, rows, spare, dtype)
-    )
+    its decode attention and kv_dtype), else ``ev``'s budget cache with ``spare`` slots per head,
+    with ``decoding`` in the slots' form (``ev.fit``: the scorer's statistics for decoding)."""
+    if ev is None:
+        return constrain(FullCache.init(cfg, rows, capacity, dtype, *full))
+    cache = ev.empty_cache(cfg, rows, spare, dtype)
+    return constrain(ev.fit(cache, cfg, spare) if decoding else cache)
 
 
 @jit(static_argnames=("cfg", "dtype", "slots", "ev", "capacity", "spare", "full"))
 def _init_state(
     cfg, dtype, slots: int, ev: Eviction | None, capacity: int, spare: int, full: tuple
 ) -> Slots:
-    cache = _empty_cache(cfg, dtype, slots, ev, capacity, spare, full)
+    cache = _empty_cache(cfg, dtype, slots, ev, capacity, spare, full, decoding=True)
     settings = Settings(
         max_new=jnp.zeros(slots, jnp.int32),
         stop=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
