@@ -259,6 +259,37 @@ def test_step_traffic_counts_a_decoding_loops_body_outside_its_layer_scan():
     assert traffic(2, 4 * n) == base  # nor what the gather does not read
 
 
+# A fusion as XLA:GPU prints the decode kernel's merge of its splits, cut down: partial outputs
+# [2, 6, 16, 8] (16 rows of which 4 are real) weighted, summed over the 6 splits, cast, and the 4
+# real rows sliced; and one whose elementwise result is its output.
+MERGE_FUSION = [
+    "  %param_0 = f32[2,6,16,8]{3,2,1,0} parameter(0)",
+    "  %param_1 = f32[2,6,16]{2,1,0} parameter(1)",
+    "  %b = f32[2,6,16,8]{3,2,1,0} broadcast(%param_1), dimensions={0,1,2}",
+    "  %m = f32[2,6,16,8]{3,2,1,0} multiply(%param_0, %b)",
+    "  %z = f32[] constant(0)",
+    "  %r = f32[2,16,8]{2,1,0} reduce(%m, %z), dimensions={1}, to_apply=%add",
+    "  %c = bf16[2,16,8]{2,1,0} convert(%r)",
+    "  ROOT %s = bf16[2,4,8]{2,1,0} slice(%c), slice={[0:2], [0:4], [0:8]}",
+]
+WHOLE_FUSION = [
+    "  %param_0 = f32[2,16]{1,0} parameter(0)",
+    "  %e = f32[2,16]{1,0} exponential(%param_0)",
+    "  %s = f32[2,4]{1,0} slice(%e), slice={[0:2], [0:4]}",
+    "  ROOT %t = (f32[2,16]{1,0}, f32[2,4]{1,0}) tuple(%e, %s)",
+]
+
+
+def test_fused_reads_count_the_share_a_slice_keeps():
+    """A loop fusion computes the elements it outputs: a slice of a value computed element by
+    element (through a reduction over another axis) reads that share of the parameters (a quarter
+    of the partial outputs and of their weights); where the whole value is also an output, all."""
+    fused_reads = gpu_script("common")._fused_reads
+    assert fused_reads(MERGE_FUSION, 0, 2 * 6 * 16 * 8 * 4) == 2 * 6 * 4 * 8 * 4
+    assert fused_reads(MERGE_FUSION, 1, 2 * 6 * 16 * 4) == 2 * 6 * 4 * 4
+    assert fused_reads(WHOLE_FUSION, 0, 2 * 16 * 4) == 2 * 16 * 4
+
+
 # A decoding loop as XLA:GPU prints it, cut down: the decode loop's body holds a layer scan of 4
 # trips whose kernel (a custom call) is handed the whole stacked cache [4, 2, 64] float32, and a
 # fusion that slices one layer out of it and gathers 1 row of 64 floats.

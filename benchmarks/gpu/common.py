@@ -316,18 +316,37 @@ def _instructions(body: list[str]) -> list[tuple[str, str, str, list[str], str]]
     return found
 
 
+# values whose every element depends on the elements of its operands at the same place (a slice of
+# the result reads that slice of them), and reductions, whose slices along kept axes do too
+_ELEMENTWISE = frozenset(
+    "abs add and broadcast clamp compare convert divide exponential exponential-minus-one log "
+    "log-plus-one maximum minimum multiply negate not or power reduce rsqrt select sqrt subtract "
+    "tanh".split()
+)
+
+
+def _elements(shape: str) -> int:
+    dims = _SHAPE.search(shape)
+    return math.prod(int(d) for d in dims.group(2).split(",") if d) if dims else 1
+
+
 def _fused_reads(fused: list[str], index: int, whole: int) -> int:
     """Bytes a fused computation reads of its parameter ``index``: what its gathers and dynamic
     slices take where it is read only through them (nothing where it is only updated in place),
-    else all of it. A dynamic slice read only by gathers in turn counts what they take."""
+    and the share of it that a static slice keeps of a value computed from it element by element
+    (a loop fusion computes only the elements it outputs); else all of it. A dynamic slice read
+    only by gathers in turn counts what they take."""
     ops = _instructions(fused)
     shapes = {n: shape for n, shape, *_ in ops}
+    roots = {n for n, *_, line in ops if line.lstrip().startswith("ROOT")}
 
-    def reads(names: set, size: int) -> int:
+    def reads(names: set, size: float, direct: bool = True) -> float:
         for n, _, op, args, _ in ops:  # its bitcasts and reshapes are it
             if op in ("bitcast", "reshape") and args and args[0] in names:
                 names.add(n)
-        read = 0
+        if names & roots:
+            return size
+        read = 0.0
         for n, shape, op, args, _ in ops:
             for i, arg in enumerate(args):
                 if arg not in names or n in names:
@@ -336,13 +355,19 @@ def _fused_reads(fused: list[str], index: int, whole: int) -> int:
                     read += _shape_bytes(shape)
                 elif i == 0 and op == "dynamic-slice":
                     read += reads({n}, _shape_bytes(shapes[n]))
-                elif not (i == 0 and op in ("scatter", "dynamic-update-slice")):
+                elif i == 0 and op == "slice":
+                    read += reads({n}, size * _elements(shape) / _elements(shapes[arg]), False)
+                elif op in _ELEMENTWISE:
+                    read += reads({n}, size, False)
+                elif not (direct and i == 0 and op in ("scatter", "dynamic-update-slice")):
                     return size
         return min(read, size)
 
-    return reads(
-        {n for n, _, op, _, line in ops if op == "parameter" and f"parameter({index})" in line},
-        whole,
+    return round(
+        reads(
+            {n for n, _, op, _, line in ops if op == "parameter" and f"parameter({index})" in line},
+            whole,
+        )
     )
 
 
@@ -451,8 +476,9 @@ def step_traffic(hlo: str, items: list | None = None) -> dict[str, float]:
     (key "step": the instructions that always run) and by each branch of its conditionals (key:
     the conditional and "true", "false" or the branch's index; a step runs one branch of each),
     the loops inside a branch times their trip counts. Each instruction counts its result and its
-    operands; a fusion counts of an operand only what its gathers and dynamic slices read of it,
-    and nothing for a result it updates in place (a scatter's buffer). From the program's text:
+    operands; a fusion counts of an operand only what its gathers, dynamic slices and static slices
+    (of values computed from it element by element) read of it, and nothing for a result it
+    updates in place (a scatter's buffer). From the program's text:
     no timing, and XLA may keep some of it in the caches. ``items``: as ``_count``'s."""
     prog = Hlo.parse(hlo)
     traffic: dict[str, float] = collections.defaultdict(float)
