@@ -58,6 +58,14 @@ def mxu_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def full_dot(a, b):
+    """a · bᵀ of float32 operands on the MXU at full float32 precision."""
+    precision = jax.lax.Precision.HIGHEST
+    return jax.lax.dot_general(
+        a, b, NT_DIMS, preferred_element_type=jnp.float32, precision=precision
+    )
+
+
 def lane_broadcast(x, n: int):
     """A lane-broadcast [rows, 128] array as [rows, n] (n ≤ 128, or a multiple of 128)."""
     if n == LANES:

@@ -232,9 +232,12 @@ def test_decode_kernel_equals_reference(case, kernel):
     )
     assert_outputs_close(got, want, dtype)
     # The same layer in the middle of a stack of three (the cache's layout), read in place at a
-    # traced index.
+    # traced index, its moments too.
     other = jax.random.normal(jax.random.key(G), (2, *k.shape), dtype)
     k3, v3 = jnp.stack([other[0], k, other[1]]), jnp.stack([other[1], v, other[0]])
+    if moments is not None:
+        around = make_moments(G + 1, 2, 2, K)
+        moments = jax.tree.map(lambda a, o: jnp.stack([o, a, o * 2]), moments, around)
     stacked = jax.jit(
         lambda k3, v3, layer: decode_attention_with_scores(
             q,

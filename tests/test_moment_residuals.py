@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 from kvjax.kernels import decode_attention_with_scores, moment_residual_norms, quantize
 from kvjax.kernels.decode_attention import gpu as decode_gpu
+from kvjax.kernels.decode_attention import tpu as decode_tpu
+from kvjax.kernels.decode_attention.reference import correction_terms
 from kvjax.kernels.moment_residuals import gpu, reference, tpu
 from kvjax.kernels.quantized import values
 from test_kernels import GPU_EXPORT_CHECKS, TRITON_CALL
@@ -72,6 +74,15 @@ def case(seed=0, L=3, B=2, Hk=3, S=150, K=64, dtype=jnp.float32):
 
 def stats(m):
     return m.count, m.k_sum, m.v_sum, m.vk_sum
+
+
+def stacked(m, L=3, at=1):
+    """Every layer's statistics [L, ...], as the decode kernels take them with ``layer``: ``m`` at
+    layer ``at``, other statistics elsewhere (a kernel that read another layer's would differ)."""
+    other = case(seed=7)[2]
+    return jax.tree.map(
+        lambda a, o: jnp.stack([a if i == at else o * (i + 1) for i in range(L)]), m, other
+    )
 
 
 @pytest.mark.parametrize("zeroth", [False, True])
@@ -164,12 +175,13 @@ def test_decode_kernels_give_the_norms_of_the_tiles_they_read(
     run = functools.partial(
         decode_attention_with_scores, q, k, v, pos, qpos, w, score, layer=layer, interpret=True
     )
-    *got, norms = run(residuals=(m, zeroth), **FUSED[kernel])
+    *got, norms = run(residuals=(stacked(m), zeroth), **FUSED[kernel])
     for a, b in zip(got, run(**FUSED[kernel]), strict=True):
         np.testing.assert_array_equal(a, b)
     want = moment_residual_norms(k, v, m, zeroth, layer=layer, impl="xla")
     np.testing.assert_allclose(norms, want, rtol=2e-6, atol=1e-6)
-    *ref, ref_norms = run(residuals=(m, zeroth), impl="xla")  # the reference: the same pass apart
+    # the reference: the same pass apart
+    *ref, ref_norms = run(residuals=(stacked(m), zeroth), impl="xla")
     np.testing.assert_array_equal(ref_norms, want)
     for a, b in zip(ref, run(impl="xla"), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -188,7 +200,7 @@ def test_gpu_decode_kernel_norms_where_a_split_runs_past_the_tiles():
         qpos,
         w,
         layer=jnp.int32(2),
-        residual_stats=stats(m),
+        residual_stats=stats(stacked(m, at=2)),
         block_k=16,
         splits=4,
         interpret=True,
@@ -214,7 +226,7 @@ def test_decode_kernels_norms_of_quantized_keys_and_values(kind):
             qpos,
             w,
             layer=jnp.int32(1),
-            residuals=(m, False),
+            residuals=(stacked(m), False),
             impl=impl,
             interpret=True,
         )
@@ -231,7 +243,15 @@ def test_decode_kernels_refuse_norms_read_in_another_dtype():
     q32 = q.astype(jnp.float32)
     with pytest.raises(ValueError, match="keys read in q's dtype float32"):
         decode_gpu.decode_attention_gpu(
-            q32, k, v, pos, qpos, w, layer=jnp.int32(1), residual_stats=stats(m), interpret=True
+            q32,
+            k,
+            v,
+            pos,
+            qpos,
+            w,
+            layer=jnp.int32(1),
+            residual_stats=stats(stacked(m)),
+            interpret=True,
         )
     *_, norms = decode_attention_with_scores(
         q32,
@@ -241,12 +261,76 @@ def test_decode_kernels_refuse_norms_read_in_another_dtype():
         qpos,
         w,
         layer=jnp.int32(1),
-        residuals=(m, False),
+        residuals=(stacked(m), False),
         impl="pallas_gpu",
         interpret=True,
     )
     want = moment_residual_norms(k, v, m, layer=jnp.int32(1), impl="xla")
     np.testing.assert_allclose(norms, want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu", "xla"])
+def test_decode_norms_of_one_layer_equal_the_stacks(impl):
+    """One layer's keys, values and statistics give what the stacks give at that layer (the
+    stacked keys and values with one layer's statistics too); statistics of another shape name
+    the argument."""
+    k, v, m = case()
+    q, pos, qpos, w = decode_case(k)
+    args = dict(impl=impl, interpret=True, block_k=32)
+    *one, one_norms = decode_attention_with_scores(
+        q, k[1], v[1], pos, qpos, w, residuals=(m, False), **args
+    )
+    *whole, norms = decode_attention_with_scores(
+        q, k, v, pos, qpos, w, layer=jnp.int32(1), residuals=(stacked(m), False), **args
+    )
+    np.testing.assert_array_equal(one_norms, norms)
+    for a, b in zip(one, whole, strict=True):
+        np.testing.assert_array_equal(a, b)
+    *_, layer_norms = decode_attention_with_scores(
+        q, k, v, pos, qpos, w, layer=jnp.int32(1), residuals=(m, False), **args
+    )
+    np.testing.assert_array_equal(layer_norms, norms)
+    two = jax.tree.map(lambda x: x[:2], stacked(m))
+    with pytest.raises(ValueError, match=r"residuals: .* must be \[2, 3\] or \[3, 2, 3\]"):
+        decode_attention_with_scores(
+            q, k, v, pos, qpos, w, layer=jnp.int32(1), residuals=(two, False), **args
+        )
+    with pytest.raises(ValueError, match=r"moments: .* must be \[2, 3\] \(one layer's, as"):
+        decode_attention_with_scores(q, k[1], v[1], pos, qpos, w, moments=stacked(m))
+
+
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+@pytest.mark.parametrize("zeroth", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+def test_decode_kernels_form_the_correction_terms(kernel, zeroth, shared):
+    """MomentKV's correction terms from the statistics the decode kernels read in place at the
+    layer (a head with nothing evicted: log_mass -inf), with or without the residual norms' (the
+    same statistics passed once), equal the reference's; the norms are those of the kernel asked
+    for no terms."""
+    k, v, m = case()
+    q, pos, qpos, w = decode_case(k)
+    fn = functools.partial(
+        {"tpu": decode_tpu.decode_attention_tpu, "gpu": decode_gpu.decode_attention_gpu}[kernel],
+        q,
+        k,
+        v,
+        pos,
+        qpos,
+        w,
+        layer=jnp.int32(1),
+        interpret=True,
+    )
+    stats3 = stats(stacked(m))
+    norms = dict(residual_stats=stats3, zeroth=zeroth) if shared else {}
+    *got, mass, estimate = fn(correction_stats=stats3, correction_zeroth=zeroth, **norms)
+    want_mass, want_estimate = correction_terms(q, m, zeroth)
+    assert np.isinf(want_mass).sum() == 2  # row 0, KV head 1: its G = 2 query heads
+    np.testing.assert_array_equal(np.isinf(mass), np.isinf(want_mass))
+    finite = np.isfinite(want_mass)
+    np.testing.assert_allclose(mass[finite], want_mass[finite], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(estimate, want_estimate, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, fn(**norms), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 LOWERINGS = [("tpu", "pallas_tpu", "tpu_custom_call"), ("cuda", "pallas_gpu", TRITON_CALL)]
@@ -326,11 +410,17 @@ def kernel_calls_in_decoding(scorer: str, platform: str, kernel: str) -> list[st
 def test_momentkv_decoding_reads_the_stacked_cache_once_per_layer(platform, scorer):
     """MomentKV's decoding loop on the dense budget cache (it evicts inside the layer scan) gets
     its residual norms from the one decode kernel that attends over the whole stacked keys and
-    values: it takes the layer's statistics (vk_sum [1, 2, 64, 64]) and gives a norm a slot; no
+    values: it takes the statistics once (on CUDA every layer's, read in place as the keys:
+    vk_sum [3, 1, 2, 64, 64]), gives a norm a slot and, with the correction (momentkv), its
+    terms; no
     residual-norm kernel reads the keys and values again (with or without the corrected
     attention). SnapKV's decode kernel takes no statistics."""
     assert not kernel_calls_in_decoding(scorer, platform, "moment_residual_norms")
     (call,) = kernel_calls_in_decoding(scorer, platform, "decode_attention")
-    assert re.search(r"3x1x2x\d+x64xbf16", call) and "1x2x64x64xf32" in call, call
+    assert re.search(r"3x1x2x\d+x64xbf16", call), call
+    # the residual norms and the correction (momentkv) read the same statistics: passed once;
+    # the carried form (CUDA) hands every layer's, the scanned one (TPU) the layer's
+    sums = "<3x1x2x64x64xf32>" if platform == "cuda" else "<1x2x64x64xf32>"
+    assert call.count(sums) == 1, call
     (call,) = kernel_calls_in_decoding("snapkv", platform, "decode_attention")
     assert "64x64xf32" not in call, call

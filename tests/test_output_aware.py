@@ -12,6 +12,7 @@ from kvjax.kernels import attention_with_scores, corrected_attention
 
 import kvjax
 from kvjax.eviction import SCORERS, split_name
+from kvjax.eviction.moments import Moments
 from kvjax.eviction.priority import caote
 
 S, W, K, G = 24, 6, 16, 3  # slots, perturbation window, head dim, query heads per KV head
@@ -347,3 +348,26 @@ def test_batched_moment_eviction_matches_its_numpy_reference(batch):
             batch,
         )
         np.testing.assert_array_equal(got[0, h], want)
+
+
+def test_every_layers_moments_take_an_eviction_at_the_layer_in_place():
+    """``Moments.add`` to every layer's moments (the carried layer scan's form) adds to the layer
+    given exactly as to that layer's own; ``Moments.at`` reads it back; without a layer it
+    refuses."""
+
+    rng = np.random.default_rng(3)
+    L, B, Hk, E, K = 3, 2, 2, 2, 8
+    stack = jax.tree.map(
+        lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32),
+        Moments.zeros((L, B, Hk), K),
+    )
+    weight = jnp.asarray(rng.integers(0, 2, (B, Hk, E)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, Hk, E, K)), jnp.float32) for _ in range(2))
+    added = stack.add(weight, k, v, jnp.int32(1))
+    one = stack.at(jnp.int32(1)).add(weight, k, v)
+    jax.tree.map(np.testing.assert_array_equal, added.at(jnp.int32(1)), one)
+    for i in (0, 2):
+        jax.tree.map(np.testing.assert_array_equal, added.at(jnp.int32(i)), stack.at(jnp.int32(i)))
+    assert one.at(jnp.int32(1)) is one  # one layer's: itself
+    with pytest.raises(ValueError, match="layer: adding to every layer's moments"):
+        stack.add(weight, k, v)

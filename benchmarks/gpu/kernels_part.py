@@ -286,6 +286,8 @@ def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = Fa
         def fn(q, k, v, sp, qp, w, mom):
             stack = (jnp.stack([v, k, v]), jnp.stack([k, v, k]), jnp.int32(1))
             k, v, layer = stack if in_stack else (k, v, None)
+            if in_stack:  # every layer's statistics, as decoding hands them over
+                mom = jax.tree.map(lambda x: jnp.stack([x / 2, x, x / 2]), mom)
             *_, norms = decode_attention_with_scores(
                 q, k, v, sp, qp, w, score, layer=layer, residuals=(mom, False), **opts
             )

@@ -24,7 +24,10 @@ scales [L, B, Hk, S, 1] — and dequantized in registers (``gpu_common.load_valu
 MomentKV's decoding eviction scores every slot by its residual norm (``moment_residual_norms``);
 asked for them (``residual_stats``), the softmax pass forms them from each tile it holds
 (``moment_residuals.gpu.tile_norms``: S k_j by one ``tl.dot`` against the head's [K, K] sums) and
-writes one float a slot, so the step reads the layer's keys and values once, not twice.
+writes one float a slot, so the step reads the layer's keys and values once, not twice. With
+``layer``, the statistics may be every layer's too, read in place like the keys (a layer's
+[B, Hk, K, K] sums handed over alone were a copy every step). The same statistics give MomentKV's
+correction its terms (``correction.head_terms``), written by split 0 of each head.
 """
 
 from __future__ import annotations
@@ -37,9 +40,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from kvjax.kernels import gpu_common as common
-from kvjax.kernels._shared import check_score, check_shapes, kv_spec, next_pow2, stacked_layer
-from kvjax.kernels.decode_attention.reference import check_decode, check_fusable
-from kvjax.kernels.moment_residuals.gpu import stat_inputs, stat_specs, tile_norms
+from kvjax.kernels._shared import (
+    NT_DIMS,
+    check_score,
+    check_shapes,
+    every_layer,
+    kv_spec,
+    next_pow2,
+    stacked_layer,
+)
+from kvjax.kernels.decode_attention.correction import head_terms
+from kvjax.kernels.decode_attention.reference import (
+    check_correctable,
+    check_decode,
+    check_fusable,
+)
+from kvjax.kernels.moment_residuals.gpu import stat_inputs, tile_norms
 
 
 def _heads(layer_ref) -> tuple:
@@ -47,20 +63,55 @@ def _heads(layer_ref) -> tuple:
     return layer_ref[0], pl.program_id(0), pl.program_id(1)
 
 
-def _softmax_kernel(layer_ref, *refs, zeroth: bool | None, **kwargs):
-    """``gpu_common.softmax_kernel`` over this program's head of the stacked k, v refs; unless
-    zeroth is None, the refs after the query positions' are one head's MomentKV statistics, and
-    the last one takes the residual norms of the tiles the softmax reads."""
-    if zeroth is None:
-        common.softmax_kernel(*refs, head=_heads(layer_ref), **kwargs)
-        return
-    (*inputs, count, k_sum, v_sum, vk_sum), (*outputs, r_ref) = refs[:9], refs[9:]
+def _softmax_kernel(
+    layer_ref,
+    *refs,
+    zeroth: bool | None,
+    correction_zeroth: bool | None,
+    shared: bool,
+    stats_layers: tuple[bool, ...],
+    **kwargs,
+):
+    """``gpu_common.softmax_kernel`` over this program's head of the stacked k, v refs. Unless
+    zeroth is None, the refs after the query positions' start with MomentKV statistics, and the
+    last output takes the residual norms of the tiles the softmax reads; unless correction_zeroth
+    is None, the next four refs are the correction's statistics (unless ``shared``: the same
+    ones), and the split 0 of each head writes its terms into the two outputs after those
+    (``correction.head_terms``). ``stats_layers``: per set of statistics given, whether they are
+    every layer's (read at the layer) or one layer's."""
+    n_norms, n_terms = (0 if z is None else 4 for z in (zeroth, correction_zeroth))
+    n_terms *= not shared
+    inputs, outputs = refs[:5], list(refs[5 + n_norms + n_terms :])
+    norm_stats = refs[5 : 5 + n_norms]
+    term_stats = norm_stats if shared else refs[5 + n_norms : 5 + n_norms + n_terms]
+    head = _heads(layer_ref)
+    # the statistics' head: read in place at the layer in every layer's, or in one layer's
+    stat_heads = [head if at_layer else head[1:] for at_layer in stats_layers]
+    if correction_zeroth is not None:
+        *outputs, mass_ref, estimate_ref = outputs
 
-    def norms(start, tile):
-        r = tile_norms(tile.k, tile.v, (count, k_sum, v_sum, vk_sum), zeroth)
-        plgpu.store(r_ref.at[pl.ds(start, r.shape[0])], r)
+        @pl.when(pl.program_id(2) == 0)
+        def _terms():
+            count, k_sum, v_sum, vk_sum = (ref[stat_heads[-1]] for ref in term_stats)
+            mass_ref[...], estimate_ref[...] = head_terms(
+                inputs[0][...].astype(jnp.float32),
+                count[:, None],
+                k_sum[None, :],
+                v_sum[None, :],
+                vk_sum,
+                correction_zeroth,
+                lambda a, b: common.dot(a, b, NT_DIMS),
+            )
 
-    common.softmax_kernel(*inputs, *outputs, head=_heads(layer_ref), after_tile=norms, **kwargs)
+    norms = None
+    if zeroth is not None:
+        *outputs, r_ref = outputs
+
+        def norms(start, tile):
+            r = tile_norms(tile.k, tile.v, norm_stats, zeroth, stat_heads[0])
+            plgpu.store(r_ref.at[pl.ds(start, r.shape[0])], r)
+
+    common.softmax_kernel(*inputs, *outputs, head=head, after_tile=norms, **kwargs)
 
 
 def _scores_kernel(
@@ -103,6 +154,8 @@ def decode_attention_gpu(
     layer=None,
     residual_stats: tuple | None = None,
     zeroth: bool = False,
+    correction_stats: tuple | None = None,
+    correction_zeroth: bool = False,
     block_k: int | None = None,
     splits: int | None = None,
     interpret=False,
@@ -113,12 +166,23 @@ def decode_attention_gpu(
     ``reference.decode_attention_with_scores`` without moments; with ``layer`` (an int32 scalar),
     k, v are [L, B, Hk, S, K] and layer ``layer`` is read. block_k is rounded up to a power of two
     ≥ 16; splits (default ``gpu_common.decode_splits``, at most the key tiles) is the number of
-    cache splits of the softmax pass. With ``residual_stats`` (one layer's MomentKV count, k_sum,
-    v_sum, vk_sum), a fourth output: each slot's residual norm [B, Hk, S] under them (first order,
-    or ``zeroth``), as ``moment_residual_norms``, from the tiles the softmax pass reads; keys and
-    values must then be read in q's dtype and not stored rotated."""
+    cache splits of the softmax pass. MomentKV's statistics (count, k_sum, v_sum, vk_sum: one
+    layer's, or with ``layer`` every layer's [L, ...], read in place at it):
+
+    - ``residual_stats``: a fourth output, each slot's residual norm [B, Hk, S] under them (first
+      order, or ``zeroth``), as ``moment_residual_norms``, from the tiles the softmax pass reads;
+      keys and values must then be read in q's dtype and not stored rotated.
+    - ``correction_stats``: two more outputs, the correction's (log_mass [B, 1, Hk, G], estimate
+      [B, 1, Hk, G, K]) of q under them, as ``reference.correction_terms`` (``correction_zeroth``:
+      its zeroth order), for ``reference.mixed_attention``; keys must not be stored rotated.
+    """
     check_score(score)
     check_decode(q)
+    fused, corrected = residual_stats is not None, correction_stats is not None
+    shared = fused and correction_stats is residual_stats  # passed once, read by both
+    given = [x for x in (residual_stats, None if shared else correction_stats) if x is not None]
+    stats_stacked = [every_layer(x) for x in given]
+    stats = tuple(x for g in given for x in stat_inputs(*g))
     k, v, layer, shape = stacked_layer(k, v, layer)
     B, _, H, Hk, S, K = check_shapes(q, shape, shape, slot_pos, query_pos, query_weights)
     G = H // Hk
@@ -131,14 +195,16 @@ def decode_attention_gpu(
     scale = math.sqrt(K)
     params = plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages)
     spos = slot_pos.astype(jnp.int32)
-    if residual_stats is not None:
+    if fused:
         check_fusable(q, k)
+    if corrected:
+        check_correctable(k)
 
     head_spec = pl.BlockSpec((None, None, gp, K), lambda b, h, s: (b, h, 0, 0))
 
     # whole stacked k, v: each program loads its head's tiles by masked loads
     def stack(x):
-        return kv_spec(x, x.shape, lambda b, h, s: (0, 0, 0, 0, 0))
+        return kv_spec(x, x.shape, lambda b, h, s: (0,) * len(x.shape))
 
     whole = pl.BlockSpec((1,), lambda b, h, s: (0,))
     head_pos = pl.BlockSpec((None, None, S), lambda b, h, s: (b, h, 0))
@@ -149,9 +215,16 @@ def decode_attention_gpu(
     width = n_splits * per_split * bk
     z_spec = [pl.BlockSpec((None, None, gp, width), lambda b, h, s: (b, h, 0, 0))]
     z_shape = [jax.ShapeDtypeStruct((B, Hk, gp, width), jnp.float32)]
-    fused = residual_stats is not None
     r_spec = [pl.BlockSpec((None, None, width), lambda b, h, s: (b, h, 0))]
     r_shape = [jax.ShapeDtypeStruct((B, Hk, width), jnp.float32)]
+    terms_spec = [  # one block per head for every split; split 0 writes it
+        pl.BlockSpec((None, None, gp, 1), lambda b, h, s: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, gp, K), lambda b, h, s: (b, h, 0, 0)),
+    ]
+    terms_shape = [
+        jax.ShapeDtypeStruct((B, Hk, gp, 1), jnp.float32),
+        jax.ShapeDtypeStruct((B, Hk, gp, K), jnp.float32),
+    ]
     o_part, m_part, l_part, *extra = pl.pallas_call(
         functools.partial(
             _softmax_kernel,
@@ -162,6 +235,9 @@ def decode_attention_gpu(
             split_axis=2,
             z_rows=G,
             zeroth=zeroth if fused else None,
+            correction_zeroth=correction_zeroth if corrected else None,
+            shared=shared,
+            stats_layers=tuple(stats_stacked),
             # the padding rows' partial outputs are read by the scores pass only
             o_rows=G if query_weights is None or logits_out else None,
         ),
@@ -173,7 +249,7 @@ def decode_attention_gpu(
             stack(v),
             head_pos,
             pl.BlockSpec((None, gp), lambda b, h, s: (b, 0)),
-            *(stat_specs(K) if fused else []),
+            *(stack(x) for x in stats),  # whole: each program loads its head's
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, gp, K), lambda b, h, s: (b, h, s, 0, 0)),
@@ -181,6 +257,7 @@ def decode_attention_gpu(
             pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
             *(z_spec if logits_out else []),
             *(r_spec if fused else []),
+            *(terms_spec if corrected else []),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((B, Hk, n_splits, gp, K), jnp.float32),
@@ -188,13 +265,18 @@ def decode_attention_gpu(
             jax.ShapeDtypeStruct((B, Hk, n_splits, gp), jnp.float32),
             *(z_shape if logits_out else []),
             *(r_shape if fused else []),
+            *(terms_shape if corrected else []),
         ],
         compiler_params=params,
         interpret=interpret,
         name="decode_attention_partial_softmax",
-    )(layer, rows, k, v, spos, qpos, *(stat_inputs(*residual_stats) if fused else ()))
+    )(layer, rows, k, v, spos, qpos, *stats)
     z = extra[:1] if logits_out else []
+    if corrected:  # the G real rows
+        *extra, mass, estimate = extra
+        terms = (mass[:, None, :, :G, 0], estimate[:, None, :, :G])
     norms = (extra[-1][:, :, :S],) if fused else ()
+    norms += terms if corrected else ()
 
     m = jnp.max(m_part, axis=2)  # every split has a real slot: all finite
     o, l = common.merge_splits(o_part, m_part, l_part, m)  # [B, Hk, gp, K], [B, Hk, gp]

@@ -27,22 +27,13 @@ def centred_outer(
     return jnp.where((jnp.abs(s) < CLAMP) | (count[..., None, None] == 0), 0.0, s)
 
 
-def corrected_attention(
-    out: jax.Array, lse: jax.Array, q: jax.Array, moments, zeroth: bool
-) -> jax.Array:
-    """NC: mix the attention over kept slots with the moment estimate of the evicted ones
-    (in log space).
+def correction_terms(q: jax.Array, moments, zeroth: bool) -> tuple[jax.Array, jax.Array]:
+    """MomentKV's estimate of the evicted tokens' share of the attention of queries q [B, T, H, K]
+    under one layer's ``moments`` (n = count):
 
-    Args:
-        out: [B, T, H, K] attention over the kept slots f_R.
-        lse: [B, T, H] = log Z_R.
-        q: [B, T, H, K].
-        moments: one layer's Moments ([B, Hk, ...]).
-
-    Returns ŵ f_R + (1 − ŵ) f̂_E, with log ŵ = log Z_R − logaddexp(log Z_R, log n + q·k̄/√d) and
-    f̂_E = v̄ + S̃ q/(n√d) (v̄ alone if zeroth); rows and heads with nothing evicted are returned
-    unchanged.
-    """
+    (log_mass [B, T, Hk, G] = log n + q·k̄/√d, -inf where nothing is evicted; estimate
+    [B, T, Hk, G, K] float32 = f̂_E = v̄ + S̃ q/(n√d), v̄ alone if zeroth). The decode kernels form
+    the same terms from the statistics they read (``corrected_attention`` mixes them in)."""
     B, T, H, K = q.shape
     Hk = moments.count.shape[1]
     G = H // Hk
@@ -59,11 +50,41 @@ def corrected_attention(
         estimate = estimate + jnp.einsum("bhij,bthgj->bthgi", s_tilde, qg) / (
             safe_n[:, None, :, None, None] * scale
         )
-    lse_r = lse.reshape(B, T, Hk, G)
-    log_w = lse_r - jnp.logaddexp(lse_r, jnp.log(safe_n)[:, None, :, None] + mean_logit)
-    w = jnp.where((n > 0)[:, None, :, None], jnp.exp(log_w), 1.0)[..., None]
-    mixed = w * out.astype(jnp.float32).reshape(B, T, Hk, G, K) + (1.0 - w) * estimate
+    log_mass = jnp.log(safe_n)[:, None, :, None] + mean_logit
+    return jnp.where((n > 0)[:, None, :, None], log_mass, -jnp.inf), estimate
+
+
+def mixed_attention(
+    out: jax.Array, lse: jax.Array, log_mass: jax.Array, estimate: jax.Array
+) -> jax.Array:
+    """ŵ f_R + (1 − ŵ) f̂_E in out's dtype, with log ŵ = log Z_R − logaddexp(log Z_R, log_mass):
+    the attention out [B, T, H, K] over the kept slots (lse [B, T, H] = log Z_R) mixed with
+    ``correction_terms``' estimate in log space (unchanged where log_mass is -inf)."""
+    B, T, H, K = out.shape
+    Hk = log_mass.shape[2]
+    lse_r = lse.reshape(B, T, Hk, H // Hk)
+    w = jnp.exp(lse_r - jnp.logaddexp(lse_r, log_mass))[..., None]
+    mixed = w * out.astype(jnp.float32).reshape(estimate.shape) + (1.0 - w) * estimate
     return mixed.reshape(B, T, H, K).astype(out.dtype)
+
+
+def corrected_attention(
+    out: jax.Array, lse: jax.Array, q: jax.Array, moments, zeroth: bool
+) -> jax.Array:
+    """NC: mix the attention over kept slots with the moment estimate of the evicted ones
+    (in log space).
+
+    Args:
+        out: [B, T, H, K] attention over the kept slots f_R.
+        lse: [B, T, H] = log Z_R.
+        q: [B, T, H, K].
+        moments: one layer's Moments ([B, Hk, ...]).
+
+    Returns ŵ f_R + (1 − ŵ) f̂_E, with log ŵ = log Z_R − logaddexp(log Z_R, log n + q·k̄/√d) and
+    f̂_E = v̄ + S̃ q/(n√d) (v̄ alone if zeroth); rows and heads with nothing evicted are returned
+    unchanged (``correction_terms``, ``mixed_attention``).
+    """
+    return mixed_attention(out, lse, *correction_terms(q, moments, zeroth))
 
 
 def check_decode(q) -> None:
@@ -77,9 +98,21 @@ def fusable(q, k) -> bool:
     """Whether a decode kernel can give MomentKV's residual norms from the tiles its softmax reads:
     keys and values read in q's dtype (as ``moment_residual_norms`` reads them) and not stored
     rotated."""
-    return jnp.dtype(k.dtype) == jnp.dtype(q.dtype) and not (
-        isinstance(k, Quantized) and k.kind in ROTATED
-    )
+    return jnp.dtype(k.dtype) == jnp.dtype(q.dtype) and correctable(k)
+
+
+def correctable(k) -> bool:
+    """Whether a decode kernel can form MomentKV's correction terms from the query it attends with:
+    keys not stored rotated (rotated ones attend with a rotated query)."""
+    return not (isinstance(k, Quantized) and k.kind in ROTATED)
+
+
+def check_correctable(k) -> None:
+    if not correctable(k):
+        raise ValueError(
+            f"MomentKV's correction in the decode kernel needs keys not stored rotated; got "
+            f"kv_dtype={k.kind!r}"
+        )
 
 
 def check_fusable(q, k) -> None:

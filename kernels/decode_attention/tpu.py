@@ -39,8 +39,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels import tpu_common as common
-from kvjax.kernels._shared import check_score, check_shapes, kv_spec, round_up, stacked_layer
-from kvjax.kernels.decode_attention.reference import check_decode, check_fusable
+from kvjax.kernels._shared import (
+    check_score,
+    check_shapes,
+    every_layer,
+    kv_spec,
+    round_up,
+    stacked_layer,
+)
+from kvjax.kernels.decode_attention.correction import head_terms
+from kvjax.kernels.decode_attention.reference import (
+    check_correctable,
+    check_decode,
+    check_fusable,
+)
 from kvjax.kernels.moment_residuals.tpu import stat_inputs, stat_specs, tile_norms
 
 
@@ -58,15 +70,35 @@ def _decode_kernel(
     scale: float,
     precision,
     zeroth: bool | None,
+    correction_zeroth: bool | None,
+    shared: bool,
 ):
-    """Unless zeroth is None, the refs after the slot positions' are one head's MomentKV
-    statistics and the outputs end with the residual norms of the tiles phase 0 reads."""
-    n_stats = 0 if zeroth is None else 4
-    stat_refs, (o_ref, stats_ref, *outs, m_sc, l_sc, acc_sc) = refs[:n_stats], refs[n_stats:]
+    """Unless zeroth is None, the refs after the slot positions' start with one head's MomentKV
+    statistics, and the outputs after the scores take the residual norms of the tiles phase 0
+    reads; unless correction_zeroth is None, the next four refs are the correction's statistics
+    (unless ``shared``: the same ones), and the last two outputs take its terms
+    (``correction.head_terms``), written at the first step."""
+    n_norms, n_terms = (0 if z is None else 4 for z in (zeroth, correction_zeroth))
+    n_terms *= not shared
+    norm_stats = refs[:n_norms]
+    term_stats = norm_stats if shared else refs[n_norms : n_norms + n_terms]
+    o_ref, stats_ref, *outs, m_sc, l_sc, acc_sc = refs[n_norms + n_terms :]
     col_ref = outs[0] if score is not None else None
     b, phase, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     bk = k_ref.shape[0]
     pl.when((phase == 0) & (j == 0))(functools.partial(common.reset_softmax, m_sc, l_sc, acc_sc))
+    if correction_zeroth is not None:
+        mass_ref, estimate_ref = outs[-2:]
+
+        @pl.when((phase == 0) & (j == 0))
+        def _terms():
+            mass_ref[...], estimate_ref[...] = head_terms(
+                q_ref[...].astype(jnp.float32),
+                *(ref[...] for ref in term_stats),
+                correction_zeroth,
+                common.full_dot,
+            )
+
     tile = common.key_tile(
         q_ref,
         k_ref,
@@ -83,8 +115,8 @@ def _decode_kernel(
     def _softmax():
         common.online_softmax(tile.logits, tile.values(), m_sc, l_sc, acc_sc)
         if zeroth is not None:
-            outs[-1][...] = tile_norms(
-                k_ref, v_ref, stat_refs, j * bk, n_slots, zeroth, q_ref.dtype
+            outs[1 if score is not None else 0][...] = tile_norms(
+                k_ref, v_ref, norm_stats, j * bk, n_slots, zeroth, q_ref.dtype
             )
 
         @pl.when(j == pl.num_programs(3) - 1)
@@ -115,18 +147,25 @@ def decode_attention_tpu(
     layer=None,
     residual_stats: tuple | None = None,
     zeroth: bool = False,
+    correction_stats: tuple | None = None,
+    correction_zeroth: bool = False,
     block_k: int | None = None,
     interpret=False,
 ):
     """Attention of one query per sequence over the cache: (o [B, 1, H, K] float32 — uncorrected —,
     lse [B, 1, H], col [B, Hk, G, S] or None), as ``reference.decode_attention_with_scores`` without
     moments; with ``layer`` (an int32 scalar), k, v are [L, B, Hk, S, K] and layer ``layer`` is
-    read. block_k is rounded up to a multiple of 128. With ``residual_stats`` (one layer's MomentKV
-    count, k_sum, v_sum, vk_sum), a fourth output: each slot's residual norm [B, Hk, S] under them
-    (first order, or ``zeroth``), as ``moment_residual_norms``, from the tiles phase 0 reads; keys
-    and values must then be read in q's dtype and not stored rotated."""
+    read. block_k is rounded up to a multiple of 128. MomentKV's statistics (count, k_sum, v_sum,
+    vk_sum: one layer's, or with ``layer`` every layer's [L, ...], tiled at it as k and v are), as
+    ``gpu.decode_attention_gpu`` takes them: ``residual_stats`` adds the residual norms
+    [B, Hk, S] from the tiles phase 0 reads, ``correction_stats`` the correction's terms."""
     check_score(score)
     check_decode(q)
+    fused, corrected = residual_stats is not None, correction_stats is not None
+    shared = fused and correction_stats is residual_stats  # passed once, read by both
+    given = [x for x in (residual_stats, None if shared else correction_stats) if x is not None]
+    stats_stacked = [every_layer(x) for x in given]
+    stats = tuple(x for g in given for x in stat_inputs(*g))
     k, v, layer, shape = stacked_layer(k, v, layer)
     B, _, H, Hk, S, K = check_shapes(q, shape, shape, slot_pos, query_pos, query_weights)
     G = H // Hk
@@ -137,9 +176,10 @@ def decode_attention_tpu(
     nk = -(-S // bk)  # the last key tile may be ragged
     scoring = query_weights is not None
     kernel_score = score if scoring else None
-    fused = residual_stats is not None
     if fused:
         check_fusable(q, k)
+    if corrected:
+        check_correctable(k)
 
     spos = slot_pos.astype(jnp.int32)[:, :, None, :]  # [B, Hk, 1, S]
     qpos = query_pos.astype(jnp.int32).reshape(B)
@@ -171,6 +211,15 @@ def decode_attention_tpu(
             )
         )
         out_shape.append(jax.ShapeDtypeStruct((B, Hk, 1, S), jnp.float32))
+    if corrected:  # written at the first step, then kept until the head's last
+        out_specs += [
+            pl.BlockSpec((None, None, gp, 1), lambda b, h, p, j, *_: (b, h, 0, 0)),
+            head_spec,
+        ]
+        out_shape += [
+            jax.ShapeDtypeStruct((B, Hk, gp, 1), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hk, gp, K), jnp.float32),
+        ]
     results = pl.pallas_call(
         functools.partial(
             _decode_kernel,
@@ -180,6 +229,8 @@ def decode_attention_tpu(
             scale=math.sqrt(K),
             precision=common.mxu_precision(q.dtype),
             zeroth=zeroth if fused else None,
+            correction_zeroth=correction_zeroth if corrected else None,
+            shared=shared,
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
@@ -189,7 +240,7 @@ def decode_attention_tpu(
                 k_spec,
                 v_spec,
                 pl.BlockSpec((None, None, 1, bk), lambda b, h, p, j, *_: (b, h, 0, j)),
-                *(stat_specs(K) if fused else []),
+                *(spec for at_layer in stats_stacked for spec in stat_specs(K, at_layer)),
             ],
             out_specs=out_specs,
             scratch_shapes=common.softmax_scratch(gp, K),
@@ -198,9 +249,13 @@ def decode_attention_tpu(
         compiler_params=common.compiler_params(2),
         interpret=interpret,
         name="decode_attention_with_scores",
-    )(qpos, layer, rows, k, v, spos, *(stat_inputs(*residual_stats) if fused else ()))
+    )(qpos, layer, rows, k, v, spos, *stats)
     out, lse, _, _ = common.decode_outputs(*results[:2], G)
+    if corrected:  # the G real rows
+        *results, mass, estimate = results
+        terms = (mass[:, None, :, :G, 0], estimate[:, None, :, :G])
     norms = (results[-1][:, :, 0],) if fused else ()
+    norms += terms if corrected else ()
     if not scoring:
         return out, lse, None, *norms
     col = results[2][:, :, :G] * query_weights.astype(jnp.float32).reshape(B, 1, 1, 1)

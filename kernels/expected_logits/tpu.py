@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels import tpu_common as common
-from kvjax.kernels._shared import NT_DIMS, kv_spec, round_up
+from kvjax.kernels._shared import kv_spec, round_up
 from kvjax.kernels.expected_logits.tiles import (
     check_inputs,
     combine,
@@ -30,12 +30,6 @@ from kvjax.kernels.expected_logits.tiles import (
     stat_specs,
 )
 from kvjax.kernels.moment_residuals.tiles import check_unrotated, read_dtype
-
-
-def _dot(a, b):
-    return jax.lax.dot_general(
-        a, b, NT_DIMS, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
-    )
 
 
 def _kernel(
@@ -53,17 +47,19 @@ def _kernel(
 ):
     first = pl.program_id(2) * block_k
     k = common.real_rows(common.load(k_ref, dtype).astype(jnp.float32), first, n_slots)
-    kr = _dot(k, rot_t_ref[...])  # row j: R̄ᵀ k_j
+    kr = common.full_dot(k, rot_t_ref[...])  # row j: R̄ᵀ k_j
     inv = None if inv_ref is None else inv_ref[...]  # [1, 1]
     G = mean_ref.shape[0]
     row = jax.lax.broadcasted_iota(jnp.int32, (G, 1), 0)
     out = jnp.zeros((G, k.shape[0]), jnp.float32)
     for g in range(G):
         qq = None if qq_ref is None else qq_ref[g]
-        lin, quad = logit_terms(kr, mean_ref[pl.ds(g, 1), :], qq, inv, _dot)
+        lin, quad = logit_terms(kr, mean_ref[pl.ds(g, 1), :], qq, inv, common.full_dot)
         quad = None if quad is None else common.row_sums(quad)
         if pending_ref is not None:
-            quad += jnp.sum(pending_terms(kr, pending_ref[g], inv, _dot), axis=0, keepdims=True)
+            quad += jnp.sum(
+                pending_terms(kr, pending_ref[g], inv, common.full_dot), axis=0, keepdims=True
+            )
         z = combine(common.row_sums(lin), quad, k.shape[1])
         out = jnp.where(row == g, z, out)  # [1, bk] into row g
     out_ref[...] = out

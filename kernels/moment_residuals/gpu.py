@@ -26,17 +26,18 @@ from kvjax.kernels.moment_residuals.tiles import (
 )
 
 
-def tile_norms(k, v, stat_refs, zeroth: bool):
+def tile_norms(k, v, stat_refs, zeroth: bool, head: tuple = ()):
     """‖r_j‖ [bk] of a tile's keys and values k, v [bk, K] (read in the model's dtype) under one
-    head's statistics (count [1], k_sum, v_sum [K], vk_sum [K, K] refs). The decode attention
-    kernel calls it on the tiles its softmax pass holds."""
-    count_ref, k_sum_ref, v_sum_ref, vk_sum_ref = stat_refs
-    stats = (  # [1, 1], [1, K], [1, K], [K, K]
-        count_ref[...][:, None],
-        k_sum_ref[...][None, :],
-        v_sum_ref[...][None, :],
-        vk_sum_ref[...],
-    )
+    head's statistics (count [1], k_sum, v_sum [K], vk_sum [K, K] refs; with ``head``, the head at
+    those leading indices of larger refs). The decode attention kernel calls it on the tiles its
+    softmax pass holds."""
+    count, k_sum, v_sum, vk_sum = (ref[head] if head else ref[...] for ref in stat_refs)
+    stats = (
+        count[:, None],
+        k_sum[None, :],
+        v_sum[None, :],
+        vk_sum,
+    )  # [1, 1], [1, K], [1, K], [K, K]
     f32 = jnp.float32
     r = residuals(
         k.astype(f32), v.astype(f32), *stats, zeroth, lambda a, b: common.dot(a, b, NT_DIMS)
@@ -80,8 +81,8 @@ def stat_specs(head_dim: int):
 
 
 def stat_inputs(count, k_sum, v_sum, vk_sum) -> tuple:
-    """The statistics as the kernels take them: count [B, Hk, 1] float32, k_sum, v_sum
-    [B, Hk, K], vk_sum [B, Hk, K, K]."""
+    """The statistics as the kernels take them: count [..., B, Hk, 1] float32, k_sum, v_sum
+    [..., B, Hk, K], vk_sum [..., B, Hk, K, K]."""
     return count.astype(jnp.float32)[..., None], k_sum, v_sum, vk_sum
 
 

@@ -18,21 +18,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from kvjax.kernels import tpu_common as common
-from kvjax.kernels._shared import NT_DIMS, kv_spec, round_up
+from kvjax.kernels._shared import kv_spec, round_up
 from kvjax.kernels.moment_residuals.tiles import (
     check_inputs,
     check_unrotated,
     read_dtype,
     residuals,
 )
-
-
-def _dot(a, b):
-    """a · bᵀ on the MXU at full float32 precision."""
-    precision = jax.lax.Precision.HIGHEST
-    return jax.lax.dot_general(
-        a, b, NT_DIMS, preferred_element_type=jnp.float32, precision=precision
-    )
 
 
 def tile_norms(k_ref, v_ref, stat_refs, first, n_slots, zeroth: bool, dtype):
@@ -43,7 +35,7 @@ def tile_norms(k_ref, v_ref, stat_refs, first, n_slots, zeroth: bool, dtype):
     k = common.load(k_ref, dtype).astype(jnp.float32)
     v = common.load(v_ref, dtype).astype(jnp.float32)
     stats = [ref[...] for ref in stat_refs]
-    r = common.real_rows(residuals(k, v, *stats, zeroth, _dot), first, n_slots)
+    r = common.real_rows(residuals(k, v, *stats, zeroth, common.full_dot), first, n_slots)
     return jnp.sqrt(common.row_sums(r * r))
 
 
@@ -68,21 +60,27 @@ def _kernel(
     out_ref[...] = tile_norms(k_ref, v_ref, stat_refs, first, n_slots, zeroth, dtype)
 
 
-def stat_specs(head_dim: int):
+def stat_specs(head_dim: int, stacked: bool = False):
     """The BlockSpecs of one head's statistics (``stat_inputs``) in a grid whose first two axes
-    are the row and the KV head."""
+    are the row and the KV head; ``stacked``: of every layer's ([L, ...]), read at the layer that
+    the last scalar-prefetch ref holds."""
     K = head_dim
 
     def spec(block):
-        return pl.BlockSpec((None, None, *block), lambda b, h, *_: (b, h) + (0,) * len(block))
+        zeros = (0,) * len(block)
+        if stacked:
+            index = lambda b, h, *rest: (rest[-1][0], b, h) + zeros  # noqa: E731
+            return pl.BlockSpec((None, None, None, *block), index)
+        return pl.BlockSpec((None, None, *block), lambda b, h, *_: (b, h) + zeros)
 
     return [spec(block) for block in ((1, 1), (1, K), (1, K), (K, K))]
 
 
 def stat_inputs(count, k_sum, v_sum, vk_sum) -> tuple:
-    """The statistics as the kernels take them: count [B, Hk, 1, 1] float32, k_sum, v_sum
-    [B, Hk, 1, K], vk_sum [B, Hk, K, K]."""
-    return count.astype(jnp.float32)[..., None, None], k_sum[:, :, None], v_sum[:, :, None], vk_sum
+    """The statistics as the kernels take them: count [..., B, Hk, 1, 1] float32, k_sum, v_sum
+    [..., B, Hk, 1, K], vk_sum [..., B, Hk, K, K]."""
+    f32 = jnp.float32
+    return count.astype(f32)[..., None, None], k_sum[..., None, :], v_sum[..., None, :], vk_sum
 
 
 def moment_residual_norms_tpu(

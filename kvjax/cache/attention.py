@@ -26,7 +26,7 @@ Kernel = Callable[..., tuple[jax.Array, jax.Array, jax.Array | None]]
 
 
 def scored_attention(
-    policy, seg, q: jax.Array, block: Kernel, decode: Kernel, moments, residuals=None
+    policy, seg, q: jax.Array, block: Kernel, decode: Kernel, moments, layer_moments, residuals=None
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """The output [B, T, H, K] of queries q [B, T, H, K], the scoring queries' per-slot column
     [B, Hk, G, S] (None if none score), the modifier's correction included, and the residual norms
@@ -38,7 +38,9 @@ def scored_attention(
         block(weights) -> (out, lse, col): the cache's block kernel over its slots.
         decode(weights, *correction[, residuals=]) -> (out, lse, col[, norms]): its decode
             kernel, corrected by the modifier's arguments (``Modifier.correction``).
-        moments: this layer's ``Moments``.
+        moments: the cache's ``Moments``: the layer's, or every layer's (the carried form's:
+            ``kvjax.model.layer_fields``), which the decode kernel reads at its layer in place.
+        layer_moments: the layer's (the block kernel's correction reads them).
         residuals: ``Modifier.residuals``' request, or None.
     """
     modifier = policy.modifier_spec
@@ -51,7 +53,7 @@ def scored_attention(
         )
         return out, col, norms
     out, lse, col = block(seg.query_weights)
-    return modifier.correct(out, lse, q, moments), col, None
+    return modifier.correct(out, lse, q, layer_moments), col, None
 
 
 def fold_scores(
@@ -76,27 +78,33 @@ def attend_scored(
     evict_layer,
     residuals=None,
 ):
-    """The rest of layer ``layer``'s step once ``cache`` (its ``LAYER_FIELDS`` the layer's, its
-    statistics stacked) holds the new tokens: the output [B, T, H, K] of queries q and the cache
-    with the scorer's state and statistics folded in, evicted here when ``seg.evict_in_layer`` says
-    so (then, under ``seg.attend_kept``, the output is the attention over the tokens it keeps).
+    """The rest of layer ``layer``'s step once ``cache`` (its ``LAYER_FIELDS`` the layer's, or,
+    for its moments, every layer's; its statistics stacked) holds the new tokens: the output
+    [B, T, H, K] of queries q and the cache with the scorer's state and statistics folded in,
+    evicted here when ``seg.evict_in_layer`` says so (then, under ``seg.attend_kept``, the output
+    is the attention over the tokens it keeps).
 
     Args:
         decode(c) -> Kernel: the cache's decode kernel over the storage of cache ``c``.
         block: its block kernel over ``cache``'s storage.
-        evict_layer(c, norms): the cache ``c``, its statistics this layer's, after this layer's
-            eviction point; norms: what the decode kernel gave for ``residuals``, or None.
+        evict_layer(c, norms, moments): the cache ``c``, its statistics this layer's, after this
+            layer's eviction point (which adds to layer ``layer``'s moments); norms: what the
+            decode kernel gave for ``residuals``, or None; moments: the layer's, as the eviction
+            reads them.
         residuals: the modifier's request for residual norms (``Modifier.residuals``) when this
             layer's eviction point reads them, or None.
     """
     p = seg.policy
-    out, col, norms = scored_attention(p, seg, q, block, decode(cache), cache.moments, residuals)
+    moments = cache.moments.at(layer)
+    out, col, norms = scored_attention(
+        p, seg, q, block, decode(cache), cache.moments, moments, residuals
+    )
     state, stats = fold_scores(p, seg, layer, q, cache.state, cache.stats, col)
     cache = cache.replace(state=state, stats=stats)
 
     def evict_here(c):  # the eviction reads this layer's statistics
         one_layer = c.replace(stats=jax.tree.map(lambda x: x[layer], c.stats))
-        return evict_layer(one_layer, norms).replace(stats=c.stats)
+        return evict_layer(one_layer, norms, moments).replace(stats=c.stats)
 
     if seg.evict_in_layer and seg.attend_kept:
 

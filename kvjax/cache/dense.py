@@ -39,7 +39,8 @@ class BudgetCache(SlotsView):
         state: [L, B, Hk, G, S] float32 per-slot, per-query-head scorer state (zero in empty
             slots).
         order: [L, B, Hk, S] int32 the slots by position, valid ones first.
-        moments: ``Moments``.
+        moments: ``Moments``; a layer's view holds its own, or, in the layer scan's carried form,
+            every layer's (``kvjax.model.layer_fields``).
         stats: the base scorer's own statistics (``Base.init_stats``), or None: stacked over
             layers in every view, each layer adding to its own in place (``Base.observe``).
 
@@ -156,7 +157,8 @@ class BudgetCache(SlotsView):
                         impl=p.impl,
                     ),
                     (q, k_all, v_all, h.pos, seg.positions, weights, moments, layer, asked),
-                    (ATTENTION_AXES[0], (None, *KV), (None, *KV), *ATTENTION_AXES[3:], KV, (), KV),
+                    (ATTENTION_AXES[0], (None, *KV), (None, *KV), *ATTENTION_AXES[3:])
+                    + (moment_axes(moments), (), moment_axes(asked)),
                     ATTENTION_OUT_AXES + ((KV,) if residuals else ()),
                     B,
                     Hk,
@@ -185,8 +187,12 @@ class BudgetCache(SlotsView):
             seg,
             decode,
             block,
-            lambda h, norms: h._evict_layer(
-                p, seg.seen, (k_all, v_all, layer), reset=not seg.fresh_state, norms=norms
+            lambda h, norms, moments: h._evict_layer(
+                p,
+                seg.seen,
+                (k_all, v_all, layer, moments),
+                reset=not seg.fresh_state,
+                norms=norms,
             ),
             residuals,
         )
@@ -220,29 +226,32 @@ class BudgetCache(SlotsView):
         reset: bool = True,
         norms: jax.Array | None = None,
     ) -> BudgetCache:
-        """One layer's slice ([B, Hk, ...] leaves); ``stack``: (stored keys, values, layer) of
-        every layer, of which this slice's are that layer's (read in place by the modifier's
-        kernels); ``reset`` as in ``evict``; ``norms``: the residual norms [B, Hk, S] the decode
-        kernel gave for ``Modifier.residuals``, or None."""
+        """One layer's slice ([B, Hk, ...] leaves); ``stack``: (stored keys, values, layer,
+        that layer's moments) of every layer, of which this slice's keys and values are that
+        layer's (read in place by the modifier's kernels), and the moments, as read (the slice's
+        own may be every layer's: ``Moments.add`` adds to that layer's); ``reset`` as in
+        ``evict``; ``norms``: the residual norms [B, Hk, S] the decode kernel gave for
+        ``Modifier.residuals``, or None."""
         b = p.budget
         if self.slots <= b:  # everything fits: only the state reset remains
             resets = p.scorer.reset_after_evict and reset
             return self.replace(state=reset_state(self.state)) if resets else self
         n_drop = self.slots - b
+        layer = None if stack is None else stack[2]
         if n_drop == 1 and p.pooled_aggregate:  # a decoding step's: in a kernel on CUDA
-            return self._drop_few(p, self._lowest_place(p, seen)[..., None], reset)
+            return self._drop_few(p, self._lowest_place(p, seen)[..., None], reset, layer)
         # in position order: ties go to the earlier position
         if p.pooled_aggregate:
             key = keys_by_position(p, self.state, self.pos, self.order, seen)
         else:
             key = jnp.take_along_axis(self._keys(p, seen, n_drop, stack, norms), self.order, -1)
         if n_drop <= UNROLLED_DROPS:
-            return self._drop_few(p, lowest_few(key, n_drop), reset)
+            return self._drop_few(p, lowest_few(key, n_drop), reset, layer)
         drop = lowest_slots(key, n_drop)
         # Stable partition of the order: kept slots first (valid ones stay in position order),
         # dropped after.
         order = jnp.take_along_axis(self.order, true_first(~drop), -1)
-        return self._release(p, order, order[..., b:], reset)
+        return self._release(p, order, order[..., b:], reset, layer)
 
     def _lowest_place(self, p: Policy, seen: jax.Array) -> jax.Array:
         """[B, Hk] the place in ``order`` of each head's lowest key (``keys_by_position``), the
@@ -277,17 +286,20 @@ class BudgetCache(SlotsView):
             p, self.state, pos, k, v, self.order, self.stats, seen
         )
         n_evict = jnp.maximum((pos >= 0).sum(-1) - p.budget, 0)
+        moments, stored = (self.moments, None) if stack is None else (stack[3], stack[:3])
         chosen = p.modifier_spec.choose(
-            prio, unprotected, n_evict, k, v, pos, self.moments, n_drop, p, stack, norms
+            prio, unprotected, n_evict, k, v, pos, moments, n_drop, p, stored, norms
         )
         if chosen is not None:  # the modifier chose: its evicted slots lowest, the rest above
             key = jnp.where(unprotected, jnp.where(chosen, 0.0, 1.0), key)
         return key
 
-    def _drop_few(self, p: Policy, dropped: jax.Array, reset: bool = True) -> BudgetCache:
+    def _drop_few(
+        self, p: Policy, dropped: jax.Array, reset: bool = True, layer=None
+    ) -> BudgetCache:
         """Drop the distinct places ``dropped`` [B, Hk, n] of ``order``: one shift per place,
         highest first, each moving the freed slot to the end of the order (no sort, no gather of
-        keys or values)."""
+        keys or values); ``layer`` as in ``_release``."""
         order = self.order
         rank = jnp.arange(self.slots)
         slots = jnp.take_along_axis(order, dropped, -1)
@@ -297,15 +309,15 @@ class BudgetCache(SlotsView):
             freed = jnp.take_along_axis(order, place, -1)
             shifted = jnp.concatenate([order[..., 1:], freed], -1)
             order = jnp.where(rank >= place, shifted, order)
-        return self._release(p, order, slots, reset)
+        return self._release(p, order, slots, reset, layer)
 
     def _release(
-        self, p: Policy, order: jax.Array, dropped: jax.Array, reset: bool = True
+        self, p: Policy, order: jax.Array, dropped: jax.Array, reset: bool = True, layer=None
     ) -> BudgetCache:
         """Free the ``dropped`` [B, Hk, E] slots (empty ones among them are left as they are): their
-        tokens join the moments, their position becomes -1 and their state 0 (every slot's, for a
-        scorer that zeroes its state at every eviction point, unless not ``reset``); ``order`` is
-        the new order."""
+        tokens join the moments (layer ``layer``'s, if they are every layer's), their position
+        becomes -1 and their state 0 (every slot's, for a scorer that zeroes its state at every
+        eviction point, unless not ``reset``); ``order`` is the new order."""
 
         def take(x):
             return values(jax.tree.map(lambda a: jnp.take_along_axis(a, dropped[..., None], -2), x))
@@ -321,8 +333,13 @@ class BudgetCache(SlotsView):
             pos=jnp.where(freed, -1, self.pos),
             state=state,
             order=order,
-            moments=self.moments.add(weight, take(self.k), take(self.v)),
+            moments=self.moments.add(weight, take(self.k), take(self.v), layer),
         )
+
+
+def moment_axes(moments) -> tuple:
+    """The leading logical axes of a decode kernel's moments: one layer's or every layer's."""
+    return (None, *KV) if moments is not None and moments.every_layer else KV
 
 
 def _write(store, layer: jax.Array, free: jax.Array, new: jax.Array):

@@ -34,7 +34,7 @@ from kvjax.kernels.paged_attention import (
 from kvjax.kernels.paged_attention.reference import gather_pages
 from kvjax.kernels.quantized import Quantized, stored, values, zeros
 from kvjax.model.config import ModelConfig
-from kvjax.model.layer_fields import join_layers, split_layers
+from kvjax.model.layer_fields import put_layer
 from kvjax.model.segment import Segment
 from kvjax.sharding import per_shard
 from kvjax.slots import FEW_FIRST, per_row, scatter_set, set_slots, true_first
@@ -65,7 +65,8 @@ class PagedCache(SlotsView):
         state: [L, B, Hk, G, C] float32 scorer state.
         order: [L, B, Hk, C] int32 the slots by position, valid ones first, then the empty ones
             ascending.
-        moments: ``Moments`` of the evicted tokens.
+        moments: ``Moments`` of the evicted tokens; a layer's view holds its own, or, in the
+            layer scan's carried form, every layer's (``kvjax.model.layer_fields``).
         stats: the base scorer's own statistics (``Base.init_stats``), or None: stacked over
             layers in every view, each layer adding to its own in place (``Base.observe``).
         n_layers (static): L, which a layer's view (its ``LAYER_FIELDS`` without the layer axis)
@@ -288,7 +289,7 @@ class PagedCache(SlotsView):
                 lambda *a: paged_decode_attention_with_scores(
                     *a[:-1], p.score_kind, a[-1], *static, impl=p.impl
                 ),
-                (*storage, weights, moments),
+                (*storage, weights, None if moments is None else moments.at(layer)),
                 (*axes, KV),
                 ATTENTION_OUT_AXES,
                 B,
@@ -312,7 +313,9 @@ class PagedCache(SlotsView):
             decode,
             block,
             # no residuals asked: MomentKV evicts after the step on the paged cache
-            lambda c, _: c._evict_layer(p, seg.seen, layer, reset=not seg.fresh_state),
+            lambda c, _, moments: c._evict_layer(
+                p, seg.seen, layer, moments, reset=not seg.fresh_state
+            ),
         )
 
     def evict(
@@ -348,20 +351,24 @@ class PagedCache(SlotsView):
         )
 
     def _evict_layer(
-        self, p: Policy, seen: jax.Array, layer: jax.Array, reset: bool = True
+        self, p: Policy, seen: jax.Array, layer: jax.Array, moments, reset: bool = True
     ) -> PagedCache:
         """``evict`` on a layer's view (its statistics too), for layer ``layer`` (a traced index;
-        not under a "global" allocation)."""
+        not under a "global" allocation); ``moments``: the layer's (its own, or layer ``layer``'s
+        of the view's every layer's, written back there)."""
         L, Hk = self.n_layers, self.pos.shape[1]
         cap, sharing = p.head_capacity(L, Hk), p.allocation_spec.sharing(L, Hk)
         max_evict = self._most_dropped(sharing)
-        part, fields = split_layers(self)
-        part = join_layers(part, jax.tree.map(lambda x: x[None], fields))
-        part = part.replace(stats=jax.tree.map(lambda x: x[None], self.stats))
+        fields = {n: getattr(self, n) for n in self.LAYER_FIELDS} | dict(
+            stats=self.stats, moments=moments
+        )
+        part = self.replace(**jax.tree.map(lambda x: x[None], fields))  # a stack of one layer
         budgets = jnp.asarray(p.layer_budgets(L), jnp.int32)[layer][None]
         part = part._evict(p, seen, max_evict, cap, budgets, p.group_budget(sharing), reset=reset)
-        part, fields = split_layers(part)
-        return join_layers(part, jax.tree.map(lambda x: x[0], fields)).replace(stats=self.stats)
+        part = part.replace(**{n: jax.tree.map(lambda x: x[0], getattr(part, n)) for n in fields})
+        if self.moments.every_layer:
+            part = part.replace(moments=put_layer(self.moments, part.moments, layer))
+        return part.replace(stats=self.stats)
 
     def _most_dropped(self, sharing: int) -> int:
         """The most slots one head can lose at an eviction point when every layer held at most its

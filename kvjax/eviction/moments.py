@@ -14,6 +14,7 @@ from flax import struct
 
 from kvjax.kernels import moment_residual_norms
 from kvjax.kernels.moment_residuals.reference import residual_norms
+from kvjax.model.layer_fields import at_layer
 from kvjax.sharding import per_shard
 from kvjax.slots import max_slots
 
@@ -55,21 +56,41 @@ class Moments:
         )
 
     @property
+    def every_layer(self) -> bool:
+        """Whether these are every layer's statistics (count [L, B, Hk]), not one layer's."""
+        return self.count.ndim == 3
+
+    def at(self, layer) -> Moments:
+        """Layer ``layer``'s statistics of every layer's (an unsigned dynamic slice:
+        ``kvjax.model.layer_fields.at_layer``), or these, if one layer's."""
+        return at_layer(self, layer) if self.every_layer else self
+
+    @property
     def summed(self) -> bool:
         """Whether the sums are kept (K > 0), not only the count."""
         return self.k_sum.shape[-1] > 0
 
-    def add(self, weight: jax.Array, k: jax.Array, v: jax.Array) -> Moments:
-        """Add tokens k, v [B, Hk, E, K] with 0/1 weight [B, Hk, E] (one layer's slice); without
+    def add(self, weight: jax.Array, k: jax.Array, v: jax.Array, layer=None) -> Moments:
+        """Add tokens k, v [B, Hk, E, K] with 0/1 weight [B, Hk, E] to one layer's statistics, or,
+        these being every layer's, to layer ``layer``'s (a scatter-add, in place: written back
+        whole, a layer's [B, Hk, K, K] sums were copied out of the stack first on CUDA); without
         sums, only their count (XLA then drops whatever computed k and v)."""
+
+        if self.every_layer and layer is None:
+            raise ValueError("layer: adding to every layer's moments needs the layer's index")
+
+        def plus(a, d):
+            return a.at[layer].add(d) if self.every_layer else a + d
+
+        count = plus(self.count, weight.sum(-1))
         if not self.summed:
-            return self.replace(count=self.count + weight.sum(-1))
+            return self.replace(count=count)
         k, v = k.astype(jnp.float32), v.astype(jnp.float32)
         return Moments(
-            count=self.count + weight.sum(-1),
-            k_sum=self.k_sum + jnp.einsum("bhe,bhek->bhk", weight, k),
-            v_sum=self.v_sum + jnp.einsum("bhe,bhek->bhk", weight, v),
-            vk_sum=self.vk_sum + jnp.einsum("bhe,bhei,bhej->bhij", weight, v, k),
+            count=count,
+            k_sum=plus(self.k_sum, jnp.einsum("bhe,bhek->bhk", weight, k)),
+            v_sum=plus(self.v_sum, jnp.einsum("bhe,bhek->bhk", weight, v)),
+            vk_sum=plus(self.vk_sum, jnp.einsum("bhe,bhei,bhej->bhij", weight, v, k)),
         )
 
 
