@@ -16,7 +16,8 @@ out of the stack in every layer on CUDA (4.4 GB per decoding step at the 8B's ba
 The carried form hands MomentKV's moments to each layer whole (``WHOLE_WHEN_CARRIED``): the decode
 kernel reads the layer's [K, K] sums in place and the eviction adds to them with a scatter-add
 (``Moments.at``, ``Moments.add``). Sliced out, they were a copy handed to the kernel every layer
-(2.1 GB per step at the 8B's batch 64); carried whole on the CPU, they were copied twice a layer.
+(1.2 GB copied per step at the 8B's batch 64); carried whole on the CPU, they were copied twice a
+layer.
 """
 
 from __future__ import annotations
