@@ -157,11 +157,10 @@ def stacked_layer(k, v, layer):
     return k, v, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), shape
 
 
-def every_layer(stats: tuple) -> bool:
-    """Whether MomentKV's statistics (count, k_sum, v_sum, vk_sum) handed to a decode kernel are
-    every layer's (count [L, B, Hk]: read in place at the kernel's layer, as stacked k and v are)
-    or one layer's (count [B, Hk])."""
-    return stats[0].ndim == 3
+def every_layer(count) -> bool:
+    """Whether MomentKV's statistics whose count is ``count`` are every layer's ([L, B, Hk]: read in
+    place at the kernels' layer, as stacked k and v are) or one layer's ([B, Hk])."""
+    return count.ndim == 3
 
 
 def round_up(x: int, m: int) -> int:

@@ -18,7 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from kvjax.kernels._shared import check_impl, check_score, check_shapes, one_layer
+from kvjax.kernels._shared import check_impl, check_score, check_shapes, every_layer, one_layer
 from kvjax.kernels.block_attention.api import by_platform
 from kvjax.kernels.decode_attention import gpu, reference, tpu
 from kvjax.kernels.decode_attention.reference import (
@@ -77,7 +77,7 @@ def _same(a, b) -> bool:
 
 def _at(moments, layer):
     """One layer's statistics: every layer's at ``layer``, or ``moments`` if one layer's."""
-    if moments is None or moments.count.ndim == 2:
+    if moments is None or not every_layer(moments.count):
         return moments
     return jax.tree.map(lambda x: x[layer], moments)
 

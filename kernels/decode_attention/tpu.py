@@ -164,7 +164,7 @@ def decode_attention_tpu(
     fused, corrected = residual_stats is not None, correction_stats is not None
     shared = fused and correction_stats is residual_stats  # passed once, read by both
     given = [x for x in (residual_stats, None if shared else correction_stats) if x is not None]
-    stats_stacked = [every_layer(x) for x in given]
+    stats_stacked = [every_layer(x[0]) for x in given]
     stats = tuple(x for g in given for x in stat_inputs(*g))
     k, v, layer, shape = stacked_layer(k, v, layer)
     B, _, H, Hk, S, K = check_shapes(q, shape, shape, slot_pos, query_pos, query_weights)
