@@ -27,13 +27,19 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import jax.numpy as jnp  # noqa: E402
 from kvjax.kernels.quantized import bytes_per_token  # noqa: E402
-from prose_niah import paired_rows, read_scores, right_cell, setting_samples  # noqa: E402
+from prose_niah import (  # noqa: E402
+    SETTINGS,
+    paired_rows,
+    present,
+    read_scores,
+    right_cell,
+    setting_samples,
+)
 
 import kvjax  # noqa: E402
 from kvjax.eval import sweep  # noqa: E402
 from kvjax.eval.niah import make_samples  # noqa: E402
 
-SETTINGS = ("query-agnostic", "query-aware")
 SCORERS = {"kvzip": "global+kvzip", "expected attention": "expected-attention"}
 DTYPES = (None, "int8", "int4")
 BASELINE_KVZIP = "kvzip (global)"  # the float32 cache's KVzip in --baseline's kvjax rows
@@ -57,13 +63,19 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/kv_dtype_niah")
     parser.add_argument("--baseline", default="docs/results/kvzip_global_2k")
     parser.add_argument("--bytes-of", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--samples", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0, help="the samples' seed")
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
+    parser.add_argument("--scorers", nargs="+", choices=list(SCORERS), default=list(SCORERS))
     parser.add_argument("--table-only", action="store_true")
     args = parser.parse_args()
+    scorers = {name: SCORERS[name] for name in args.scorers}
     os.makedirs(args.out, exist_ok=True)
     tokenizer = kvjax.load_tokenizer("smollm2-135m-instruct")
     cfg = kvjax.load("smollm2-135m-instruct").config if not args.table_only else None
     samples = setting_samples(
-        make_samples(tokenizer, ["sentence-number"], ["licenses"], [2048], 48)
+        make_samples(tokenizer, ["sentence-number"], ["licenses"], [2048], args.samples, args.seed),
+        args.settings,
     )
     rows_path = os.path.join(args.out, "kvjax_rows.jsonl")
     if not args.table_only:
@@ -76,7 +88,7 @@ def main() -> None:
                 options=(("kv_dtype", kv),) if kv else (),
                 name=label(name, kv),
             )
-            for name, scorer in SCORERS.items()
+            for name, scorer in scorers.items()
             for kv in DTYPES
             if not (name == "kvzip" and kv is None)  # in --baseline's rows
             for b in args.bytes_of
@@ -91,7 +103,7 @@ def main() -> None:
     mine = read_scores(samples, rows_path, "/nonexistent")
     by_bytes = {}  # (label, bf16 slots) -> {sample: score}, and the texts
     for b in args.bytes_of:
-        for name in SCORERS:
+        for name in scorers:
             for kv in DTYPES:
                 source = found if (name == "kvzip" and kv is None) else mine
                 key = BASELINE_KVZIP if source is found else label(name, kv)
@@ -124,7 +136,7 @@ PAIRS = [
 def table(samples, found: dict, budgets, cfg) -> str:
     """Markdown: right answers per setting, method and memory, the slots each keeps, and the paired
     sign tests."""
-    ids = {st: [s.id for s in samples if s.id.endswith(st)] for st in SETTINGS}
+    ids = {st: [s.id for s in samples if s.id.endswith(st)] for st in present(samples)}
     head = " | ".join(f"bytes of {b} bf16 slots" for b in budgets)
     lines = [
         "Slots per KV head at each memory: "
@@ -142,10 +154,9 @@ def table(samples, found: dict, budgets, cfg) -> str:
             "| --- |" + " ---: |" * len(budgets),
         ]
         for name in LABELS:
-            cells = []
-            for b in budgets:
-                cells.append(right_cell(found.get((name, b), {}), wanted))
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            cells = [right_cell(found.get((name, b), {}), wanted) for b in budgets]
+            if any(c != "–" for c in cells):  # methods not run (--scorers) have no row
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += [
         "**Paired** (same samples and memory: wins / losses of the first against the second, "
@@ -165,8 +176,10 @@ def plot(samples, found: dict, budgets, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(SETTINGS), figsize=(11, 4), sharey=True)
-    for ax, st in zip(axes, SETTINGS, strict=True):
+    settings = present(samples)
+    fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), sharey=True)
+    axes = list(axes) if len(settings) > 1 else [axes]
+    for ax, st in zip(axes, settings, strict=True):
         wanted = [s.id for s in samples if s.id.endswith(st)]
         for name in LABELS:
             ys = []

@@ -74,18 +74,25 @@ PAIRS = (
 )
 
 
-def setting_samples(samples) -> list:
-    """Each sample once per setting, split where kvpress splits it: (context, question) as made, or
-    the prompt but its last token and that token."""
+def setting_samples(samples, settings=SETTINGS) -> list:
+    """Each sample once per setting, split where kvpress splits it: (context, question) as made
+    (query-agnostic), or the prompt but its last token and that token (query-aware)."""
     out = []
     for s in samples:
-        out.append(dataclasses.replace(s, id=f"{s.id}/query-agnostic"))
-        out.append(
-            dataclasses.replace(
-                s, id=f"{s.id}/query-aware", context=s.prompt[:-1], question=s.prompt[-1:]
+        if "query-agnostic" in settings:
+            out.append(dataclasses.replace(s, id=f"{s.id}/query-agnostic"))
+        if "query-aware" in settings:
+            out.append(
+                dataclasses.replace(
+                    s, id=f"{s.id}/query-aware", context=s.prompt[:-1], question=s.prompt[-1:]
+                )
             )
-        )
     return out
+
+
+def present(samples) -> list[str]:
+    """The settings that ``samples`` (from ``setting_samples``) hold, in SETTINGS' order."""
+    return [st for st in SETTINGS if any(s.id.endswith(st) for s in samples)]
 
 
 def main() -> None:
@@ -104,11 +111,21 @@ def main() -> None:
     )
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument(
-        "--methods",
+        "--seed", type=int, default=0, help="the samples' seed (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--settings",
         nargs="+",
+        choices=SETTINGS,
+        default=list(SETTINGS),
+        help="where the prompt is split (default: both)",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="*",
         choices=list(METHODS),
         default=list(METHODS)[:2],
-        help="kvjax's methods (default: %(default)s)",
+        help="kvjax's methods besides the full cache (default: %(default)s)",
     )
     parser.add_argument(
         "--presses",
@@ -124,7 +141,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     tokenizer = kvjax.load_tokenizer("smollm2-135m-instruct")
     samples = setting_samples(
-        make_samples(tokenizer, ["sentence-number"], args.haystacks, [args.length], args.samples)
+        make_samples(
+            tokenizer, ["sentence-number"], args.haystacks, [args.length], args.samples, args.seed
+        ),
+        args.settings,
     )
     samples_path, kvpress_path = (
         os.path.join(args.out, "samples.jsonl"),
@@ -198,8 +218,10 @@ def plot(samples, found: dict, budgets, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(SETTINGS), figsize=(11, 4), sharey=True)
-    for ax, st in zip(axes, SETTINGS, strict=True):
+    settings = present(samples)
+    fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), sharey=True)
+    axes = list(axes) if len(settings) > 1 else [axes]
+    for ax, st in zip(axes, settings, strict=True):
         ids = [s.id for s in samples if s.id.endswith(st)]
         for label in ["full", *METHODS, *PRESSES]:
             ys = []
@@ -280,7 +302,7 @@ def table(samples, found: dict, budgets) -> str:
     """Markdown: accuracy (right answers of n, Wilson 95% interval) per setting, method and budget;
     the paired comparisons; kvjax's default against kvpress's KVzip answer for answer. found:
     ``read_scores``."""
-    by_setting = {st: [s.id for s in samples if s.id.endswith(st)] for st in SETTINGS}
+    by_setting = {st: [s.id for s in samples if s.id.endswith(st)] for st in present(samples)}
     labels = (
         ["full"]
         + [m for m in METHODS if any((m, b) in found for b in budgets)]
