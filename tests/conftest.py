@@ -1,6 +1,9 @@
 """Shared fixtures: tiny random models, the real SmolLM2 weights, and the --runslow switch."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import jax
 import numpy as np
@@ -21,6 +24,16 @@ SMOLLM2 = "smollm2-135m-instruct"
 # call it in-process must not write to the user's cache nor count its hits as compilations.
 # test_compilation_cache turns it on.
 os.environ["KVJAX_COMPILATION_CACHE"] = "off"
+# Modules compile many of the same programs (SmolLM2's steps above all), and each module's compiled
+# programs are dropped after it (_release_compiled_programs): each test process keeps what it
+# compiled in a persistent cache of its own, a temporary directory removed when the process ends
+# (one per process: JAX writes an entry in place, so a second writer could read it half written).
+# count_compiles counts a program loaded from it as compiled. Three files in one process: 139 ->
+# 118 s (2026-11-30).
+_PROGRAMS = tempfile.mkdtemp(prefix="kvjax-tests-programs-")
+atexit.register(shutil.rmtree, _PROGRAMS, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _PROGRAMS)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def pytest_addoption(parser):
@@ -28,26 +41,38 @@ def pytest_addoption(parser):
 
 
 # The files that take longest (measured in the full run, longest first), run first:
-# ``pytest -n 2 --dist loadfile`` hands files to its workers in this order, and a long file started
-# last would leave one worker idle at the end.
+# ``pytest -n 2 --dist loadfile`` hands files to its workers in this order (pytest_configure), and a
+# long file started last would leave one worker idle at the end.
 LONGEST_FIRST = (
     "test_notebooks.py",
     "test_sharding.py",
     "test_engine_vs_reference.py",
     "test_serving.py",
-    "test_output_aware_smollm2.py",
     "test_ask_chat.py",
+    "test_gpu_script.py",
+    "test_output_aware_smollm2.py",
     "test_eval.py",
-    "test_engine.py",
+    "test_server_kills.py",
+    "test_serving_contexts_api.py",
     "test_packaging.py",
+    "test_engine.py",
+    "test_smollm2.py",
+    "test_layer_fields.py",
+    "test_serve_soak.py",
+    "test_kvzip_kvpress.py",
     "test_paged_kernels.py",
     "test_prefilled.py",
-    "test_gpu_script.py",
     "test_kernels.py",
-    "test_serving_contexts_api.py",
-    "test_smollm2.py",
     "test_generate.py",
 )
+
+
+def pytest_configure(config):
+    # pytest-xdist sorts the files by their number of tests before handing them out unless told not
+    # to, which undid LONGEST_FIRST: a 25.5-minute run of 2026-11-30 spent its last minutes on one
+    # worker.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
@@ -163,7 +188,8 @@ def tiny_head_scores(tiny_llama, tmp_path_factory):
 
 @pytest.fixture
 def count_compiles():
-    """``with count_compiles() as box:`` counts XLA backend compilations in ``box["n"]``."""
+    """``with count_compiles() as box:`` counts in ``box["n"]`` the programs that had to be
+    compiled: XLA backend compilations and programs loaded from the tests' persistent cache."""
     import contextlib
 
     from jax import monitoring
@@ -172,15 +198,21 @@ def count_compiles():
     def counter():
         box = {"n": 0}
 
-        def listener(event, duration, **kwargs):
+        def compiled(event, duration, **kwargs):
             if event == "/jax/core/compile/backend_compile_duration":
                 box["n"] += 1
 
-        monitoring.register_event_duration_secs_listener(listener)
+        def loaded(event, **kwargs):
+            if event == "/jax/compilation_cache/cache_hits":
+                box["n"] += 1
+
+        monitoring.register_event_duration_secs_listener(compiled)
+        monitoring.register_event_listener(loaded)
         try:
             yield box
         finally:
-            monitoring.unregister_event_duration_listener(listener)
+            monitoring.unregister_event_duration_listener(compiled)
+            monitoring.unregister_event_listener(loaded)
 
     return counter
 

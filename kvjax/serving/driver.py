@@ -192,7 +192,6 @@ class Driver:
                     chunk = self.engine.chunk(rows)
                     if decoding:
                         state, filling, tokens, logits = self.engine.mixed(state, filling, chunk)
-                        tokens = tokens[:, None]
                     else:
                         filling, logits = self.engine.fill(filling, chunk)
                     self.counts["chunks"] += 1
@@ -201,7 +200,10 @@ class Driver:
                     state, tokens = self.engine.generate(state)
                 if not decoding:
                     continue
-                tokens, done = to_host(tokens), to_host(state.done)
+                # [S, n] new tokens a slot (a mixed step's are [S]), on the host: an eager
+                # reshape of the device array would compile after warm-up
+                tokens = to_host(tokens).reshape(len(self._slots), -1)
+                done = to_host(state.done)
                 self.counts["steps"] += 1
                 prefilling = {r[1] for r in self._rows if r is not None}
                 for i, r in enumerate(self._slots):
