@@ -69,8 +69,7 @@ LONGEST_FIRST = (
 
 def pytest_configure(config):
     # pytest-xdist sorts the files by their number of tests before handing them out unless told not
-    # to, which undid LONGEST_FIRST: a 25.5-minute run of 2026-11-30 spent its last minutes on one
-    # worker.
+    # to, which undid LONGEST_FIRST (until 2026-11-30).
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
 
