@@ -30,9 +30,9 @@ from kvjax.kernels.quantized import bytes_per_token  # noqa: E402
 from prose_niah import (  # noqa: E402
     SETTINGS,
     paired_rows,
-    present,
     read_scores,
     right_cell,
+    setting_ids,
     setting_samples,
 )
 
@@ -136,7 +136,7 @@ PAIRS = [
 def table(samples, found: dict, budgets, cfg) -> str:
     """Markdown: right answers per setting, method and memory, the slots each keeps, and the paired
     sign tests."""
-    ids = {st: [s.id for s in samples if s.id.endswith(st)] for st in present(samples)}
+    ids = setting_ids(samples)
     head = " | ".join(f"bytes of {b} bf16 slots" for b in budgets)
     lines = [
         "Slots per KV head at each memory: "
@@ -176,11 +176,12 @@ def plot(samples, found: dict, budgets, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    settings = present(samples)
-    fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), sharey=True)
-    axes = list(axes) if len(settings) > 1 else [axes]
-    for ax, st in zip(axes, settings, strict=True):
-        wanted = [s.id for s in samples if s.id.endswith(st)]
+    by_setting = setting_ids(samples)
+    fig, axes = plt.subplots(
+        1, len(by_setting), figsize=(5.5 * len(by_setting), 4), sharey=True, squeeze=False
+    )
+    axes = axes[0]
+    for ax, (st, wanted) in zip(axes, by_setting.items(), strict=True):
         for name in LABELS:
             ys = []
             for b in budgets:

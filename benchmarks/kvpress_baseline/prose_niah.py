@@ -90,9 +90,11 @@ def setting_samples(samples, settings=SETTINGS) -> list:
     return out
 
 
-def present(samples) -> list[str]:
-    """The settings that ``samples`` (from ``setting_samples``) hold, in SETTINGS' order."""
-    return [st for st in SETTINGS if any(s.id.endswith(st) for s in samples)]
+def setting_ids(samples) -> dict[str, list[str]]:
+    """The ids of ``samples`` (from ``setting_samples``) by setting, for the settings they hold, in
+    SETTINGS' order."""
+    ids = {st: [s.id for s in samples if s.id.endswith(st)] for st in SETTINGS}
+    return {st: held for st, held in ids.items() if held}
 
 
 def main() -> None:
@@ -218,11 +220,12 @@ def plot(samples, found: dict, budgets, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    settings = present(samples)
-    fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), sharey=True)
-    axes = list(axes) if len(settings) > 1 else [axes]
-    for ax, st in zip(axes, settings, strict=True):
-        ids = [s.id for s in samples if s.id.endswith(st)]
+    by_setting = setting_ids(samples)
+    fig, axes = plt.subplots(
+        1, len(by_setting), figsize=(5.5 * len(by_setting), 4), sharey=True, squeeze=False
+    )
+    axes = axes[0]
+    for ax, (st, ids) in zip(axes, by_setting.items(), strict=True):
         for label in ["full", *METHODS, *PRESSES]:
             ys = []
             for b in budgets:
@@ -302,7 +305,7 @@ def table(samples, found: dict, budgets) -> str:
     """Markdown: accuracy (right answers of n, Wilson 95% interval) per setting, method and budget;
     the paired comparisons; kvjax's default against kvpress's KVzip answer for answer. found:
     ``read_scores``."""
-    by_setting = {st: [s.id for s in samples if s.id.endswith(st)] for st in present(samples)}
+    by_setting = setting_ids(samples)
     labels = (
         ["full"]
         + [m for m in METHODS if any((m, b) in found for b in budgets)]
