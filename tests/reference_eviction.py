@@ -254,6 +254,24 @@ def parse_scorer(name: str) -> tuple[str, str | None]:
     return base, modifier or None
 
 
+def kept_sums(scorer: str) -> tuple[str, ...]:
+    """The ``Moments`` sums a cache keeps under ``scorer`` (any base, KVzip's included): none
+    unless MomentKV reads them, and no Σ v kᵀ for its zeroth order."""
+    modifier = ORACLE_MODIFIERS.get(ALIASES.get(scorer, scorer).rpartition("+")[2])
+    if not isinstance(modifier, MomentKVOracle):
+        return ()
+    return ("k_sum", "v_sum") if modifier.zeroth else ("k_sum", "v_sum", "vk_sum")
+
+
+def assert_kept_sums(moments, scorer: str) -> tuple[str, ...]:
+    """``kept_sums(scorer)``, after checking that ``moments`` keeps those sums (non-empty) and no
+    others (K = 0)."""
+    sums = kept_sums(scorer)
+    sizes = {name: getattr(moments, name).size for name in ("k_sum", "v_sum", "vk_sum")}
+    assert {name for name, size in sizes.items() if size} == set(sums), (scorer, sizes)
+    return sums
+
+
 def default_aggregate(scorer: str) -> str:
     """``sum`` for the OBCache modifiers (OBCache App. B.5), ``mean`` otherwise."""
     return (

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from helpers import distinct_prompts as prompts_of
 from helpers import kept_positions as kept
-from reference_eviction import run_reference
+from reference_eviction import assert_kept_sums, run_reference
 
 import kvjax
 from kvjax.eviction.expected_attention import QUERY_BUFFER
+from kvjax.eviction.moments import LONG_LOOP
 from kvjax.runtime.decoding import Generation, feed_budget
 from kvjax.runtime.inputs import pad_rows, prompt_bucket, round_capacity
 from kvjax.runtime.options import eviction_from
@@ -181,6 +182,21 @@ def test_moment_informed_eviction_of_one_token_per_decode_step_matches_reference
     check_against_reference(model, case, "prefill", 1, distinct_prompts())
 
 
+@pytest.mark.parametrize(
+    "case",
+    [c for c in MODIFIER_CASES if c["scorer"] in ("momentkv", "h2o+momentkv-zeroth")],
+    ids=lambda c: c["scorer"],
+)
+def test_moment_informed_prefill_past_the_long_loop_matches_reference(model, case):
+    """A prefill that evicts more than ``LONG_LOOP`` tokens per (row, KV head) runs the
+    moment-informed loop a few layers at a time (``over_layers``' ``lax.map``), the zeroth order's
+    moments with their empty Σ v kᵀ; distinct tokens (no exact ties)."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.permutation(np.arange(4, 89, dtype=np.int32))[:n] for n in (BUDGET + 66, 70)]
+    assert len(prompts[0]) - BUDGET > LONG_LOOP
+    check_against_reference(model, case, "prefill", 2, prompts, new_tokens=2)
+
+
 @pytest.mark.parametrize("evict_every", [1, 3])
 def test_expected_attention_past_its_query_buffer_matches_reference(model, evict_every):
     """Expected Attention decoding QUERY_BUFFER + 4 tokens: the decoding queries kept aside fill
@@ -328,13 +344,11 @@ def check_against_reference(model, case, protocol, evict_every, prompts, new_tok
             )
             np.testing.assert_allclose(logits[row], ref["step_logits"][step], **LOGITS)
     moments = gen.state.cache.moments
-    assert moments.summed == (
-        "momentkv" in settings["scorer"]
-    )  # only MomentKV reads (and keeps) the sums
+    sums = assert_kept_sums(moments, settings["scorer"])  # only what MomentKV reads
     for row, ref in enumerate(refs):
         np.testing.assert_array_equal(np.asarray(moments.count[:, row]), ref["moments"]["count"])
         # float32: relative to the largest
-        for name in ("k_sum", "v_sum", "vk_sum") if moments.summed else ():
+        for name in sums:
             expected = ref["moments"][name]
             np.testing.assert_allclose(
                 np.asarray(getattr(moments, name)[:, row]),

@@ -219,9 +219,10 @@ def test_bad_sampling(tiny_llama, kwargs, match):
 
 
 def test_moments_without_sums_are_refused_by_momentkv(tiny_llama):
-    """A cache filled under SnapKV keeps only the count of its evicted tokens; decoding it under
-    MomentKV, which reads their sums, is refused by name instead of starting from empty statistics.
-    """
+    """A cache filled under SnapKV keeps only the count of its evicted tokens, and one filled under
+    MomentKV's zeroth order no Σ v kᵀ; decoding either under MomentKV, which reads them, is refused
+    by name instead of starting from empty statistics. The zeroth order decodes a first-order
+    cache (it reads less)."""
     from kvjax.runtime.options import eviction_from
 
     def cache(scorer):
@@ -234,4 +235,9 @@ def test_moments_without_sums_are_refused_by_momentkv(tiny_llama):
         ValueError, match="scorer='snapkv\\+momentkv' reads the moments of the evicted tokens"
     ):
         momentkv.fit(cache("snapkv"), tiny_llama.config, 1)
-    assert momentkv.fit(cache("momentkv"), tiny_llama.config, 1).moments.summed
+    with pytest.raises(ValueError, match=r"filled under MomentKV's zeroth order\) keeps no Σ v kᵀ"):
+        momentkv.fit(cache("snapkv+momentkv-zeroth"), tiny_llama.config, 1)
+    K = tiny_llama.config.head_dim
+    assert momentkv.fit(cache("momentkv"), tiny_llama.config, 1).moments.dims == (K, K)
+    zeroth = eviction_from(budget=20, scorer="snapkv+momentkv-zeroth", window=4)
+    assert zeroth.fit(cache("momentkv"), tiny_llama.config, 1).moments.dims == (K, K)

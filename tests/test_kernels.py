@@ -101,8 +101,9 @@ def make_case(
     return q, k, v, jnp.asarray(slot_pos), jnp.asarray(query_pos), weights
 
 
-def make_moments(seed, B, Hk, K):
-    """Statistics of some evicted tokens, with nothing evicted for row 0, KV head 0 (count 0)."""
+def make_moments(seed, B, Hk, K, zeroth=False):
+    """Statistics of some evicted tokens, with nothing evicted for row 0, KV head 0 (count 0);
+    ``zeroth``: as a zeroth-order cache keeps them (no Σ v kᵀ)."""
     r = np.random.default_rng(seed + 100)
     count = r.integers(1, 20, size=(B, Hk)).astype(np.float32)
     count[0, 0] = 0.0
@@ -113,7 +114,9 @@ def make_moments(seed, B, Hk, K):
         count=jnp.asarray(count),
         k_sum=jnp.asarray(np.einsum("bhe,bhek->bhk", take, ks), jnp.float32),
         v_sum=jnp.asarray(np.einsum("bhe,bhek->bhk", take, vs), jnp.float32),
-        vk_sum=jnp.asarray(np.einsum("bhe,bhei,bhej->bhij", take, vs, ks), jnp.float32),
+        vk_sum=jnp.zeros((B, Hk, 0, 0), jnp.float32)
+        if zeroth
+        else jnp.asarray(np.einsum("bhe,bhei,bhej->bhij", take, vs, ks), jnp.float32),
     )
 
 
@@ -212,8 +215,8 @@ def test_decode_kernel_equals_reference(case, kernel):
     # row 1's query is fully masked (position -1) and still weighted: finite reference values
     if weighted:
         w = jnp.asarray([[1.0], [0.5]])
-    moments = None if correction is None else make_moments(G, 2, 2, K)
     zeroth = correction == "zeroth"
+    moments = None if correction is None else make_moments(G, 2, 2, K, zeroth)
     want = decode_ref.decode_attention_with_scores(
         q, k, v, slot_pos, query_pos, w, score, moments, zeroth
     )
@@ -236,7 +239,7 @@ def test_decode_kernel_equals_reference(case, kernel):
     other = jax.random.normal(jax.random.key(G), (2, *k.shape), dtype)
     k3, v3 = jnp.stack([other[0], k, other[1]]), jnp.stack([other[1], v, other[0]])
     if moments is not None:
-        around = make_moments(G + 1, 2, 2, K)
+        around = make_moments(G + 1, 2, 2, K, zeroth)
         moments = jax.tree.map(lambda a, o: jnp.stack([o, a, o * 2]), moments, around)
     stacked = jax.jit(
         lambda k3, v3, layer: decode_attention_with_scores(

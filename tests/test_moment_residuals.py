@@ -72,8 +72,14 @@ def case(seed=0, L=3, B=2, Hk=3, S=150, K=64, dtype=jnp.float32):
     return k, v, moments
 
 
-def stats(m):
-    return m.count, m.k_sum, m.v_sum, m.vk_sum
+def stats(m, zeroth=False):
+    """What the kernels take: vk_sum None for the zeroth order."""
+    return m.count, m.k_sum, m.v_sum, None if zeroth else m.vk_sum
+
+
+def without_outer(m):
+    """``m`` as a zeroth-order cache keeps it: no Σ v kᵀ ([..., 0, 0])."""
+    return m.replace(vk_sum=jnp.zeros(m.count.shape + (0, 0), jnp.float32))
 
 
 def stacked(m, L=3, at=1):
@@ -106,9 +112,9 @@ def test_kernels_equal_the_reference(kernel, dtype, zeroth):
     k, v, m = case(dtype=dtype)
     want = reference.residual_norms(k[1], v[1], *stats(m), zeroth)
     fn = KERNELS[kernel]
-    got = fn(k, v, *stats(m), zeroth, layer=jnp.int32(1), interpret=True)
+    got = fn(k, v, *stats(m, zeroth), zeroth, layer=jnp.int32(1), interpret=True)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
-    got = fn(k[2], v[2], *stats(m), zeroth, interpret=True)
+    got = fn(k[2], v[2], *stats(m, zeroth), zeroth, interpret=True)
     want = reference.residual_norms(k[2], v[2], *stats(m), zeroth)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
 
@@ -167,7 +173,8 @@ def test_decode_kernels_give_the_norms_of_the_tiles_they_read(
     """A stack's middle layer, 150 slots (ragged tiles: 128 + 22 on TPU, 5 tiles of 32 on GPU), a
     row whose statistics are empty; the "attn" column from the softmax's logits or a scores pass
     (obcache-key: phase 1 on TPU). The attention's outputs are those of the same kernel asked for
-    no norms, bit for bit; the norms are the residual kernel's reference's."""
+    no norms, bit for bit; the norms are the residual kernel's reference's. The zeroth order's
+    statistics are a zeroth-order cache's (no Σ v kᵀ)."""
     k, v, m = case(dtype=dtype)
     q, pos, qpos, w = decode_case(k)
     w = w if weighted else None
@@ -175,13 +182,14 @@ def test_decode_kernels_give_the_norms_of_the_tiles_they_read(
     run = functools.partial(
         decode_attention_with_scores, q, k, v, pos, qpos, w, score, layer=layer, interpret=True
     )
-    *got, norms = run(residuals=(stacked(m), zeroth), **FUSED[kernel])
+    every = without_outer(stacked(m)) if zeroth else stacked(m)
+    *got, norms = run(residuals=(every, zeroth), **FUSED[kernel])
     for a, b in zip(got, run(**FUSED[kernel]), strict=True):
         np.testing.assert_array_equal(a, b)
     want = moment_residual_norms(k, v, m, zeroth, layer=layer, impl="xla")
     np.testing.assert_allclose(norms, want, rtol=2e-6, atol=1e-6)
     # the reference: the same pass apart
-    *ref, ref_norms = run(residuals=(stacked(m), zeroth), impl="xla")
+    *ref, ref_norms = run(residuals=(every, zeroth), impl="xla")
     np.testing.assert_array_equal(ref_norms, want)
     for a, b in zip(ref, run(impl="xla"), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -320,7 +328,7 @@ def test_decode_kernels_form_the_correction_terms(kernel, zeroth, shared):
         layer=jnp.int32(1),
         interpret=True,
     )
-    stats3 = stats(stacked(m))
+    stats3 = stats(stacked(m), zeroth)
     norms = dict(residual_stats=stats3, zeroth=zeroth) if shared else {}
     *got, mass, estimate = fn(correction_stats=stats3, correction_zeroth=zeroth, **norms)
     want_mass, want_estimate = correction_terms(q, m, zeroth)
@@ -342,7 +350,7 @@ def test_kernels_lower_over_the_whole_stack(platform, impl, call, kv_dtype):
     """SmolLM2's layer geometry (30 layers, 3 KV heads, head dim 64) at 1,040 slots: one kernel
     call, handed the whole stack, no dynamic slice of it."""
     stack = jax.ShapeDtypeStruct((30, 2, 3, 1040, 64), jnp.bfloat16)
-    m = jax.eval_shape(lambda: Moments.zeros((2, 3), 64))
+    m = jax.eval_shape(lambda: Moments.zeros((2, 3), (64, 64)))
 
     def fn(k, v, m, layer):
         if kv_dtype:
@@ -367,6 +375,14 @@ def test_bad_shapes_name_the_argument():
         moment_residual_norms(k, v, m.replace(vk_sum=m.vk_sum[..., :3]), layer=0)
     with pytest.raises(ValueError, match="with layer, k and v must be"):
         moment_residual_norms(k[0], v[0], m, layer=0)
+    # a zeroth-order cache's statistics (no Σ v kᵀ) read by the first order
+    with pytest.raises(ValueError, match=r"vk_sum must be \(2, 3, 64, 64\)"):
+        moment_residual_norms(k, v, without_outer(m), layer=0)
+    q, pos, qpos, w = decode_case(k)
+    for kwargs in (dict(moments=without_outer(m)), dict(residuals=(without_outer(m), False))):
+        name = next(iter(kwargs))
+        with pytest.raises(ValueError, match=rf"{name}: the first order reads Σ v kᵀ"):
+            decode_attention_with_scores(q, k[0], v[0], pos, qpos, w, **kwargs)
 
 
 def decoding_module(scorer: str, platform: str) -> str:
@@ -406,21 +422,23 @@ def kernel_calls_in_decoding(scorer: str, platform: str, kernel: str) -> list[st
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-@pytest.mark.parametrize("scorer", ["momentkv", "snapkv+momentkv-mi"])
+@pytest.mark.parametrize("scorer", ["momentkv", "snapkv+momentkv-mi", "snapkv+momentkv-zeroth"])
 def test_momentkv_decoding_reads_the_stacked_cache_once_per_layer(platform, scorer):
     """MomentKV's decoding loop on the dense budget cache (it evicts inside the layer scan) gets
     its residual norms from the one decode kernel that attends over the whole stacked keys and
     values: it takes the statistics once (on CUDA every layer's, read in place as the keys:
-    vk_sum [3, 1, 2, 64, 64]), gives a norm a slot and, with the correction (momentkv), its
-    terms; no
-    residual-norm kernel reads the keys and values again (with or without the corrected
-    attention). SnapKV's decode kernel takes no statistics."""
+    vk_sum [3, 1, 2, 64, 64]; the zeroth order none, its cache keeping no Σ v kᵀ), gives a norm
+    a slot and, with the correction (momentkv), its terms; no residual-norm kernel reads the keys
+    and values again (with or without the corrected attention). SnapKV's decode kernel takes no
+    statistics."""
     assert not kernel_calls_in_decoding(scorer, platform, "moment_residual_norms")
     (call,) = kernel_calls_in_decoding(scorer, platform, "decode_attention")
     assert re.search(r"3x1x2x\d+x64xbf16", call), call
     # the residual norms and the correction (momentkv) read the same statistics: passed once;
     # the carried form (CUDA) hands every layer's, the scanned one (TPU) the layer's
     sums = "<3x1x2x64x64xf32>" if platform == "cuda" else "<1x2x64x64xf32>"
-    assert call.count(sums) == 1, call
+    assert call.count(sums) == (0 if "zeroth" in scorer else 1), call[-600:]
+    k_and_v_sums = "<3x1x2x64xf32>" if platform == "cuda" else "<1x2x1x64xf32>"
+    assert call.count(k_and_v_sums) == 2, call[-600:]
     (call,) = kernel_calls_in_decoding("snapkv", platform, "decode_attention")
     assert "64x64xf32" not in call, call

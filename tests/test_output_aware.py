@@ -12,7 +12,7 @@ from kvjax.kernels import attention_with_scores, corrected_attention
 
 import kvjax
 from kvjax.eviction import SCORERS, split_name
-from kvjax.eviction.moments import Moments
+from kvjax.eviction.moments import LAYER_CHUNK, LONG_LOOP, Moments, over_layers
 from kvjax.eviction.priority import caote
 
 S, W, K, G = 24, 6, 16, 3  # slots, perturbation window, head dim, query heads per KV head
@@ -264,7 +264,7 @@ def test_moment_eviction_scores_a_rounding_apart_tie():
         v32,
         jnp.asarray(pos),
     )
-    got = np.asarray(moment_informed_eviction(*args, Moments.zeros((1, 1), K), False, 1))[0, 0]
+    got = np.asarray(moment_informed_eviction(*args, Moments.zeros((1, 1), (K, K)), False, 1))[0, 0]
     np.testing.assert_array_equal(np.flatnonzero(got), [1])
 
 
@@ -359,7 +359,7 @@ def test_every_layers_moments_take_an_eviction_at_the_layer_in_place():
     L, B, Hk, E, K = 3, 2, 2, 2, 8
     stack = jax.tree.map(
         lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32),
-        Moments.zeros((L, B, Hk), K),
+        Moments.zeros((L, B, Hk), (K, K)),
     )
     weight = jnp.asarray(rng.integers(0, 2, (B, Hk, E)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(B, Hk, E, K)), jnp.float32) for _ in range(2))
@@ -371,3 +371,26 @@ def test_every_layers_moments_take_an_eviction_at_the_layer_in_place():
     assert one.at(jnp.int32(1)) is one  # one layer's: itself
     with pytest.raises(ValueError, match="layer: adding to every layer's moments"):
         stack.add(weight, k, v)
+
+
+def test_layers_in_chunks_take_empty_leaves():
+    """A zeroth-order cache's Σ v kᵀ is [L, B, Hk, 0, 0], which ``lax.map``'s chunks cannot reshape:
+    ``over_layers`` past ``LONG_LOOP`` evictions (``LAYER_CHUNK`` layers at a time, two chunks and
+    one layer here) hands ``fn`` each layer's empty slice and takes its empty outputs, and gives
+    what every layer at once gives."""
+    rng = np.random.default_rng(4)
+    L = 2 * LAYER_CHUNK + 1
+    moments = jax.tree.map(
+        lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32),
+        Moments.zeros((L, 2, 3), (8, 0)),
+    )
+
+    def fn(m):
+        assert m.vk_sum.shape == (2, 3, 0, 0)
+        return m.count + m.v_sum.sum(-1) * m.k_sum.sum(-1), m.add(
+            m.count[..., None], m.k_sum[:, :, None], m.v_sum[:, :, None]
+        )
+
+    chunked, at_once = over_layers(fn, moments, LONG_LOOP + 1), over_layers(fn, moments, LONG_LOOP)
+    assert chunked[1].vk_sum.shape == (L, 2, 3, 0, 0)
+    jax.tree.map(np.testing.assert_array_equal, chunked, at_once)

@@ -16,7 +16,7 @@ from helpers import (
     own_pass,
     scorer_requirements,
 )
-from reference_eviction import run_kvzip_reference
+from reference_eviction import assert_kept_sums, run_kvzip_reference
 
 import kvjax
 from kvjax.eviction import SCORERS
@@ -93,11 +93,11 @@ def check_kvzip_compress(model, shared, name, settings):
     """``test_compress_equals_the_prefill_protocol``'s checks, for a KVzip name: the reference."""
     refs = kvzip_reference(model, distinct_prompts(), settings, 5)
     pos, moments = np.asarray(shared.cache.sorted_pos), shared.cache.moments
-    assert moments.summed == ("momentkv" in name)  # the sums only where MomentKV reads them
+    sums = assert_kept_sums(moments, name)  # only what MomentKV reads
     for row, ref in enumerate(refs):
         assert kept_positions(pos, row) == ref["kept_after_prefill"]
         np.testing.assert_allclose(np.asarray(shared.logits[row]), ref["prefill_logits"], atol=1e-4)
-        for field in ("count", "k_sum", "v_sum", "vk_sum") if moments.summed else ("count",):
+        for field in ("count", *sums):
             got = np.asarray(getattr(moments, field)[:, row])
             np.testing.assert_allclose(got, ref["moments"][field], atol=1e-3)
     evicted = np.stack([r["moments"]["count"] for r in refs])
@@ -211,18 +211,21 @@ def test_compress_when_one_head_may_keep_more_than_the_prompt(tiny_llama, name, 
     assert int(np.asarray(direct.cache.moments.count).sum()) > 0  # something was evicted
 
 
-@pytest.mark.parametrize("scorer", ["snapkv", "momentkv", "adakv", "expected-attention"])
+@pytest.mark.parametrize(
+    "scorer", ["snapkv", "momentkv", "snapkv+momentkv-zeroth", "adakv", "expected-attention"]
+)
 def test_a_saved_context_loads_as_it_was(tiny_llama, prefilled, scorer, tmp_path):
     """``save_context`` then ``load_context``: every leaf of the cache as it was, MomentKV's moments
-    with their sums and the others' with none (zero-size arrays, which orbax cannot write: left out,
-    then put back), Expected Attention's statistics settled (without a decoding's buffer of
-    queries) and its state (log ‖v‖ per slot), and the same answers."""
+    with their sums (its zeroth order without Σ v kᵀ) and the others' with none (zero-size arrays,
+    which orbax cannot write: left out, then put back), Expected Attention's statistics settled
+    (without a decoding's buffer of queries) and its state (log ‖v‖ per slot), and the same
+    answers."""
     from kvjax.runtime.saved_context import load_context, save_context
 
     context = prefilled.compress(budget=BUDGET, scorer=scorer, obs_window=4, n_sink=1, window=3)
     save_context(str(tmp_path / "c"), context, tiny_llama)
     loaded = load_context(str(tmp_path / "c"), tiny_llama)
-    assert loaded.cache.moments.summed == (scorer == "momentkv")
+    assert_kept_sums(loaded.cache.moments, scorer)
     settled = context.cache.replace(
         stats=context.ev.policy.scorer.fit_stats(context.cache.stats, False)
     )

@@ -199,15 +199,18 @@ def prompt(context: int, vocab: int) -> np.ndarray:
     return np.random.default_rng(context).integers(10, vocab - 10, (1, context), dtype=np.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("batch", "moment_dim"))
-def tile_state(state: DecodeState, batch: int, moment_dim: int | None = None) -> DecodeState:
-    """One prefilled row repeated ``batch`` times along every leaf's batch axis; ``moment_dim``: the
-    width of the moments' sums the decoding needs (MomentKV decodes from SnapKV's prefill, which
-    keeps none: its sums start at zero, which costs what any others would)."""
+@functools.partial(jax.jit, static_argnames=("batch", "moment_dims"))
+def tile_state(
+    state: DecodeState, batch: int, moment_dims: tuple[int, int] | None = None
+) -> DecodeState:
+    """One prefilled row repeated ``batch`` times along every leaf's batch axis; ``moment_dims``:
+    the widths of the moments' sums the decoding needs (``Moments.dims``; MomentKV decodes from
+    SnapKV's prefill, which keeps none: its sums start at zero, which costs what any others
+    would)."""
     cache = map_rows(lambda x, ax: jnp.repeat(x, batch, axis=ax), state.cache)
-    if moment_dim is not None and moment_dim != cache.moments.k_sum.shape[-1]:
+    if moment_dims is not None and moment_dims != cache.moments.dims:
         count = cache.moments.count
-        cache = cache.replace(moments=Moments.zeros(count.shape, moment_dim).replace(count=count))
+        cache = cache.replace(moments=Moments.zeros(count.shape, moment_dims).replace(count=count))
     rep = lambda x: jnp.repeat(x, batch, axis=0)  # noqa: E731
     return DecodeState(
         cache=cache,
@@ -498,7 +501,7 @@ class ModelRun:
         source: DecodeState,
         batch: int,
         profile: bool = False,
-        moment_dim: int | None = None,
+        moment_dims: tuple[int, int] | None = None,
         periodic=None,
     ) -> dict:
         """The timed row; with ``profile``, also where the device time of PROFILE_STEPS more steps
@@ -506,7 +509,7 @@ class ModelRun:
         state is given."""
         compiled, compile_s = future.result(timeout=max(1.0, self.deadline.left()))
         params = self.params
-        state = tile_state(source, batch, moment_dim)
+        state = tile_state(source, batch, moment_dims)
         if periodic is not None:
             state = refit(state, periodic, self.sz.cfg)
         seconds, state = self.time_decode(compiled, state, params)
@@ -604,7 +607,7 @@ class ModelRun:
             cache, impl, source, b, contexts = job
             ev = eviction(cache, self.sz, contexts[0], self.attention(impl))
             shape = jax.eval_shape(
-                functools.partial(tile_state, batch=b, moment_dim=self.moment_dim(cache)),
+                functools.partial(tile_state, batch=b, moment_dims=self.moment_dims(cache)),
                 self.prefill_shape(source, contexts[0]),
             )
             if (periodic := self.periodic(cache)) is not None:
@@ -621,10 +624,10 @@ class ModelRun:
             return None
         return eviction(cache, self.sz, self.sz.contexts[0], self.attention(None))
 
-    def moment_dim(self, cache: Cache) -> int | None:
-        """The width of the moments' sums decoding ``cache`` keeps (None: the full cache)."""
+    def moment_dims(self, cache: Cache) -> tuple[int, int] | None:
+        """The widths of the moments' sums decoding ``cache`` keeps (None: the full cache)."""
         ev = eviction(cache, self.sz, self.sz.contexts[0], None)
-        return None if ev is None else ev.policy.moment_dim(self.sz.cfg.head_dim)
+        return None if ev is None else ev.policy.moment_dims(self.sz.cfg.head_dim)
 
     def prefill_shape(self, cache: Cache, context: int) -> DecodeState:
         fn, args, static = self.prefill_program(cache, context, None)
@@ -715,7 +718,7 @@ class ModelRun:
                         self.states[source, context],
                         b,
                         self.profiled(cache, impl, b, context),
-                        self.moment_dim(cache),
+                        self.moment_dims(cache),
                         self.periodic(cache),
                     ),
                 )

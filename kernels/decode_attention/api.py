@@ -28,6 +28,7 @@ from kvjax.kernels.decode_attention.reference import (
     mixed_attention,
 )
 from kvjax.kernels.moment_residuals import moment_residual_norms
+from kvjax.kernels.moment_residuals.tiles import stats_read
 from kvjax.kernels.quantized import rotate
 
 
@@ -91,11 +92,17 @@ def _norms(k, v, residuals, layer, impl, interpret=False):
     )
 
 
-def _check_moments(name: str, moments, layer_shape, n_layers) -> None:
+def _check_moments(name: str, moments, layer_shape, n_layers, zeroth: bool) -> None:
     """Statistics with [B, Hk] counts (one layer's), or with ``layer`` also [L, B, Hk] (every
-    layer's)."""
+    layer's), and Σ v kᵀ of the keys' head dim unless only the zeroth order reads them."""
     if moments is None:
         return
+    K = layer_shape.shape[-1]
+    if not zeroth and moments.vk_sum.shape[-2:] != (K, K):
+        raise ValueError(
+            f"{name}: the first order reads Σ v kᵀ, vk_sum [..., {K}, {K}]; got "
+            f"{list(moments.vk_sum.shape)} (a zeroth-order cache keeps none)"
+        )
     one = tuple(layer_shape.shape[:2])
     allowed = [one] + ([(n_layers, *one)] if n_layers else [])
     if moments.count.shape not in allowed:
@@ -129,14 +136,12 @@ def _corrected(
     fused = residuals is not None and fusable(q, k)
     in_kernel = moments is not None and correctable(k)
     stats = {}
-    if fused:
+    if fused:  # Σ v kᵀ unless every reader of these statistics is of the zeroth order
         m, stats["zeroth"] = residuals
-        stats["residual_stats"] = (m.count, m.k_sum, m.v_sum, m.vk_sum)
+        stats["residual_stats"] = stats_read(m, stats["zeroth"] and (zeroth or not shared))
     if in_kernel:  # the residual norms' statistics (passed once) when they are the same
         stats["correction_stats"] = (
-            stats["residual_stats"]
-            if fused and shared
-            else (moments.count, moments.k_sum, moments.v_sum, moments.vk_sum)
+            stats["residual_stats"] if fused and shared else stats_read(moments, zeroth)
         )
         stats["correction_zeroth"] = zeroth
     out, lse, col, *extra = kernel(
@@ -185,7 +190,8 @@ def decode_attention_with_scores(
             [B, Hk, K, K]; with ``layer``, also every layer's [L, ...], read at ``layer``) or
             None. The kernels read them in place and form the correction's terms
             (``reference.correction_terms``), unless the keys are stored rotated.
-        zeroth: the zeroth-order correction (estimate v̄ only).
+        zeroth: the zeroth-order correction (estimate v̄ only; vk_sum is not read, and may be of
+            any shape: a zeroth-order cache keeps none).
         layer: an int32 scalar, the layer of stacked k, v (and of stacked moments) to attend
             over. The kernels read it in place (codes and scales alike); the XLA reference slices
             it out.
@@ -206,8 +212,14 @@ def decode_attention_with_scores(
     layer_shape = one_layer(k, v, layer)
     check_shapes(q, layer_shape, layer_shape, slot_pos, query_pos, query_weights)
     n_layers = None if layer is None else k.shape[0]
-    _check_moments("moments", moments, layer_shape, n_layers)
-    _check_moments("residuals", residuals and residuals[0], layer_shape, n_layers)
+    _check_moments("moments", moments, layer_shape, n_layers, zeroth)
+    _check_moments(
+        "residuals",
+        residuals and residuals[0],
+        layer_shape,
+        n_layers,
+        bool(residuals and residuals[1]),
+    )
     r_moments, r_zeroth = residuals or (None, False)
     # the same statistics for the residual norms and the correction: passed once
     shared = r_moments is not None and moments is not None and _same(r_moments, moments)

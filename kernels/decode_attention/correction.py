@@ -12,7 +12,7 @@ from kvjax.kernels.decode_attention.reference import CLAMP
 
 def head_terms(q, count, k_sum, v_sum, vk_sum, zeroth: bool, dot):
     """(log_mass [R, 1], estimate [R, K]) of query rows q [R, K] float32 under one head's
-    statistics count [1, 1], k_sum, v_sum [1, K] and vk_sum [K, K] (float32), as
+    statistics count [1, 1], k_sum, v_sum [1, K] and vk_sum [K, K] (float32; None if zeroth), as
     ``reference.correction_terms``; dot(a, b) is a · bᵀ on the platform's matrix unit."""
     K = q.shape[1]
     n = jnp.maximum(count, 1.0)

@@ -56,6 +56,7 @@ from kvjax.kernels.decode_attention.reference import (
     check_fusable,
 )
 from kvjax.kernels.moment_residuals.gpu import stat_inputs, tile_norms
+from kvjax.kernels.moment_residuals.tiles import head_stats
 
 
 def _heads(layer_ref) -> tuple:
@@ -70,17 +71,19 @@ def _softmax_kernel(
     correction_zeroth: bool | None,
     shared: bool,
     stats_layers: tuple[bool, ...],
+    stats_sizes: tuple[int, ...],
     **kwargs,
 ):
     """``gpu_common.softmax_kernel`` over this program's head of the stacked k, v refs. Unless
     zeroth is None, the refs after the query positions' start with MomentKV statistics, and the
     last output takes the residual norms of the tiles the softmax reads; unless correction_zeroth
-    is None, the next four refs are the correction's statistics (unless ``shared``: the same
-    ones), and the split 0 of each head writes its terms into the two outputs after those
-    (``correction.head_terms``). ``stats_layers``: per set of statistics given, whether they are
-    every layer's (read at the layer) or one layer's."""
-    n_norms, n_terms = (0 if z is None else 4 for z in (zeroth, correction_zeroth))
-    n_terms *= not shared
+    is None, the next refs are the correction's statistics (unless ``shared``: the same ones), and
+    the split 0 of each head writes its terms into the two outputs after those
+    (``correction.head_terms``). ``stats_layers`` and ``stats_sizes``: per set of statistics
+    given, whether they are every layer's (read at the layer) or one layer's, and their number
+    of refs (3 without Σ v kᵀ)."""
+    n_norms = 0 if zeroth is None else stats_sizes[0]
+    n_terms = 0 if correction_zeroth is None or shared else stats_sizes[-1]
     inputs, outputs = refs[:5], list(refs[5 + n_norms + n_terms :])
     norm_stats = refs[5 : 5 + n_norms]
     term_stats = norm_stats if shared else refs[5 + n_norms : 5 + n_norms + n_terms]
@@ -92,7 +95,7 @@ def _softmax_kernel(
 
         @pl.when(pl.program_id(2) == 0)
         def _terms():
-            count, k_sum, v_sum, vk_sum = (ref[stat_heads[-1]] for ref in term_stats)
+            count, k_sum, v_sum, vk_sum = head_stats(term_stats, lambda r: r[stat_heads[-1]])
             mass_ref[...], estimate_ref[...] = head_terms(
                 inputs[0][...].astype(jnp.float32),
                 count[:, None],
@@ -167,7 +170,8 @@ def decode_attention_gpu(
     k, v are [L, B, Hk, S, K] and layer ``layer`` is read. block_k is rounded up to a power of two
     ≥ 16; splits (default ``gpu_common.decode_splits``, at most the key tiles) is the number of
     cache splits of the softmax pass. MomentKV's statistics (count, k_sum, v_sum, vk_sum: one
-    layer's, or with ``layer`` every layer's [L, ...], read in place at it):
+    layer's, or with ``layer`` every layer's [L, ...], read in place at it; vk_sum None where
+    only the zeroth order reads them):
 
     - ``residual_stats``: a fourth output, each slot's residual norm [B, Hk, S] under them (first
       order, or ``zeroth``), as ``moment_residual_norms``, from the tiles the softmax pass reads;
@@ -182,7 +186,8 @@ def decode_attention_gpu(
     shared = fused and correction_stats is residual_stats  # passed once, read by both
     given = [x for x in (residual_stats, None if shared else correction_stats) if x is not None]
     stats_stacked = [every_layer(x[0]) for x in given]
-    stats = tuple(x for g in given for x in stat_inputs(*g))
+    stats_given = [stat_inputs(*g) for g in given]
+    stats = tuple(x for g in stats_given for x in g)
     k, v, layer, shape = stacked_layer(k, v, layer)
     B, _, H, Hk, S, K = check_shapes(q, shape, shape, slot_pos, query_pos, query_weights)
     G = H // Hk
@@ -238,6 +243,7 @@ def decode_attention_gpu(
             correction_zeroth=correction_zeroth if corrected else None,
             shared=shared,
             stats_layers=tuple(stats_stacked),
+            stats_sizes=tuple(len(g) for g in stats_given),
             # the padding rows' partial outputs are read by the scores pass only
             o_rows=G if query_weights is None or logits_out else None,
         ),

@@ -53,6 +53,7 @@ from kvjax.kernels.decode_attention.reference import (
     check_decode,
     check_fusable,
 )
+from kvjax.kernels.moment_residuals.tiles import head_stats
 from kvjax.kernels.moment_residuals.tpu import stat_inputs, stat_specs, tile_norms
 
 
@@ -72,14 +73,16 @@ def _decode_kernel(
     zeroth: bool | None,
     correction_zeroth: bool | None,
     shared: bool,
+    stats_sizes: tuple[int, ...],
 ):
     """Unless zeroth is None, the refs after the slot positions' start with one head's MomentKV
     statistics, and the outputs after the scores take the residual norms of the tiles phase 0
-    reads; unless correction_zeroth is None, the next four refs are the correction's statistics
-    (unless ``shared``: the same ones), and the last two outputs take its terms
-    (``correction.head_terms``), written at the first step."""
-    n_norms, n_terms = (0 if z is None else 4 for z in (zeroth, correction_zeroth))
-    n_terms *= not shared
+    reads; unless correction_zeroth is None, the next refs are the correction's statistics (unless
+    ``shared``: the same ones), and the last two outputs take its terms (``correction.head_terms``),
+    written at the first step. ``stats_sizes``: per set of statistics given, its number of refs
+    (3 without Σ v kᵀ)."""
+    n_norms = 0 if zeroth is None else stats_sizes[0]
+    n_terms = 0 if correction_zeroth is None or shared else stats_sizes[-1]
     norm_stats = refs[:n_norms]
     term_stats = norm_stats if shared else refs[n_norms : n_norms + n_terms]
     o_ref, stats_ref, *outs, m_sc, l_sc, acc_sc = refs[n_norms + n_terms :]
@@ -94,7 +97,7 @@ def _decode_kernel(
         def _terms():
             mass_ref[...], estimate_ref[...] = head_terms(
                 q_ref[...].astype(jnp.float32),
-                *(ref[...] for ref in term_stats),
+                *head_stats(term_stats, lambda ref: ref[...]),
                 correction_zeroth,
                 common.full_dot,
             )
@@ -156,7 +159,8 @@ def decode_attention_tpu(
     lse [B, 1, H], col [B, Hk, G, S] or None), as ``reference.decode_attention_with_scores`` without
     moments; with ``layer`` (an int32 scalar), k, v are [L, B, Hk, S, K] and layer ``layer`` is
     read. block_k is rounded up to a multiple of 128. MomentKV's statistics (count, k_sum, v_sum,
-    vk_sum: one layer's, or with ``layer`` every layer's [L, ...], tiled at it as k and v are), as
+    vk_sum: one layer's, or with ``layer`` every layer's [L, ...], tiled at it as k and v are;
+    vk_sum None where only the zeroth order reads them), as
     ``gpu.decode_attention_gpu`` takes them: ``residual_stats`` adds the residual norms
     [B, Hk, S] from the tiles phase 0 reads, ``correction_stats`` the correction's terms."""
     check_score(score)
@@ -165,7 +169,8 @@ def decode_attention_tpu(
     shared = fused and correction_stats is residual_stats  # passed once, read by both
     given = [x for x in (residual_stats, None if shared else correction_stats) if x is not None]
     stats_stacked = [every_layer(x[0]) for x in given]
-    stats = tuple(x for g in given for x in stat_inputs(*g))
+    stats_given = [stat_inputs(*g) for g in given]
+    stats = tuple(x for g in stats_given for x in g)
     k, v, layer, shape = stacked_layer(k, v, layer)
     B, _, H, Hk, S, K = check_shapes(q, shape, shape, slot_pos, query_pos, query_weights)
     G = H // Hk
@@ -231,6 +236,7 @@ def decode_attention_tpu(
             zeroth=zeroth if fused else None,
             correction_zeroth=correction_zeroth if corrected else None,
             shared=shared,
+            stats_sizes=tuple(len(g) for g in stats_given),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
@@ -240,7 +246,11 @@ def decode_attention_tpu(
                 k_spec,
                 v_spec,
                 pl.BlockSpec((None, None, 1, bk), lambda b, h, p, j, *_: (b, h, 0, j)),
-                *(spec for at_layer in stats_stacked for spec in stat_specs(K, at_layer)),
+                *(
+                    spec
+                    for at_layer, g in zip(stats_stacked, stats_given, strict=True)
+                    for spec in stat_specs(K, len(g) == 3, at_layer)
+                ),
             ],
             out_specs=out_specs,
             scratch_shapes=common.softmax_scratch(gp, K),

@@ -10,7 +10,7 @@ import functools
 from kvjax.kernels._shared import check_impl
 from kvjax.kernels.block_attention.api import by_platform
 from kvjax.kernels.moment_residuals import gpu, reference, tpu
-from kvjax.kernels.moment_residuals.tiles import check_inputs
+from kvjax.kernels.moment_residuals.tiles import check_inputs, stats_read
 from kvjax.kernels.quantized import ROTATED, Quantized, values
 
 
@@ -38,15 +38,15 @@ def moment_residual_norms(
             or ``Quantized`` of one kind, read as their values in the model's dtype, then float32.
         moments: one layer's statistics (count [B, Hk], k_sum, v_sum [B, Hk, K], vk_sum
             [B, Hk, K, K], float32), e.g. ``kvjax.eviction.moments.Moments``.
-        zeroth: the zeroth-order residual v_j − v̄.
+        zeroth: the zeroth-order residual v_j − v̄ (vk_sum is not read: it may be of any shape).
         layer: an int32 scalar, the layer of stacked k, v; the kernels read it in place.
         impl / interpret / block_k: as ``block_attention_with_scores``.
 
     Returns [B, Hk, S] float32.
     """
     check_impl(impl)
-    stats = (moments.count, moments.k_sum, moments.v_sum, moments.vk_sum)
-    check_inputs(k, v, *stats, layer)  # the shapes, before any branch traces
+    stats = stats_read(moments, zeroth)
+    check_inputs(k, v, *stats, layer, zeroth)  # the shapes, before any branch traces
     args = (k, v, *stats, layer)
     xla = functools.partial(_reference, zeroth=zeroth)
     if isinstance(k, Quantized) and k.kind in ROTATED:

@@ -22,6 +22,7 @@ from kvjax.kernels._shared import kv_spec, round_up
 from kvjax.kernels.moment_residuals.tiles import (
     check_inputs,
     check_unrotated,
+    head_stats,
     read_dtype,
     residuals,
 )
@@ -30,11 +31,12 @@ from kvjax.kernels.moment_residuals.tiles import (
 def tile_norms(k_ref, v_ref, stat_refs, first, n_slots, zeroth: bool, dtype):
     """‖r_j‖ [1, bk] of the key and value tiles k_ref, v_ref [bk, K] (refs, or ``Quantized`` of
     refs, read in ``dtype``, then float32) from slot ``first`` on, under one head's statistics
-    (count [1, 1], k_sum, v_sum [1, K], vk_sum [K, K] refs): the rows past ``n_slots`` zeroed.
-    The decode attention kernel calls it on the tiles its softmax pass holds."""
+    (count [1, 1], k_sum, v_sum [1, K] and, unless zeroth, vk_sum [K, K] refs): the rows past
+    ``n_slots`` zeroed. The decode attention kernel calls it on the tiles its softmax pass
+    holds."""
     k = common.load(k_ref, dtype).astype(jnp.float32)
     v = common.load(v_ref, dtype).astype(jnp.float32)
-    stats = [ref[...] for ref in stat_refs]
+    stats = head_stats(stat_refs, lambda ref: ref[...])
     r = common.real_rows(residuals(k, v, *stats, zeroth, common.full_dot), first, n_slots)
     return jnp.sqrt(common.row_sums(r * r))
 
@@ -43,27 +45,22 @@ def _kernel(
     layer_ref,
     k_ref,
     v_ref,
-    count_ref,
-    k_sum_ref,
-    v_sum_ref,
-    vk_sum_ref,
-    out_ref,
-    *,
+    *refs,
     n_slots: int,
     block_k: int,
     zeroth: bool,
     dtype,
 ):
     del layer_ref  # read by the index maps
-    stat_refs = (count_ref, k_sum_ref, v_sum_ref, vk_sum_ref)
+    *stat_refs, out_ref = refs
     first = pl.program_id(2) * block_k
     out_ref[...] = tile_norms(k_ref, v_ref, stat_refs, first, n_slots, zeroth, dtype)
 
 
-def stat_specs(head_dim: int, stacked: bool = False):
-    """The BlockSpecs of one head's statistics (``stat_inputs``) in a grid whose first two axes
-    are the row and the KV head; ``stacked``: of every layer's ([L, ...]), read at the layer that
-    the last scalar-prefetch ref holds."""
+def stat_specs(head_dim: int, zeroth: bool, stacked: bool = False):
+    """The BlockSpecs of one head's statistics (``stat_inputs``; no vk_sum if zeroth) in a grid
+    whose first two axes are the row and the KV head; ``stacked``: of every layer's ([L, ...]),
+    read at the layer that the last scalar-prefetch ref holds."""
     K = head_dim
 
     def spec(block):
@@ -73,14 +70,15 @@ def stat_specs(head_dim: int, stacked: bool = False):
             return pl.BlockSpec((None, None, None, *block), index)
         return pl.BlockSpec((None, None, *block), lambda b, h, *_: (b, h) + zeros)
 
-    return [spec(block) for block in ((1, 1), (1, K), (1, K), (K, K))]
+    return [spec(block) for block in ((1, 1), (1, K), (1, K), (K, K))[: 3 if zeroth else 4]]
 
 
 def stat_inputs(count, k_sum, v_sum, vk_sum) -> tuple:
     """The statistics as the kernels take them: count [..., B, Hk, 1, 1] float32, k_sum, v_sum
-    [..., B, Hk, 1, K], vk_sum [..., B, Hk, K, K]."""
+    [..., B, Hk, 1, K] and vk_sum [..., B, Hk, K, K] (none if None: the zeroth order)."""
     f32 = jnp.float32
-    return count.astype(f32)[..., None, None], k_sum[..., None, :], v_sum[..., None, :], vk_sum
+    outer = () if vk_sum is None else (vk_sum,)
+    return count.astype(f32)[..., None, None], k_sum[..., None, :], v_sum[..., None, :], *outer
 
 
 def moment_residual_norms_tpu(
@@ -97,9 +95,10 @@ def moment_residual_norms_tpu(
     interpret=False,
 ):
     """‖r_j‖ [B, Hk, S] float32, as ``reference.residual_norms`` of k, v (arrays, or ``Quantized``
-    whose kind is not rotated) read in their model dtype; with ``layer`` (an int32 scalar), k, v
-    are [L, B, Hk, S, K] and layer ``layer`` is read. block_k is rounded up to a multiple of 128."""
-    k, v, layer, (B, Hk, S, K) = check_inputs(k, v, count, k_sum, v_sum, vk_sum, layer)
+    whose kind is not rotated) read in their model dtype (vk_sum None for the zeroth order); with
+    ``layer`` (an int32 scalar), k, v are [L, B, Hk, S, K] and layer ``layer`` is read. block_k
+    is rounded up to a multiple of 128."""
+    k, v, layer, (B, Hk, S, K) = check_inputs(k, v, count, k_sum, v_sum, vk_sum, layer, zeroth)
     common.check_head_dim(K)
     check_unrotated(k)
     bk = min(S, round_up(block_k or common.DEFAULT_BLOCK_K, common.LANES))
@@ -115,7 +114,7 @@ def moment_residual_norms_tpu(
             in_specs=[
                 kv_spec(k, tile, lambda b, h, j, layer: (layer[0], b, h, j, 0)),
                 kv_spec(v, tile, lambda b, h, j, layer: (layer[0], b, h, j, 0)),
-                *stat_specs(K),
+                *stat_specs(K, zeroth),
             ],
             out_specs=pl.BlockSpec((None, None, 1, bk), lambda b, h, j, *_: (b, h, 0, j)),
         ),

@@ -71,11 +71,11 @@ class BudgetCache(SlotsView):
         batch: int,
         slots: int,
         dtype,
-        moment_dim: int,
+        moment_dims: tuple[int, int],
         kv_dtype: str | None = None,
     ) -> BudgetCache:
-        """Empty; ``moment_dim``: the K of its ``Moments`` (``Policy.moment_dim``); keys and values
-        in ``dtype``, or quantized as ``kv_dtype`` says."""
+        """Empty; ``moment_dims``: its ``Moments``' (``Policy.moment_dims``); keys and values in
+        ``dtype``, or quantized as ``kv_dtype`` says."""
         L, Hk, K = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         f32 = jnp.float32
         return cls(
@@ -84,7 +84,7 @@ class BudgetCache(SlotsView):
             pos=jnp.full((L, batch, Hk, slots), -1, jnp.int32),
             state=jnp.zeros((L, batch, Hk, cfg.group_size, slots), f32),
             order=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (L, batch, Hk, slots)),
-            moments=Moments.zeros((L, batch, Hk), moment_dim),
+            moments=Moments.zeros((L, batch, Hk), moment_dims),
         )
 
     @property

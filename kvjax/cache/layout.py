@@ -71,7 +71,7 @@ class Dense:
 
     def empty(self, cfg, policy, batch: int, spare: int, dtype, kv_dtype=None) -> BudgetCache:
         return BudgetCache.init(
-            cfg, batch, policy.budget + spare, dtype, policy.moment_dim(cfg.head_dim), kv_dtype
+            cfg, batch, policy.budget + spare, dtype, policy.moment_dims(cfg.head_dim), kv_dtype
         )
 
     def fit(self, cache: BudgetCache, cfg, policy, spare: int) -> BudgetCache:
@@ -96,7 +96,7 @@ class Dense:
             pos=pos,
             state=filled_token_state(policy.scorer, state, pos, v),
             order=order,
-            moments=Moments.zeros((L, B, Hk), policy.moment_dim(K)),
+            moments=Moments.zeros((L, B, Hk), policy.moment_dims(K)),
             stats=stats,
         )
         return full.evict(policy, seen)
@@ -125,7 +125,7 @@ class Paged:
             self.page_size,
             n_pool,
             dtype,
-            policy.moment_dim(cfg.head_dim),
+            policy.moment_dims(cfg.head_dim),
             spare,
             kv_dtype,
         )
@@ -134,9 +134,9 @@ class Paged:
         return cache.resize(*self.geometry(cfg, policy, spare), spare)
 
     def compress(self, policy, k, v, pos, state, stats, seen, head_budgets=None) -> PagedCache:
-        moment_dim = policy.moment_dim(k.shape[-1])
+        moment_dims = policy.moment_dims(k.shape[-1])
         state = filled_token_state(policy.scorer, state, pos, v)
-        full = PagedCache.from_dense(k, v, pos, state, self.page_size, moment_dim)
+        full = PagedCache.from_dense(k, v, pos, state, self.page_size, moment_dims)
         full = full.replace(stats=stats)
         # a head may lose every token of the prompt
         return full.evict(policy, seen, max_evict=k.shape[3], head_budgets=head_budgets)

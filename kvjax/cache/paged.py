@@ -111,13 +111,13 @@ class PagedCache(SlotsView):
         page_size: int,
         n_pool: int,
         dtype,
-        moment_dim: int,
+        moment_dims: tuple[int, int],
         spare: int,
         kv_dtype: str | None = None,
     ) -> PagedCache:
         """Empty, with room for a head's capacity plus ``spare`` new tokens between eviction points
-        (``pages_per_head`` pages); ``moment_dim``: the K of its ``Moments``
-        (``Policy.moment_dim``); keys and values in ``dtype``, or quantized as ``kv_dtype`` says."""
+        (``pages_per_head`` pages); ``moment_dims``: its ``Moments``' (``Policy.moment_dims``);
+        keys and values in ``dtype``, or quantized as ``kv_dtype`` says."""
         L, Hk, K, M, P = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, pages_per_head, page_size
         C = M * P
         return cls(
@@ -129,7 +129,7 @@ class PagedCache(SlotsView):
             pos=jnp.full((L, batch, Hk, C), -1, jnp.int32),
             state=jnp.zeros((L, batch, Hk, cfg.group_size, C), jnp.float32),
             order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (L, batch, Hk, C)),
-            moments=Moments.zeros((L, batch, Hk), moment_dim),
+            moments=Moments.zeros((L, batch, Hk), moment_dims),
             n_layers=L,
             spare=spare,
         )
@@ -142,7 +142,7 @@ class PagedCache(SlotsView):
         pos: jax.Array,
         state: jax.Array,
         page_size: int,
-        moment_dim: int,
+        moment_dims: tuple[int, int],
     ) -> PagedCache:
         """The paged copy of a full cache. Head (l, h) gets the pages (l·Hk + h)·M … of its row's
         pool (M = ⌈S / P⌉); those past its tokens are free. Its ``spare`` is S: a head may lose
@@ -152,7 +152,7 @@ class PagedCache(SlotsView):
             k, v: [L, B, Hk, S, K] (arrays or ``Quantized``).
             pos: [L, B, Hk, S] with each head's valid tokens in slots 0 … n−1 in position order.
             state: [L, B, Hk, G, S].
-            moment_dim: the K of its (empty) ``Moments``.
+            moment_dims: its (empty) ``Moments``' (``Policy.moment_dims``).
         """
         L, B, Hk, S, _ = k.shape
         P = page_size
@@ -183,7 +183,7 @@ class PagedCache(SlotsView):
             pos=pos,
             state=jnp.pad(state, [(0, 0)] * 4 + [(0, C - S)]),
             order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), pos.shape),
-            moments=Moments.zeros((L, B, Hk), moment_dim),
+            moments=Moments.zeros((L, B, Hk), moment_dims),
             n_layers=L,
             spare=S,
         )

@@ -23,7 +23,7 @@ from kvjax.slots import max_slots
 class Moments:
     """Statistics of the evicted tokens per (layer, row, KV head), float32. Only MomentKV reads the
     sums; under every other scorer they have K = 0 (no memory, no updates) and only the count is
-    kept.
+    kept, and its zeroth order reads no Σ v kᵀ (K = 0 there alone).
 
     Fields:
         count: [L, B, Hk].
@@ -44,16 +44,22 @@ class Moments:
     )
 
     @classmethod
-    def zeros(cls, lead: tuple[int, ...], head_dim: int) -> Moments:
-        """Empty statistics for the leading axes ``lead`` (e.g. (L, B, Hk)); head_dim 0: the
-        count alone."""
+    def zeros(cls, lead: tuple[int, ...], dims: tuple[int, int]) -> Moments:
+        """Empty statistics for the leading axes ``lead`` (e.g. (L, B, Hk)); dims: the K of the
+        sums and the K of Σ v kᵀ (``Modifier.moments_dims``), (0, 0) for the count alone."""
         f32 = jnp.float32
+        K, K_outer = dims
         return cls(
             count=jnp.zeros(lead, f32),
-            k_sum=jnp.zeros(lead + (head_dim,), f32),
-            v_sum=jnp.zeros(lead + (head_dim,), f32),
-            vk_sum=jnp.zeros(lead + (head_dim, head_dim), f32),
+            k_sum=jnp.zeros(lead + (K,), f32),
+            v_sum=jnp.zeros(lead + (K,), f32),
+            vk_sum=jnp.zeros(lead + (K_outer, K_outer), f32),
         )
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """The K of the sums and the K of Σ v kᵀ, as ``zeros`` takes them."""
+        return self.k_sum.shape[-1], self.vk_sum.shape[-1]
 
     @property
     def every_layer(self) -> bool:
@@ -74,7 +80,7 @@ class Moments:
         """Add tokens k, v [B, Hk, E, K] with 0/1 weight [B, Hk, E] to one layer's statistics, or,
         these being every layer's, to layer ``layer``'s (a scatter-add, in place: written back
         whole, a layer's [B, Hk, K, K] sums were copied out of the stack first on CUDA); without
-        sums, only their count (XLA then drops whatever computed k and v)."""
+        sums, only their count (XLA then drops whatever computed k and v); Σ v kᵀ where kept."""
 
         if self.every_layer and layer is None:
             raise ValueError("layer: adding to every layer's moments needs the layer's index")
@@ -86,11 +92,16 @@ class Moments:
         if not self.summed:
             return self.replace(count=count)
         k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        outer = self.vk_sum.shape[-1] > 0
         return Moments(
             count=count,
             k_sum=plus(self.k_sum, jnp.einsum("bhe,bhek->bhk", weight, k)),
             v_sum=plus(self.v_sum, jnp.einsum("bhe,bhek->bhk", weight, v)),
-            vk_sum=plus(self.vk_sum, jnp.einsum("bhe,bhei,bhej->bhij", weight, v, k)),
+            vk_sum=(
+                plus(self.vk_sum, jnp.einsum("bhe,bhei,bhej->bhij", weight, v, k))
+                if outer
+                else self.vk_sum
+            ),
         )
 
 
@@ -106,9 +117,31 @@ TIE = 1e-6  # relative: exact scores this close are a tie (a few float32 ulps)
 def over_layers(fn, xs, max_evict: int):
     """``fn`` over the leading (layer) axis of the pytree ``xs``: every layer at once (vmap), or,
     when more than ``LONG_LOOP`` evictions run, ``LAYER_CHUNK`` layers at a time, so that a chunk's
-    keys and values stay in the CPU's cache through the loop's steps."""
-    return (
-        jax.lax.map(fn, xs, batch_size=LAYER_CHUNK) if max_evict > LONG_LOOP else jax.vmap(fn)(xs)
+    keys and values stay in the CPU's cache through the loop's steps. ``lax.map``'s chunks reshape
+    every leaf, which leaves of size 0 (a zeroth-order cache's Σ v kᵀ) cannot be: those go around
+    it, in and out."""
+    if max_evict <= LONG_LOOP:
+        return jax.vmap(fn)(xs)
+    layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
+    out = jax.eval_shape(fn, layer)
+    ys = jax.lax.map(
+        lambda full: _nonempty(fn(_filled(full, layer, ()))), _nonempty(xs), batch_size=LAYER_CHUNK
+    )
+    return _filled(ys, out, jax.tree.leaves(xs)[0].shape[:1])
+
+
+def _nonempty(tree) -> list:
+    """The leaves of ``tree`` that hold elements."""
+    return [x for x in jax.tree.leaves(tree) if x.size]
+
+
+def _filled(full: list, like, lead: tuple):
+    """The pytree of ``like``'s structure whose leaves are ``full``'s, in order, with zeros of
+    shape ``lead`` + shape where ``like``'s leaves are of size 0."""
+    rest = iter(full)
+    leaves, tree = jax.tree.flatten(like)
+    return tree.unflatten(
+        [next(rest) if x.size else jnp.zeros(lead + x.shape, x.dtype) for x in leaves]
     )
 
 
@@ -225,7 +258,6 @@ def moment_informed_eviction(
     def mean(count, v_sum):
         return v_sum / jnp.maximum(count, 1.0)[..., None]
 
-    sk = jnp.einsum("bhij,bhsj->bhsi", moments.vk_sum, kf)  # S k_j, once
     vv = jnp.einsum("bhsk,bhsk->bhs", vf, vf)  # ‖v_j‖²
     init = dict(
         evicted=jnp.zeros(priority.shape, bool),
@@ -233,14 +265,18 @@ def moment_informed_eviction(
         count=moments.count,
         k_sum=moments.k_sum,
         v_sum=moments.v_sum,
-        S=moments.vk_sum,
         step=jnp.int32(0),
-        m=jnp.einsum("bhk,bhsk->bhs", moments.k_sum, kf),  # s_k·k_j
-        vSk=jnp.einsum("bhsk,bhsk->bhs", vf, sk),  # v_jᵀ S k_j
-        Sk2=jnp.einsum("bhsk,bhsk->bhs", sk, sk),  # ‖S k_j‖²
         sv=jnp.einsum("bhk,bhsk->bhs", moments.v_sum, vf),  # s_v·v_j
-        g=jnp.einsum("bhi,bhsi->bhs", mean(moments.count, moments.v_sum), sk),  # v̄·S k_j
     )
+    if not zeroth:  # the terms of S̃ k_j
+        sk = jnp.einsum("bhij,bhsj->bhsi", moments.vk_sum, kf)  # S k_j, once
+        init.update(
+            S=moments.vk_sum,
+            m=jnp.einsum("bhk,bhsk->bhs", moments.k_sum, kf),  # s_k·k_j
+            vSk=jnp.einsum("bhsk,bhsk->bhs", vf, sk),  # v_jᵀ S k_j
+            Sk2=jnp.einsum("bhsk,bhsk->bhs", sk, sk),  # ‖S k_j‖²
+            g=jnp.einsum("bhi,bhsi->bhs", mean(moments.count, moments.v_sum), sk),  # v̄·S k_j
+        )
 
     def screening_score(c):
         """A lower bound of priority · ‖r_j‖ from the scalars: ‖r_j‖² less ``FLOOR`` × the sum of
@@ -278,7 +314,7 @@ def moment_informed_eviction(
             c["count"],
             c["k_sum"],
             c["v_sum"],
-            c["S"],
+            c.get("S"),
             zeroth,
         )
 
@@ -296,8 +332,20 @@ def moment_informed_eviction(
         w = take.astype(f32)[..., None]
         k_e = jnp.take_along_axis(kf, chosen[..., None], axis=2)[:, :, 0] * w
         v_e = jnp.take_along_axis(vf, chosen[..., None], axis=2)[:, :, 0] * w
-        S = c["S"] + v_e[..., :, None] * k_e[..., None, :]
         count, v_sum = c["count"] + w[..., 0], c["v_sum"] + v_e
+        vd = jnp.einsum("bhsk,bhk->bhs", vf, v_e)  # v_e·v_j, the one pass over the values
+        out = dict(
+            evicted=max_slots(c["evicted"], chosen, take[..., None]),
+            done=c["done"] + take,
+            count=count,
+            k_sum=c["k_sum"] + k_e,
+            v_sum=v_sum,
+            step=c["step"] + 1,
+            sv=c["sv"] + vd,
+        )
+        if zeroth:
+            return out
+        S = c["S"] + v_e[..., :, None] * k_e[..., None, :]
         # one pass over the keys: k_e·k_j, (Sᵀ v_e)·k_j = v_e·S k_j (S before),
         # (Sᵀ v̄)·k_j = v̄·S k_j (after)
         by = jnp.stack(
@@ -309,20 +357,12 @@ def moment_informed_eviction(
             2,
         )
         kk, vSk_e, g = jnp.moveaxis(jnp.einsum("bhsk,bhxk->bhsx", kf, by), -1, 0)
-        vd = jnp.einsum("bhsk,bhk->bhs", vf, v_e)  # v_e·v_j, the one pass over the values
         ve2 = jnp.einsum("bhk,bhk->bh", v_e, v_e)[..., None]
-        return dict(
-            evicted=max_slots(c["evicted"], chosen, take[..., None]),
-            done=c["done"] + take,
-            count=count,
-            k_sum=c["k_sum"] + k_e,
-            v_sum=v_sum,
+        return out | dict(
             S=S,
-            step=c["step"] + 1,
             m=c["m"] + kk,
             vSk=c["vSk"] + vd * kk,
             Sk2=c["Sk2"] + 2.0 * kk * vSk_e + kk * kk * ve2,
-            sv=c["sv"] + vd,
             g=g,
         )
 
@@ -364,8 +404,9 @@ def _batched_eviction(
     at this width)."""
     kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
     scale = jnp.sqrt(jnp.float32(k.shape[-1]))
-    sk = jnp.einsum("bhij,bhsj->bhsi", moments.vk_sum, kf)  # S k_j
-    kk_sum = jnp.einsum("bhk,bhsk->bhs", moments.k_sum, kf)  # s_k·k_j
+    # S k_j and s_k·k_j (the zeroth order reads neither)
+    sk = None if zeroth else jnp.einsum("bhij,bhsj->bhsi", moments.vk_sum, kf)
+    kk_sum = None if zeroth else jnp.einsum("bhk,bhsk->bhs", moments.k_sum, kf)
 
     def step(t, carry):
         evicted, count, k_sum, v_sum, sk, kk_sum = carry
@@ -384,15 +425,17 @@ def _batched_eviction(
         w = (jnp.arange(chosen.shape[-1]) < take[..., None]).astype(jnp.float32)
         k_c = jnp.take_along_axis(kf, chosen[..., None], axis=2) * w[..., None]
         v_c = jnp.take_along_axis(vf, chosen[..., None], axis=2)
-        dots = jnp.einsum("bhck,bhsk->bhsc", k_c, kf)  # w_c (k_c·k_j)
         evicted = max_slots(evicted, chosen, w > 0)
+        if not zeroth:
+            dots = jnp.einsum("bhck,bhsk->bhsc", k_c, kf)  # w_c (k_c·k_j)
+            sk, kk_sum = sk + jnp.einsum("bhsc,bhck->bhsk", dots, v_c), kk_sum + dots.sum(-1)
         return (
             evicted,
             count + w.sum(-1),
             k_sum + k_c.sum(2),
             v_sum + jnp.einsum("bhc,bhck->bhk", w, v_c),
-            sk + jnp.einsum("bhsc,bhck->bhsk", dots, v_c),
-            kk_sum + dots.sum(-1),
+            sk,
+            kk_sum,
         )
 
     init = (

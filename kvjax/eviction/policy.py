@@ -99,9 +99,10 @@ class Policy:
         """An eviction point reads every slot's keys and values (not only its scores)."""
         return self.modifier_spec.reads_kv or self.scorer.reads_kv
 
-    def moment_dim(self, head_dim: int) -> int:
-        """The K of the cache's ``Moments`` (``Modifier.moments_dim``)."""
-        return self.modifier_spec.moments_dim(head_dim)
+    def moment_dims(self, head_dim: int) -> tuple[int, int]:
+        """The K of the cache's ``Moments``' sums and of their Σ v kᵀ
+        (``Modifier.moments_dims``)."""
+        return self.modifier_spec.moments_dims(head_dim)
 
     @property
     def allocation_spec(self) -> Allocation:

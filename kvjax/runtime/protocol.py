@@ -109,10 +109,15 @@ class Eviction:
     def fit(self, cache: EvictingCache, cfg, spare: int) -> EvictingCache:
         """The same cache with room for ``spare`` new tokens per head (its kept tokens must fit) and
         statistics fitted to this decoding's eviction points."""
-        if self.policy.moment_dim(cfg.head_dim) and not cache.moments.summed:
+        needs, has = self.policy.moment_dims(cfg.head_dim), cache.moments.dims
+        if any(n and not h for n, h in zip(needs, has, strict=True)):
             raise ValueError(
                 f"scorer={self.policy.name!r} reads the moments of the evicted tokens, and this "
-                "cache (filled under a scorer other than MomentKV) keeps only their count"
+                + (
+                    "cache (filled under a scorer other than MomentKV) keeps only their count"
+                    if not has[0]
+                    else "cache (filled under MomentKV's zeroth order) keeps no Σ v kᵀ"
+                )
             )
         cache = self.layout.fit(cache, cfg, self.policy, spare)
         return cache.replace(stats=self.policy.scorer.fit_stats(cache.stats, self.decode_evict))

@@ -39,10 +39,10 @@ class Modifier:
         few layers at a time, and the dense cache each layer in its own step of the layer scan."""
         return False
 
-    def moments_dim(self, head_dim: int) -> int:
-        """The K of the cache's ``Moments``: head_dim where it reads their sums, else 0 (the count
-        alone)."""
-        return 0
+    def moments_dims(self, head_dim: int) -> tuple[int, int]:
+        """The K of the cache's ``Moments``' sums and of their Σ v kᵀ: head_dim where it reads
+        them, else 0 ((0, 0): the count alone)."""
+        return 0, 0
 
     def check(self, name: str, keywords: dict) -> None:
         """A ValueError for the resolved eviction keywords (``Policy``'s) that it cannot take;

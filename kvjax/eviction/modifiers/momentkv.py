@@ -37,8 +37,8 @@ class MomentKV(Modifier):
     def sequential_choice(self) -> bool:
         return self.mi
 
-    def moments_dim(self, head_dim: int) -> int:
-        return head_dim
+    def moments_dims(self, head_dim: int) -> tuple[int, int]:
+        return head_dim, 0 if self.zeroth else head_dim
 
     def check(self, name: str, keywords: dict) -> None:
         if self.mi and keywords["aggregate"] == "layer":
