@@ -446,22 +446,33 @@ class PagedCache(SlotsView):
         weight = jnp.take_along_axis(dropped, first_dropped, -1).astype(jnp.float32)
         k_out, v_out = self._rows(first_dropped)
         moments = jax.vmap(Moments.add)(self.moments, weight, k_out, v_out)
-        return self._compact(p, keep, moments, max_evict, reset)
+        return self._compact(p, keep, first_dropped, moments, max_evict, reset)
 
     def _compact(
-        self, p: Policy, keep: jax.Array, moments: Moments, max_moves: int, reset: bool = True
+        self,
+        p: Policy,
+        keep: jax.Array,
+        dropped: jax.Array,
+        moments: Moments,
+        max_moves: int,
+        reset: bool = True,
     ) -> PagedCache:
         """Lay every head's ``keep`` [L, B, Hk, C] slots out in logical slots 0 … n−1 (the kept ones
-        above n move into the holes below it) and free the pages past ⌈n / P⌉; ``reset`` as in
-        ``evict``."""
+        above n move into the holes below it) and free the pages past ⌈n / P⌉; ``dropped``
+        [L, B, Hk, E]: the dropped slots ascending (``true_first``), at most E = ``max_moves`` of
+        them; ``reset`` as in ``evict``.
+
+        A head's tokens were in slots 0 … m−1 (``attend`` appends), so of the m − n ≤ E dropped,
+        the holes are the first ones (those below n), and the tails, as many, lie in the E slots
+        from n: neither list needs a pass over the C slots."""
         L, B, Hk, C = self.pos.shape
         P, N = self.page_size, self.free.shape[1]
         slot = jnp.arange(C)
         n = keep.sum(-1)  # [L, B, Hk]
-        hole = ~keep & (slot < n[..., None])
-        tail = keep & (slot >= n[..., None])
-        holes = true_first(hole, max_moves)  # [L, B, Hk, E] ascending
-        tails = true_first(tail, max_moves)
+        window = n[..., None] + jnp.arange(max_moves)  # [L, B, Hk, E]
+        tail = jnp.take_along_axis(keep, jnp.minimum(window, C - 1), -1) & (window < C)
+        holes = dropped  # ascending: the first ``tail.sum(-1)`` of them are below n
+        tails = jnp.take_along_axis(window, true_first(tail), -1)  # [L, B, Hk, E] ascending
         moving = jnp.arange(max_moves) < tail.sum(-1)[..., None]
         page_of = lambda s: jnp.take_along_axis(self.table, s // P, -1)  # noqa: E731
         # out of range, each its own page number (so every update is unique): dropped
