@@ -196,7 +196,9 @@ def plot(samples, found: dict, budgets, path: str) -> None:
         ax.set(xticks=budgets, xticklabels=budgets)
     axes[0].set_ylabel("right answers %")
     axes[-1].legend(fontsize=7)
-    fig.suptitle("sentence-number NIAH on licenses prose, 2K tokens, SmolLM2-135M, equal memory")
+    fig.suptitle(
+        "sentence-number NIAH on licenses prose, 2K tokens, SmolLM2-135M, equal memory", wrap=True
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
