@@ -143,12 +143,13 @@ FEW_FIRST = 16
 def true_first(mask: jax.Array, k: int | None = None) -> jax.Array:
     """[..., k] indices of mask [..., N]'s True entries ascending, then of its False ones ascending:
     the first ``k`` (default N) of ``jnp.argsort(~mask, stable=True)``, by a cumulative sum and a
-    scatter instead of a sort; up to ``FEW_FIRST`` of them (a decoding step's dropped slots, holes
-    and tails) by one ``jax.lax.top_k`` over N − index where True and 0 where False (its ties go to
-    the lower index), which writes no [..., N] index array for a scatter."""
+    scatter instead of a sort; up to ``FEW_FIRST`` of them out of more (a decoding step's dropped
+    slots) by one ``jax.lax.top_k`` over N − index where True and 0 where False (its ties go to the
+    lower index), which writes no [..., N] index array for a scatter (all N of them would be a
+    sort)."""
     N = mask.shape[-1]
     k = N if k is None else k
-    if k <= FEW_FIRST:
+    if k <= FEW_FIRST and k < N:
         index = jnp.arange(N, dtype=jnp.float32)  # exact below 2**24
         first = jax.lax.top_k(jnp.where(mask, N - index, 0.0), k)[1]
         # fused into its users, the cut made XLA:CPU sort whole rows (docs/performance.md)

@@ -353,9 +353,9 @@ def test_a_decoding_steps_drop_per_head_equals_the_sorted_ranking(kind):
 
 @pytest.mark.parametrize("shape", [(1,), (7,), (3, 33), (2, 2, 3, 40)])
 def test_sort_free_partitions_equal_numpys_sorts(shape):
-    """The paged cache's bookkeeping without sorts: ``true_first`` (free pages, dropped slots, holes
-    and tails) and ``inverse_permutation`` (ranks) against NumPy's stable argsort, at every density
-    and cut."""
+    """The paged cache's bookkeeping without sorts: ``true_first`` (free pages, dropped slots, the
+    tails among a few slots) and ``inverse_permutation`` (ranks) against NumPy's stable argsort, at
+    every density and cut."""
     rng = np.random.default_rng(len(shape))
     for density in (0.0, 0.2, 0.5, 0.9, 1.0):
         mask = rng.random(shape) < density
