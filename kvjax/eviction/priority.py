@@ -17,15 +17,19 @@ from kvjax.kernels.eviction_place.reference import AGGREGATES as AGGREGATES
 from kvjax.kernels.eviction_place.reference import POOLS as POOLS
 from kvjax.kernels.eviction_place.reference import aggregate as aggregate
 from kvjax.kernels.eviction_place.reference import pool_by_position
-from kvjax.slots import inverse_permutation
+from kvjax.slots import inverse_permutation, set_slots
 
 
 def pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.Array) -> jax.Array:
     """1-D pooling of x [B, Hk, ..., S] along positions, among the ``present`` [B, Hk, S] slots
     (``pool_by_position`` in the order of ``order`` [B, Hk, S], the slots by position, and back).
     Absent entries of x are returned unchanged."""
-    extra = x.ndim - 3
-    by_pos = order.reshape(order.shape[:2] + (1,) * extra + order.shape[2:])
+    if x.ndim == 3:  # both listed by one gather, and scattered back (docs/performance.md)
+        xs, ps = reference.by_order(order, x, present.astype(jnp.int32))
+        pooled = jnp.where(ps > 0, pool_by_position(xs, ps > 0, kind, kernel), xs)
+        return set_slots(jnp.zeros_like(x), order, pooled, unique=True)
+    # per query head ([B, Hk, G, S]: CAOTE's), a scatter back cost more than the inverse's gather
+    by_pos = order.reshape(order.shape[:2] + (1,) * (x.ndim - 3) + order.shape[2:])
     present = jnp.broadcast_to(
         jnp.take_along_axis(present, order, -1).reshape(by_pos.shape), x.shape
     )
@@ -42,8 +46,9 @@ def _chunk_mean(
     of its chunk (positions ``c·chunk … (c+1)·chunk − 1``). A chunk's present slots lie within
     ``chunk − 1`` places of each other in position order (``order`` [B, Hk, S])."""
     S = x.shape[-1]
-    xs, ps = jnp.take_along_axis(x, order, -1), jnp.take_along_axis(present, order, -1)
-    cs = jnp.where(ps, jnp.take_along_axis(pos, order, -1) // chunk, -1)
+    xs, ps, pos = reference.by_order(order, x, present.astype(jnp.int32), pos)
+    ps = ps > 0
+    cs = jnp.where(ps, pos // chunk, -1)
     pad = [(0, 0), (0, 0), (chunk - 1, chunk - 1)]
     xp, cp = jnp.pad(jnp.where(ps, xs, 0.0), pad), jnp.pad(cs, pad, constant_values=-1)
     total, count = jnp.zeros_like(xs), jnp.zeros_like(xs)
@@ -51,8 +56,7 @@ def _chunk_mean(
         same = (cp[..., i : i + S] == cs) & ps
         total, count = total + jnp.where(same, xp[..., i : i + S], 0.0), count + same
     mean = jnp.where(ps, total / jnp.maximum(count, 1), xs)
-    rank = inverse_permutation(order)
-    return jnp.take_along_axis(mean, rank, -1)
+    return set_slots(jnp.zeros_like(x), order, mean, unique=True)
 
 
 def caote(h: jax.Array, v: jax.Array, valid: jax.Array, fast: bool) -> jax.Array:
