@@ -63,14 +63,21 @@ def protection(
 
 
 def by_order(order: jax.Array, *xs: jax.Array) -> tuple[jax.Array, ...]:
-    """Each of xs [..., S] (32-bit) listed by ``order`` [..., S], by one gather of them stacked.
+    """Each of xs [..., S] (32-bit or bool) listed by ``order`` [..., S], by one gather of them
+    stacked.
 
     A gather per array would share one index, which XLA:GPU writes out whole (every entry's
     coordinates: 16 bytes an entry, 2.15 GB a step at the 8B's batch 64 under AdaKV); a single
     gather computes its index where it reads."""
-    bits = jnp.stack([jax.lax.bitcast_convert_type(x, jnp.int32) for x in xs], -1)
-    taken = jnp.take_along_axis(bits, order[..., None], -2)
-    return tuple(jax.lax.bitcast_convert_type(taken[..., i], x.dtype) for i, x in enumerate(xs))
+
+    def bits(x):
+        return x.astype(jnp.int32) if x.dtype == bool else jax.lax.bitcast_convert_type(x, "int32")
+
+    def back(b, x):
+        return b != 0 if x.dtype == bool else jax.lax.bitcast_convert_type(b, x.dtype)
+
+    taken = jnp.take_along_axis(jnp.stack([bits(x) for x in xs], -1), order[..., None], -2)
+    return tuple(back(taken[..., i], x) for i, x in enumerate(xs))
 
 
 def keys_by_position(

@@ -25,8 +25,8 @@ def pool(x: jax.Array, present: jax.Array, kind: str, kernel: int, order: jax.Ar
     (``pool_by_position`` in the order of ``order`` [B, Hk, S], the slots by position, and back).
     Absent entries of x are returned unchanged."""
     if x.ndim == 3:  # both listed by one gather, and scattered back (docs/performance.md)
-        xs, ps = reference.by_order(order, x, present.astype(jnp.int32))
-        pooled = jnp.where(ps > 0, pool_by_position(xs, ps > 0, kind, kernel), xs)
+        xs, ps = reference.by_order(order, x, present)
+        pooled = jnp.where(ps, pool_by_position(xs, ps, kind, kernel), xs)
         return set_slots(jnp.zeros_like(x), order, pooled, unique=True)
     # per query head ([B, Hk, G, S]: CAOTE's), a scatter back cost more than the inverse's gather
     by_pos = order.reshape(order.shape[:2] + (1,) * (x.ndim - 3) + order.shape[2:])
@@ -46,8 +46,7 @@ def _chunk_mean(
     of its chunk (positions ``c·chunk … (c+1)·chunk − 1``). A chunk's present slots lie within
     ``chunk − 1`` places of each other in position order (``order`` [B, Hk, S])."""
     S = x.shape[-1]
-    xs, ps, pos = reference.by_order(order, x, present.astype(jnp.int32), pos)
-    ps = ps > 0
+    xs, ps, pos = reference.by_order(order, x, present, pos)
     cs = jnp.where(ps, pos // chunk, -1)
     pad = [(0, 0), (0, 0), (chunk - 1, chunk - 1)]
     xp, cp = jnp.pad(jnp.where(ps, xs, 0.0), pad), jnp.pad(cs, pad, constant_values=-1)
