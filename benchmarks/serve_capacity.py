@@ -2,12 +2,15 @@
 shape.
 
     .venv/bin/python benchmarks/serve_capacity.py --model random:llama-3.1-8b --dtype bfloat16 \
-        --kv-memory 60GiB --max-prompt 32768 --max-tokens 512 --out benchmarks/results/capacity.md
+        --kv-memory 60GiB --max-prompt 32768 --max-tokens 512 --prefill-rows 4 \
+        --out benchmarks/results/capacity.md
 
-Shapes only: the weights are abstract (``jax.eval_shape``) and the caches' bytes come from abstract
-shapes (``Engine.cache_bytes``), so an 8B shape runs in seconds on a CPU. ``--caches``: ``full`` or
-``SCORER:BUDGET`` (SnapKV's dense cache, AdaKV's paged one, ...), either with ``:KV_DTYPE`` (int8,
-float8_e4m3fn, int4: ``full:int8``, ``snapkv:1024:int4``).
+``--prefill-rows 4``: a budget cache's prompt rows in an engine on an accelerator (on a CPU it has
+one; the full cache has one everywhere). Shapes only: the weights are abstract (``jax.eval_shape``)
+and the caches' bytes come from abstract shapes (``Engine.cache_bytes``), so an 8B shape runs in
+seconds on a CPU. ``--caches``: ``full`` or ``SCORER:BUDGET`` (SnapKV's dense cache, AdaKV's paged
+one, ...), either with ``:KV_DTYPE`` (int8, float8_e4m3fn, int4: ``full:int8``,
+``snapkv:1024:int4``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,13 @@ def main() -> None:
             "snapkv:256",
         ],
     )
+    parser.add_argument(
+        "--prefill-rows",
+        type=int,
+        help="the budget caches' prompt rows (Engine's prefill_rows; default the engine's on this "
+        "machine: 4 on an accelerator, 1 on a CPU); the full cache's rows hold a whole prompt and "
+        "the engine gives it one everywhere",
+    )
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
     cfg = shape_of(args.model)
@@ -76,9 +86,11 @@ def main() -> None:
     ]
     full = None
     for cache in args.caches:
-        eviction = parse(cache)
+        options = parse(cache)
+        if args.prefill_rows is not None and "scorer" in options:
+            options["prefill_rows"] = args.prefill_rows
         engine = Engine.for_memory(
-            params, memory, max_prompt=args.max_prompt, max_new_tokens=args.max_tokens, **eviction
+            params, memory, max_prompt=args.max_prompt, max_new_tokens=args.max_tokens, **options
         )
         m = engine.memory()
         full = full or (m["slots"] if cache == "full" else None)  # the model dtype's full cache

@@ -16,7 +16,7 @@ from helpers import QUICK_COMPILE
 # 4 s -> 17 min 40 s (2026-11-28, --durations=0), though SmolLM2's generations run slower (one test
 # measured alone: 87 s against 75 s). Float32 results differ in their last bits (up to 1.0e-5 on a
 # tiny model's logits of 7). The notebooks and the installed package run with the user's flags
-# (helpers.xla_flags). Read when JAX's backend starts.
+# (helpers.xla_env). Read when JAX's backend starts.
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *QUICK_COMPILE]).strip()
 
 SMOLLM2 = "smollm2-135m-instruct"

@@ -43,15 +43,26 @@ def load_script(path: str):
 QUICK_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
-def xla_flags(devices: int | None = None, *, optimized: bool = False) -> dict[str, str]:
-    """XLA_FLAGS for a subprocess: this run's, with ``devices`` fake CPU devices, or without
-    QUICK_COMPILE (``optimized``: the compiler as a user's process runs it)."""
+# XLA:CPU runs a device's collectives on the process's intra-op thread pool, of max(cores, devices)
+# threads (NPROC stands for the cores), and a collective holds its thread until every participant
+# has arrived. A device may start its next collective before the last one ends, so on a 2-core
+# machine 8 fake devices could fill the pool with collectives that wait for a device left without
+# a thread (seen as a stall in an all-gather on the (data=2, model=4) mesh). Eight threads a device
+# leave room for that.
+FAKE_DEVICE_THREADS = 8
+
+
+def xla_env(devices: int | None = None, *, optimized: bool = False) -> dict[str, str]:
+    """Environment for a subprocess: this run's XLA_FLAGS, or without QUICK_COMPILE (``optimized``:
+    the compiler as a user's process runs it); with ``devices`` fake CPU devices, and NPROC giving
+    the thread pool FAKE_DEVICE_THREADS threads for each."""
     flags = [
         f for f in os.environ.get("XLA_FLAGS", "").split() if not (optimized and f in QUICK_COMPILE)
     ]
-    if devices:
-        flags.append(f"--xla_force_host_platform_device_count={devices}")
-    return {"XLA_FLAGS": " ".join(flags)}
+    if not devices:
+        return {"XLA_FLAGS": " ".join(flags)}
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return {"XLA_FLAGS": " ".join(flags), "NPROC": str(FAKE_DEVICE_THREADS * devices)}
 
 
 # --- real-model prompts: a needle in repetitive filler (SmolLM2 tests)

@@ -1,6 +1,6 @@
 """Sharded runs on 8 devices against the one-device run (run by tests/test_sharding.py in a
 subprocess with 8 fake CPU devices; ``pytest tests/multidevice_checks.py`` needs
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and ``NPROC=64``, as helpers.xla_env says).
 
 On meshes (data=2, model=4) and (model=8) (and (data=8) for the full and the paged cache) of a small
 model whose heads divide, and SmolLM2 with SnapKV on (data=2) and (model=2, its 3 KV and 9 query
@@ -44,7 +44,9 @@ SETTINGS = {
 
 @pytest.fixture(scope="module", autouse=True)
 def eight_devices():
-    assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    assert jax.device_count() == 8, (
+        "run with XLA_FLAGS=--xla_force_host_platform_device_count=8 NPROC=64"
+    )
 
 
 @pytest.fixture(scope="module")

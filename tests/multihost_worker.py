@@ -2,18 +2,16 @@
 process holds 2 CPU devices, the mesh (data=2, model=2) spans both, and process 0 prints the
 generated tokens as JSON.
 
-    python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 NPROC=16 \
+        python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT
+
+(test_sharding.py sets both from helpers.xla_env.)
 """
 
 import json
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = (
-    f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
-)
-
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 process, processes, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from helpers import xla_flags
+from helpers import xla_env
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
@@ -56,7 +56,7 @@ def test_notebook_runs_on_cpu(path, monkeypatch):
 
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the kernel inherits the environment
     monkeypatch.setenv(
-        "XLA_FLAGS", xla_flags(optimized=True)["XLA_FLAGS"]
+        "XLA_FLAGS", xla_env(optimized=True)["XLA_FLAGS"]
     )  # as a user's kernel compiles
     client = NotebookClient(
         notebook,

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import xla_flags
+from helpers import xla_env
 
 import kvjax
 from kvjax import loading
@@ -104,7 +104,7 @@ def test_a_fresh_environment_without_torch_installs_the_wheel_and_answers_paris(
     env = (
         {k: v for k, v in os.environ.items() if not k.startswith("KVJAX_")}
         | {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path / "home")}
-        | xla_flags(optimized=True)
+        | xla_env(optimized=True)
     )
     work = tmp_path / "work"
     work.mkdir()

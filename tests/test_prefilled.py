@@ -4,9 +4,11 @@ scorer name with --runslow (KVzip's names, which ``kvjax.prefill`` compresses wi
 itself: the NumPy reference's ``run_kvzip_reference``); appending without eviction
 (``kvjax.decode(..., evict=False)``) keeps the whole question and answer."""
 
+import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
@@ -259,3 +261,40 @@ def test_a_context_saved_in_format_1(tiny_llama, prefilled, scorer, tmp_path):
         return
     with pytest.raises(CheckpointError, match="format 1.*compress the context again"):
         load_context(str(path), tiny_llama)
+
+
+def test_a_context_saved_in_format_2_loads_its_state_folded(tiny_llama, prefilled, tmp_path):
+    """Format 2 kept a state per query head for every policy; a policy that keeps their aggregate
+    (``Policy.state_groups``) loads it folded (H2O's sums: mean over the query heads)."""
+    from kvjax.runtime.saved_context import META_FILE, load_context, save_context
+
+    context = prefilled.compress(budget=BUDGET, scorer="h2o", n_sink=1, window=3)
+    G = tiny_llama.config.group_size
+    assert context.cache.state.shape[3] == 1 < G
+    rng = np.random.default_rng(0)
+    shape = context.cache.state.shape
+    per_head = rng.random(shape[:3] + (G,) + shape[4:]).astype(np.float32)
+    old = dataclasses.replace(context, cache=context.cache.replace(state=jnp.asarray(per_head)))
+    path = tmp_path / "c"
+    save_context(str(path), old, tiny_llama)
+    meta = json.loads((path / META_FILE).read_text())
+    (path / META_FILE).write_text(json.dumps(meta | {"format": 2}))
+    loaded = load_context(str(path), tiny_llama)
+    np.testing.assert_allclose(loaded.cache.state, per_head.mean(3, keepdims=True), rtol=1e-6)
+
+
+def test_fit_folds_a_state_per_query_head_and_refuses_the_converse(tiny_llama, prefilled):
+    """A context whose state is per query head (CAOTE's) continues under the settings without
+    eviction (one value per KV head): ``Eviction.fit`` folds it. The converse has no per-head
+    values to give: a ValueError."""
+    per_head = prefilled.compress(budget=BUDGET, scorer="h2o+caote", n_sink=1, window=3)
+    cfg, state = tiny_llama.config, per_head.cache.state
+    assert state.shape[3] == cfg.group_size > 1
+    without = per_head.ev.without_eviction()
+    fitted = without.fit(per_head.cache, cfg, 0)
+    mean = without.fit(per_head.cache.replace(state=jnp.mean(state, 3, keepdims=True)), cfg, 0)
+    assert fitted.state.shape[3] == 1
+    np.testing.assert_allclose(fitted.state, mean.state, rtol=1e-6)
+    folded = prefilled.compress(budget=BUDGET, scorer="h2o", n_sink=1, window=3)
+    with pytest.raises(ValueError, match="reads the state of each query head"):
+        per_head.ev.fit(folded.cache, cfg, 0)

@@ -60,3 +60,29 @@ def test_only_a_pooled_aggregate_takes_the_position_order():
     assert not pooled("h2o")  # no pooling
     assert not pooled("snapkv+caote") and not pooled("snapkv", chunk=4)
     assert not pooled("expected-attention", pool="max", kernel=3)  # a priority of its own
+
+
+@pytest.mark.parametrize(
+    "scorer, aggregate, groups",
+    [
+        ("snapkv", "mean", 1),
+        ("h2o", "sum", 1),
+        ("tova", "layer", 1),
+        ("adakv", "mean", 1),
+        ("snapkv", "max", 4),  # a maximum of sums is no sum of maxima
+        ("snapkv+caote", "mean", 4),  # CAOTE scores each query head's state
+    ],
+)
+def test_the_state_keeps_the_query_heads_aggregate_where_it_may(scorer, aggregate, groups):
+    """A sum or mean over the query heads is kept as it accumulates (one value per KV head; the
+    reference tests compare the kept sets with the float64 oracle's per-head states); the state of
+    one step's column then gives the aggregate's keys, to float32 rounding."""
+    p = policy_of(scorer, aggregate=aggregate)
+    assert p.state_groups(4) == groups
+    state, pos, order, seen = layer(7)
+    folded = p.fold(state)
+    assert folded.shape[2] == groups
+    v = jnp.asarray(np.random.default_rng(8).standard_normal(pos.shape + (16,)), jnp.float32)
+    ours = eviction_keys(p, folded, pos, None, v, order, None, seen)[0]
+    theirs = eviction_keys(p, state, pos, None, v, order, None, seen)[0]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)

@@ -113,7 +113,7 @@ def test_a_kept_token_costs_at_most_its_share_of_bfloat16(kind, at_most):
 
     def kv(kv_dtype):
         cache = jax.eval_shape(
-            lambda: BudgetCache.init(cfg, 1, 256, jnp.bfloat16, (0, 0), kv_dtype=kv_dtype)
+            lambda: BudgetCache.init(cfg, 1, 256, jnp.bfloat16, (0, 0), 1, kv_dtype=kv_dtype)
         )
         return cache_bytes(cache, kv_only=True), cache_bytes(cache)
 

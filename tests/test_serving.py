@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import openai
 import pytest
-from helpers import wait_for, xla_flags
+from helpers import wait_for, xla_env
 
 import kvjax
 from kvjax.serving import Driver, Engine, QueueFull
@@ -799,7 +799,7 @@ def test_cli_serve_finishes_requests_in_flight_on_sigterm(tiny, smollm2_tokenize
 def test_engine_on_a_mesh_of_two_devices():
     """tests/serving_mesh_check.py with two fake CPU devices: slots split over data=2 equal the
     one-device run, for prompts and for questions continuing compressed contexts."""
-    env = os.environ | xla_flags(2) | {"PYTHONPATH": str(TESTS)}
+    env = os.environ | xla_env(2) | {"PYTHONPATH": str(TESTS)}
     result = subprocess.run(
         [sys.executable, str(TESTS / "serving_mesh_check.py")],
         cwd=TESTS.parent,

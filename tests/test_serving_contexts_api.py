@@ -101,6 +101,8 @@ def through_slots(params, eviction, seed, question_lengths, evict):
         dict(budget=24, scorer="snapkv", obs_window=8),  # uniform: dense
         dict(budget=40, scorer="pyramidkv", obs_window=4, n_sink=0),  # per-layer budgets: paged
         dict(budget=24, scorer="adakv", obs_window=8),  # per-head budgets: paged
+        # a state per query head, folded into the slots' one per KV head (``Eviction.fit``)
+        dict(budget=24, scorer="snapkv+caote", obs_window=8),
         dict(budget=24, scorer="kvzip", repeat_prompt=RepeatPrompt((5, 6, 7), (5, 6, 8), (9,))),
     ],
 )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import xla_flags
+from helpers import xla_env
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
@@ -96,7 +96,7 @@ def test_on_8_devices():
             "no:cacheprovider",
             "tests/multidevice_checks.py",
         ],
-        xla_flags(8),
+        xla_env(8),
         timeout=1800,
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
@@ -113,12 +113,12 @@ def test_two_processes_under_jax_distributed_generate_the_one_process_tokens():
     second = subprocess.Popen(
         worker + ["1", "2", port],
         cwd=TESTS,
-        env=os.environ | {"PYTHONPATH": str(TESTS)},
+        env=os.environ | xla_env(2) | {"PYTHONPATH": str(TESTS)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    first = _run(worker + ["0", "2", port], {}, timeout=600)
+    first = _run(worker + ["0", "2", port], xla_env(2), timeout=600)
     second.wait(timeout=120)
     assert first.returncode == 0 and second.returncode == 0, first.stderr[-3000:]
     report = json.loads(first.stdout.strip().splitlines()[-1])

@@ -60,11 +60,13 @@ def fold_scores(
     policy, seg, layer: jax.Array, q: jax.Array, state: jax.Array, stats, col: jax.Array | None
 ):
     """Layer ``layer``'s scorer state [B, Hk, G, S] and the statistics (stacked over layers) after
-    the step (``Base.update_state``, ``Base.observe``); under ``seg.fresh_state`` from zeros,
-    the stored state unread (XLA:GPU copied each layer's slice out of the stack to add to it)."""
+    the step (``Base.update_state`` of the column as the state keeps it, ``Policy.fold``;
+    ``Base.observe``); under ``seg.fresh_state`` from zeros, the stored state unread (XLA:GPU
+    copied each layer's slice out of the stack to add to it)."""
     if col is not None:  # new slots start from zero: empty slots hold a zero state
         before = jnp.zeros_like(state) if seg.fresh_state else state
-        state = policy.scorer.update_state(before, col, seg.query_weights.sum(-1) > 0)
+        has_query = seg.query_weights.sum(-1) > 0
+        state = policy.scorer.update_state(before, policy.fold(col), has_query)
     return state, policy.scorer.observe(stats, layer, q, seg.positions, seg.valid, policy)
 
 

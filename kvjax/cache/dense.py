@@ -36,8 +36,8 @@ class BudgetCache(SlotsView):
     Fields:
         k, v: [L, B, Hk, S, K] in the model's dtype, or ``Quantized`` (``kv_dtype``).
         pos: [L, B, Hk, S] int32 original positions (-1 = empty).
-        state: [L, B, Hk, G, S] float32 per-slot, per-query-head scorer state (zero in empty
-            slots).
+        state: [L, B, Hk, G, S] float32 per-slot scorer state, per query head, or G = 1: their
+            aggregate (``Policy.state_groups``); zero in empty slots.
         order: [L, B, Hk, S] int32 the slots by position, valid ones first.
         moments: ``Moments``; a layer's view holds its own, or, in the layer scan's carried form,
             every layer's (``kvjax.model.layer_fields``).
@@ -72,17 +72,19 @@ class BudgetCache(SlotsView):
         slots: int,
         dtype,
         moment_dims: tuple[int, int],
+        state_groups: int,
         kv_dtype: str | None = None,
     ) -> BudgetCache:
-        """Empty; ``moment_dims``: its ``Moments``' (``Policy.moment_dims``); keys and values in
-        ``dtype``, or quantized as ``kv_dtype`` says."""
+        """Empty; ``moment_dims``: its ``Moments``' (``Policy.moment_dims``); ``state_groups``: the
+        state's query-head axis (``Policy.state_groups``); keys and values in ``dtype``, or
+        quantized as ``kv_dtype`` says."""
         L, Hk, K = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         f32 = jnp.float32
         return cls(
             k=zeros((L, batch, Hk, slots, K), dtype, kv_dtype),
             v=zeros((L, batch, Hk, slots, K), dtype, kv_dtype),
             pos=jnp.full((L, batch, Hk, slots), -1, jnp.int32),
-            state=jnp.zeros((L, batch, Hk, cfg.group_size, slots), f32),
+            state=jnp.zeros((L, batch, Hk, state_groups, slots), f32),
             order=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (L, batch, Hk, slots)),
             moments=Moments.zeros((L, batch, Hk), moment_dims),
         )

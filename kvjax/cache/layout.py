@@ -40,7 +40,7 @@ class EvictingCache(Cache, Protocol):
 
     Fields:
         pos: [L, B, Hk, S] original positions (-1 = empty).
-        state: [L, B, Hk, G, S] the scorer's per-slot state.
+        state: [L, B, Hk, G, S] the scorer's per-slot state (``Policy.state_groups``).
         order: [L, B, Hk, S] the slots by position.
         moments: ``Moments`` of the evicted tokens.
         stats: the base scorer's own statistics, or None.
@@ -71,7 +71,13 @@ class Dense:
 
     def empty(self, cfg, policy, batch: int, spare: int, dtype, kv_dtype=None) -> BudgetCache:
         return BudgetCache.init(
-            cfg, batch, policy.budget + spare, dtype, policy.moment_dims(cfg.head_dim), kv_dtype
+            cfg,
+            batch,
+            policy.budget + spare,
+            dtype,
+            policy.moment_dims(cfg.head_dim),
+            policy.state_groups(cfg.group_size),
+            kv_dtype,
         )
 
     def fit(self, cache: BudgetCache, cfg, policy, spare: int) -> BudgetCache:
@@ -83,7 +89,8 @@ class Dense:
         Args:
             k, v: [L, B, Hk, S, K] the full cache.
             pos: [L, B, Hk, S] original positions.
-            state: [L, B, Hk, G, S] the scorer's state.
+            state: [L, B, Hk, G, S] the scorer's state, as the policy keeps it
+                (``Policy.state_groups``).
             stats: the base scorer's statistics.
             seen: [B] one past each row's newest position.
             head_budgets: [L, Hk] the "heads" allocation's budgets (paged only; None here).
@@ -126,6 +133,7 @@ class Paged:
             n_pool,
             dtype,
             policy.moment_dims(cfg.head_dim),
+            policy.state_groups(cfg.group_size),
             spare,
             kv_dtype,
         )

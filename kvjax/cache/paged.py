@@ -62,7 +62,8 @@ class PagedCache(SlotsView):
         free: [B, N] bool.
         pos: [L, B, Hk, C] int32 original positions by logical slot (C = M·P; valid slots are
             0 … n−1, -1 = empty).
-        state: [L, B, Hk, G, C] float32 scorer state.
+        state: [L, B, Hk, G, C] float32 scorer state (G = 1: the query heads' aggregate,
+            ``Policy.state_groups``).
         order: [L, B, Hk, C] int32 the slots by position, valid ones first, then the empty ones
             ascending.
         moments: ``Moments`` of the evicted tokens; a layer's view holds its own, or, in the
@@ -112,12 +113,14 @@ class PagedCache(SlotsView):
         n_pool: int,
         dtype,
         moment_dims: tuple[int, int],
+        state_groups: int,
         spare: int,
         kv_dtype: str | None = None,
     ) -> PagedCache:
         """Empty, with room for a head's capacity plus ``spare`` new tokens between eviction points
         (``pages_per_head`` pages); ``moment_dims``: its ``Moments``' (``Policy.moment_dims``);
-        keys and values in ``dtype``, or quantized as ``kv_dtype`` says."""
+        ``state_groups``: the state's query-head axis (``Policy.state_groups``); keys and values
+        in ``dtype``, or quantized as ``kv_dtype`` says."""
         L, Hk, K, M, P = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, pages_per_head, page_size
         C = M * P
         return cls(
@@ -127,7 +130,7 @@ class PagedCache(SlotsView):
             n_pages=jnp.zeros((L, batch, Hk), jnp.int32),
             free=jnp.ones((batch, n_pool), bool),
             pos=jnp.full((L, batch, Hk, C), -1, jnp.int32),
-            state=jnp.zeros((L, batch, Hk, cfg.group_size, C), jnp.float32),
+            state=jnp.zeros((L, batch, Hk, state_groups, C), jnp.float32),
             order=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (L, batch, Hk, C)),
             moments=Moments.zeros((L, batch, Hk), moment_dims),
             n_layers=L,

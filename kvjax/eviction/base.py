@@ -98,7 +98,8 @@ class Base:
         """The state after a step.
 
         Args:
-            state, col: [B, Hk, G, S].
+            state, col: [B, Hk, G, S], or G = 1: the query heads' aggregate
+                (``Policy.state_form``).
             has_query: [B] the row had a scoring query.
         """
         if col is None:
@@ -147,7 +148,7 @@ class Base:
 
         Args:
             policy: the ``kvjax.eviction.Policy``.
-            state: [B, Hk, G, S] the per-slot state.
+            state: [B, Hk, G, S] the per-slot state (G = 1: ``Policy.state_form``).
             pos: [B, Hk, S] positions (-1 = empty).
             unprotected: [B, Hk, S] valid and evictable.
             k, v: [B, Hk, S, K] the cached keys and values (read by ``reads_kv`` scorers and

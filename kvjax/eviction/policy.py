@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+
 from kvjax.eviction.allocations import (
     ALLOCATIONS,
     FLOOR_MODES,
@@ -85,6 +88,27 @@ class Policy:
             and self.chunk == 1
             and type(self.scorer).priority is Base.priority
         )
+
+    @property
+    def state_form(self) -> str:
+        """How the per-slot state keeps the query heads: "heads", one value each; or "sum" or
+        "mean", one value per KV head, each column aggregated as it is added (``fold``). A sum or
+        a mean allows it (the same sums, added in another order; "layer" means the heads too);
+        "max" does not, nor a priority that reads each query head's state (CAOTE)."""
+        if self.aggregate == "max" or self.modifier_spec.reads_head_states:
+            return "heads"
+        return "sum" if self.aggregate == "sum" else "mean"
+
+    def state_groups(self, group_size: int) -> int:
+        """The per-slot state's query-head axis: G where ``state_form`` is "heads", else 1."""
+        return group_size if self.state_form == "heads" else 1
+
+    def fold(self, col: jax.Array) -> jax.Array:
+        """A column (or state) [..., G, S] as the state keeps it (``state_form``): [..., 1, S],
+        the sum or mean over its G query heads; unchanged for "heads" (or G = 1)."""
+        if self.state_form == "heads" or col.shape[-2] == 1:
+            return col
+        return (jnp.sum if self.state_form == "sum" else jnp.mean)(col, axis=-2, keepdims=True)
 
     @property
     def name(self) -> str:

@@ -108,7 +108,7 @@ def _scoring_state(
     policy: Policy, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array
 ) -> jax.Array:
     """[L, B, Hk, G, P] state after the prompt's scoring queries (as the prefill protocol
-    accumulates it).
+    accumulates it; G = 1 where the policy folds it, ``Policy.state_groups``).
 
     Args:
         q: [L, B, P, H, K].
@@ -117,7 +117,8 @@ def _scoring_state(
     """
     L, B, P, H, _ = q.shape
     if policy.scorer.queries == "none":
-        return jnp.zeros((L, B, k.shape[2], H // k.shape[2], P), jnp.float32)
+        groups = policy.state_groups(H // k.shape[2])
+        return jnp.zeros((L, B, k.shape[2], groups, P), jnp.float32)
 
     def layer(xs):
         q_l, k_l, v_l = xs
@@ -139,6 +140,7 @@ def _scoring_state(
                     policy.score_kind,
                 )[2]
             )
+        col = policy.fold(col)
         zeros = jnp.zeros(col.shape, jnp.float32)
         return policy.scorer.update_state(zeros, col, weights.sum(-1) > 0)
 
@@ -246,8 +248,9 @@ class Prefilled:
         self._states: dict = {}
 
     def _state(self, policy: Policy, data: ScoringData, lengths: np.ndarray) -> jax.Array:
-        """The scorer state [L, B, Hk, G, P] after the prompts' first ``lengths`` tokens (cached per
-        kind); data: what the scorer's own scoring pass reads."""
+        """The scorer state [L, B, Hk, G, P] (G = 1 where the policy folds it:
+        ``Policy.state_groups``) after the prompts' first ``lengths`` tokens (cached per kind);
+        data: what the scorer's own scoring pass reads."""
         spec, full = policy.scorer, self.cache.full
         key = (
             spec.queries,
@@ -257,6 +260,7 @@ class Prefilled:
             spec.scoring_pass,
             data.key(),
             tuple(lengths),
+            policy.state_form,
         )
         if key in self._states:
             return self._states[key]
@@ -276,8 +280,11 @@ class Prefilled:
                     heads[:, None, :, None],
                     (cfg.n_layers, len(lengths), cfg.n_kv_heads, self.hidden.shape[1]),
                 )
-            state = jnp.broadcast_to(
-                scores[:, :, :, None], scores.shape[:3] + (cfg.group_size,) + scores.shape[3:]
+            # each query head's alike, as the state keeps it (``Policy.fold``)
+            state = policy.fold(
+                jnp.broadcast_to(
+                    scores[:, :, :, None], scores.shape[:3] + (cfg.group_size,) + scores.shape[3:]
+                )
             )
         self._states[key] = state
         return state

@@ -107,8 +107,9 @@ class Eviction:
         return cache.replace(stats=self.policy.scorer.init_stats(cfg, batch))
 
     def fit(self, cache: EvictingCache, cfg, spare: int) -> EvictingCache:
-        """The same cache with room for ``spare`` new tokens per head (its kept tokens must fit) and
-        statistics fitted to this decoding's eviction points."""
+        """The same cache with room for ``spare`` new tokens per head (its kept tokens must fit),
+        its state in this policy's form (``Policy.fold``) and statistics fitted to this decoding's
+        eviction points."""
         needs, has = self.policy.moment_dims(cfg.head_dim), cache.moments.dims
         if any(n and not h for n, h in zip(needs, has, strict=True)):
             raise ValueError(
@@ -119,6 +120,15 @@ class Eviction:
                     else "cache (filled under MomentKV's zeroth order) keeps no Σ v kᵀ"
                 )
             )
+        groups = self.policy.state_groups(cfg.group_size)
+        if cache.state.shape[-2] != groups:
+            if groups != 1:
+                raise ValueError(
+                    f"scorer={self.policy.name!r} with aggregate={self.policy.aggregate!r} reads "
+                    "the state of each query head, and this cache (filled under a policy that "
+                    "keeps their aggregate) keeps one per KV head"
+                )
+            cache = cache.replace(state=self.policy.fold(cache.state))
         cache = self.layout.fit(cache, cfg, self.policy, spare)
         return cache.replace(stats=self.policy.scorer.fit_stats(cache.stats, self.decode_evict))
 

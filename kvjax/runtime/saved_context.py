@@ -33,7 +33,9 @@ from kvjax.sharding import to_host
 
 META_FILE = "kvjax_context.json"
 CONTEXTS = "contexts"  # the folder of contexts saved by name, in kvjax.loading.checkpoint_root()
-FORMAT = 2  # 2: Expected Attention's state holds each slot's log ‖v‖ (``Base.token_state``)
+# 2: Expected Attention's state holds each slot's log ‖v‖ (``Base.token_state``); 3: a state of
+# one value per KV head where the policy folds its query heads (``Policy.state_groups``)
+FORMAT = 3
 CACHE_KINDS = {"budget": BudgetCache, "paged": PagedCache}
 
 # quantized keys and values (kv_dtype) are saved as their codes and scales
@@ -135,9 +137,9 @@ def read_meta(path: str) -> dict:
         raise CheckpointError(
             f"{path} is not a saved kvjax context: {META_FILE} is missing or corrupt ({e})"
         ) from e
-    if meta.get("format") not in (1, FORMAT):
+    if meta.get("format") not in range(1, FORMAT + 1):
         raise CheckpointError(
-            f"{path}: saved context format {meta.get('format')!r}, this kvjax reads 1 and {FORMAT}"
+            f"{path}: saved context format {meta.get('format')!r}, this kvjax reads 1 to {FORMAT}"
         )
     return meta
 
@@ -188,6 +190,8 @@ def load_context(path: str, params: Params) -> Context:
             raise CheckpointError(f"{path}/cache is corrupt: {type(e).__name__}: {e}") from e
     try:
         cache = from_state_dict(template, _with_empty(stored["cache"], to_state_dict(template)))
+        if meta["format"] < 3:  # one state per query head: folded as this kvjax keeps it
+            cache = cache.replace(state=ev.policy.fold(cache.state))
         cache = jax.device_put(cache)
         logits = jax.device_put(stored["logits"])
     except (KeyError, TypeError, ValueError) as e:

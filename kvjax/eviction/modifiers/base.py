@@ -28,6 +28,12 @@ class Modifier:
         return False
 
     @property
+    def reads_head_states(self) -> bool:
+        """Its priority reads the base's state of each query head, not only their aggregate: the
+        state keeps one per query head (``Policy.state_form``)."""
+        return False
+
+    @property
     def corrects_attention(self) -> bool:
         """The attention's output depends on the evicted tokens (so on it even once eviction
         stops: ``Eviction.without_eviction`` keeps it)."""

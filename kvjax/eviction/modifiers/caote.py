@@ -22,6 +22,10 @@ class CAOTE(Modifier):
     def reads_kv(self) -> bool:
         return True
 
+    @property
+    def reads_head_states(self) -> bool:
+        return True
+
     def priority(self, base, policy, state, pos, unprotected, k, v, order, stats, seen):
         """The base's per-head score pooled, CAOTE's meta-score of it, then the heads aggregated
         (its normalisation is per attention distribution)."""
