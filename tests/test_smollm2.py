@@ -44,7 +44,32 @@ def test_logits_match_transformers_gguf(smollm2, smollm2_tokenizer, hf_model):
     with torch.no_grad():
         expected = hf_model(torch.tensor([ids])).logits.numpy()
     got = np.asarray(kvjax.forward(smollm2, ids))
-    assert np.abs(got - expected).max() <= 1e-3
+    gap = np.abs(got - expected).max(axis=(0, 2))  # [T]
+    if gap.max() > 1e-3:
+        pytest.fail(_which_side_moved(smollm2, hf_model, ids, got, expected, gap))
+
+
+def _which_side_moved(smollm2, hf_model, ids, got, expected, gap) -> str:
+    """The failure's evidence (the bound was exceeded once, in a full run on 2026-11-30, never
+    alone): the gap by position, each side computed again (kvjax recompiled), and the process's
+    torch settings."""
+    import jax
+
+    with torch.no_grad():
+        hf_again = hf_model(torch.tensor([ids])).logits.numpy()
+    jax.clear_caches()
+    kvjax_again = np.asarray(kvjax.forward(smollm2, ids))
+    return (
+        f"max |kvjax - transformers| {gap.max():.2e} (bound 1e-3; usually 1.0e-4) by position: "
+        f"{np.array2string(gap, precision=6)}; transformers again: "
+        f"{np.abs(hf_again - expected).max():.2e} from its first, "
+        f"{np.abs(hf_again - got).max():.2e} from kvjax; kvjax recompiled: "
+        f"{np.abs(kvjax_again - got).max():.2e} from its first; torch threads "
+        f"{torch.get_num_threads()}, float32 matmul {torch.get_float32_matmul_precision()}, "
+        f"flash SDPA {torch.backends.cuda.flash_sdp_enabled()}, math SDPA "
+        f"{torch.backends.cuda.math_sdp_enabled()}, "
+        f"attention {hf_model.config._attn_implementation}"
+    )
 
 
 def test_greedy_continuation_matches_transformers(smollm2, smollm2_tokenizer, hf_model):
