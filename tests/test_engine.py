@@ -301,6 +301,8 @@ def test_same_request_shape_does_not_recompile(tiny_llama, count_compiles):
             r"budget=8 must be larger than n_sink \+ window = 4 \+ 4",
         ),
         (dict(budget=0), "budget=0 must be an integer >= 1"),
+        (dict(budget=True), "budget=True must be a number, not a bool"),
+        (dict(budget=64, window=np.False_), "window=np.False_ must be a number, not a bool"),
         (dict(budget=64, block_size=0), "block_size=0 must be an integer >= 1"),
         (dict(budget=64, evict_every=0), "evict_every=0 must be an integer >= 1"),
         (
@@ -323,6 +325,28 @@ def test_same_request_shape_does_not_recompile(tiny_llama, count_compiles):
 def test_bad_eviction_arguments(tiny_llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
         kvjax.generate(tiny_llama, prompts_of([10])[0], max_new_tokens=2, **kwargs)
+
+
+def test_numpy_scalars_are_the_python_numbers(tiny_llama):
+    """Keywords from NumPy (a sweep over ``np.arange`` budgets) run as the same Python numbers."""
+    prompt = prompts_of([40], seed=5)[0]
+    plain = dict(budget=20, window=4, floor=0.5, scorer="adakv", block_size=16)
+    numpy = dict(
+        budget=np.int64(20), window=np.int32(4), floor=np.float32(0.5), block_size=np.int16(16)
+    )
+    assert eviction_from(**plain) == eviction_from(**numpy | {"scorer": "adakv"})
+    sampled = dict(max_new_tokens=6, seed=1)
+    np.testing.assert_array_equal(
+        kvjax.generate(tiny_llama, prompt, **sampled, temperature=0.7, top_k=5, **plain),
+        kvjax.generate(
+            tiny_llama,
+            prompt,
+            **sampled,
+            temperature=np.float64(0.7),
+            top_k=np.int64(5),
+            **plain | numpy,
+        ),
+    )
 
 
 def test_batched_moment_eviction_runs_and_keeps_the_budget(tiny_llama):

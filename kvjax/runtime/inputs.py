@@ -1,5 +1,5 @@
-"""Token inputs: validation of prompts and lengths, right-padding, and the static sizes they round
-to.
+"""Token inputs: validation of prompts, lengths and numeric settings, right-padding, and the static
+sizes they round to.
 
 Prompts are right-padded to power-of-two buckets and sizes that depend on the request (cache
 capacity, output width) are rounded to ``CAPACITY_STEP``, so that requests of similar sizes share
@@ -7,6 +7,8 @@ one compilation.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -62,6 +64,17 @@ def pad_rows(rows: list[np.ndarray], width: int, pad: int) -> tuple[np.ndarray, 
     for i, r in enumerate(rows):
         padded[i, : len(r)] = r
     return padded, np.array([len(r) for r in rows], np.int32)
+
+
+def plain_numbers(settings) -> None:
+    """In place, a frozen dataclass's NumPy scalar fields become Python numbers (a budget from
+    ``np.arange``, say); a bool in a field declared a number (annotations as strings) is refused."""
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if field.type.startswith(("int", "float")) and isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{field.name}={value!r} must be a number, not a bool")
+        if isinstance(value, np.generic):
+            object.__setattr__(settings, field.name, value.item())
 
 
 def check_max_new(max_new_tokens) -> int:

@@ -26,6 +26,7 @@ from kvjax.eviction import (
 )
 from kvjax.eviction.keywords import EvictionKeywords
 from kvjax.kernels.quantized import KV_DTYPES, bytes_per_token
+from kvjax.runtime.inputs import plain_numbers
 from kvjax.runtime.kvzip_pass import load_head_scores
 from kvjax.runtime.protocol import PAGE_SIZE, Eviction
 
@@ -35,6 +36,9 @@ class EvictionOptions(EvictionKeywords):
     """The eviction keywords (``kvjax.eviction.keywords.EvictionKeywords``, where each is declared
     with its default and help) as the entry points take them, and their resolution into the
     engine's ``Eviction``."""
+
+    def __post_init__(self):
+        plain_numbers(self)
 
     @classmethod
     def of(cls, **options) -> EvictionOptions:

@@ -8,6 +8,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kvjax.runtime.inputs import plain_numbers
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -24,6 +26,7 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
+        plain_numbers(self)
         if not self.temperature >= 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
