@@ -43,6 +43,21 @@ def test_bad_budget_is_a_clear_error_before_loading(capsys):
     assert "budget=8 must be larger than n_sink + window" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flag, value, match",
+    [
+        ("--budget", "abc", "'abc' is neither a token count (512) nor a fraction of the prompt"),
+        ("--budget-bytes", "1XB", "'1XB' is not a size (for example 123456, 64MiB, 1.5GiB)"),
+        ("--budget-bytes", "-5", "'-5' is not a size"),
+    ],
+)
+def test_unreadable_budgets_say_what_they_take(capsys, flag, value, match):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", "no-such-model", "--chat", "hi", flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {match}" in capsys.readouterr().err
+
+
 def test_unknown_scorer_lists_the_valid_names_before_loading(capsys):
     assert (
         main(

@@ -301,6 +301,11 @@ def test_same_request_shape_does_not_recompile(tiny_llama, count_compiles):
             r"budget=8 must be larger than n_sink \+ window = 4 \+ 4",
         ),
         (dict(budget=0), "budget=0 must be an integer >= 1"),
+        (
+            dict(budget=0.5, n_sink=4, window=4),
+            r"budget=0.5 of a 10-token prompt is 5 slots: budget=5 must be larger than n_sink "
+            r"\+ window = 4 \+ 4",
+        ),
         (dict(budget=True), "budget=True must be a number, not a bool"),
         (dict(budget=64, window=np.False_), "window=np.False_ must be a number, not a bool"),
         (dict(budget=64, block_size=0), "block_size=0 must be an integer >= 1"),

@@ -7,6 +7,7 @@ here into the static ``Eviction`` the engine runs (``None``: the full cache).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import decimal
 import re
@@ -115,7 +116,14 @@ class EvictionOptions(EvictionKeywords):
             else:
                 ratio, ratio_of = compression_ratio(budget), context
                 budget = context - int(context * ratio)
-        policy = make_policy(self, budget, ratio=ratio, ratio_of=ratio_of)
+        try:
+            policy = make_policy(self, budget, ratio=ratio, ratio_of=ratio_of)
+        except ValueError as e:
+            if ratio is None:
+                raise
+            raise ValueError(
+                f"budget={self.budget!r} of a {context}-token prompt is {budget} slots: {e}"
+            ) from e
         own_pass = policy.scorer.scoring_pass is not None
         protocol = self.protocol or ("prefill" if own_pass else "blockwise")
         decode_evict = (not own_pass) if self.decode_evict is None else self.decode_evict
@@ -255,10 +263,14 @@ def add_arguments(group, defaults: bool = True, skip: tuple[str, ...] = ()) -> N
 
 def budget_value(text: str) -> int | float:
     """A command-line budget: a token count ("512") or a fraction of the prompt ("0.25")."""
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
+    for number in (int, float):
+        try:
+            return number(text)
+        except ValueError:
+            pass
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is neither a token count (512) nor a fraction of the prompt (0.25)"
+    )
 
 
 SIZE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
@@ -281,7 +293,9 @@ def size_value(text: str) -> int:
     """A command-line size in bytes: "123456", "64MiB", "1.5GiB", "2GB"."""
     found = size_number(text)
     if found is None or not found[0] > 0:
-        raise ValueError(f"{text!r} is not a size (for example 123456, 64MiB, 1.5GiB)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (for example 123456, 64MiB, 1.5GiB)"
+        )
     return int(found[0] * SIZE_UNITS[found[1]])
 
 
