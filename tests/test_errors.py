@@ -188,11 +188,29 @@ def test_reconverts_when_source_changes(hf_dir, checkpoint_root):
         (np.array([1.0, 2.0]), TypeError, "tokens must hold integer token ids, got dtype float64"),
         (np.array([1, 200]), ValueError, r"tokens\[0\] holds ids outside \[0, 97\)"),
         (np.zeros((1, 2, 3), np.int32), ValueError, "tokens must be 1-D"),
+        ("What is 2 + 2?", TypeError, "tokens must be token ids, got text: encode it first"),
+        (["one", "two"], TypeError, "tokens must be token ids, got text"),
     ],
 )
 def test_bad_tokens(tiny_llama, tokens, error, match):
     with pytest.raises(error, match=match):
         kvjax.generate(tiny_llama, tokens, max_new_tokens=2)
+
+
+def test_text_after_a_context_and_params_that_are_not_params_are_named(tiny_llama):
+    context = kvjax.prefill(tiny_llama, np.arange(4, 40, dtype=np.int32), budget=20, window=4)
+    with pytest.raises(TypeError, match="tokens must be token ids, got text"):
+        kvjax.decode(tiny_llama, context, "And then?")
+    for params in (None, {"embed": np.zeros(3)}):
+        for call in (kvjax.generate, kvjax.prefill_full):
+            with pytest.raises(TypeError, match="params must be kvjax's Params .kvjax.load"):
+                call(params, np.ones(5, np.int32))
+
+
+@pytest.mark.parametrize("stop_ids", [[97], [-1], [1.0], ["</s>"]])
+def test_stop_ids_outside_the_vocabulary_are_refused(tiny_llama, stop_ids):
+    with pytest.raises(ValueError, match=r"stop_ids=.* must be token ids in \[0, 97\)"):
+        kvjax.generate(tiny_llama, np.ones(5, np.int32), max_new_tokens=2, stop_ids=stop_ids)
 
 
 def test_prompt_beyond_context(tiny_llama):

@@ -24,6 +24,7 @@ from kvjax.runtime.inputs import (
     check_context,
     check_max_new,
     check_tokens,
+    config_of,
     pad_rows,
     prompt_bucket,
     round_capacity,
@@ -103,7 +104,7 @@ def decode(
     own (kvzip, kvzip-head) is always continued that way: it has no scores for later tokens."""
     max_new = check_max_new(max_new_tokens)
     sampling = Sampling(temperature, top_k, top_p)
-    rows = _new_rows(params.config, context, tokens, max_new)
+    rows = _new_rows(config_of(params), context, tokens, max_new)
     out = resume(params, context, rows, max_new, sampling, seed, stop_ids, evict).run(max_new)
     return out if context.batched else out[0]
 
@@ -146,7 +147,7 @@ def extend(
         raise ValueError(f"every={every!r} must be an integer >= 1")
     max_new = check_max_new(max_new_tokens)
     sampling = Sampling(temperature, top_k, top_p)
-    rows = _new_rows(params.config, context, tokens, max_new)
+    rows = _new_rows(config_of(params), context, tokens, max_new)
     gen = resume(params, context, rows, max_new, sampling, seed, stop_ids)
     pieces: list[list[np.ndarray]] = []
     while not gen.finished and int(to_host(gen.state.n_new).max()) < max_new:

@@ -22,7 +22,7 @@ from kvjax.cache.slots_view import reset_state
 from kvjax.model.decoder import decode_hidden, logits_from_hidden
 from kvjax.model.params import Params
 from kvjax.model.segment import Segment
-from kvjax.runtime.inputs import pad_rows, prompt_bucket, round_capacity
+from kvjax.runtime.inputs import check_stop_ids, pad_rows, prompt_bucket, round_capacity
 from kvjax.runtime.jit import jit
 from kvjax.runtime.protocol import Eviction, decode_segment, extend, step
 from kvjax.runtime.sampling import Sampling, sample
@@ -274,7 +274,9 @@ class Generation:
             sampling,
         )
         self.ev = None if ev is None else ev.decoding()
-        self.stop_ids = tuple(sorted(params.config.eos_token_ids if stop_ids is None else stop_ids))
+        self.stop_ids = check_stop_ids(
+            params.config.eos_token_ids if stop_ids is None else stop_ids, params.config.vocab_size
+        )
         self.mesh = mesh
 
     @classmethod

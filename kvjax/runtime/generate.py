@@ -15,7 +15,7 @@ from kvjax.model.params import Params
 from kvjax.model.segment import Segment
 from kvjax.runtime.context import resume
 from kvjax.runtime.decoding import Generation
-from kvjax.runtime.inputs import check_context, check_max_new, check_tokens
+from kvjax.runtime.inputs import check_context, check_max_new, check_tokens, config_of
 from kvjax.runtime.jit import jit
 from kvjax.runtime.options import EvictionOptions
 from kvjax.runtime.prefilled import compress_rows
@@ -34,7 +34,7 @@ def _forward(params: Params, tokens: jax.Array) -> jax.Array:
 
 def forward(params: Params, tokens) -> jax.Array:
     """Logits [B, T, V] (float32) of a full causal pass over tokens [B, T] (or [T], read as B=1)."""
-    rows, _ = check_tokens(tokens, params.config.vocab_size)
+    rows, _ = check_tokens(tokens, config_of(params).vocab_size)
     if len({len(r) for r in rows}) != 1:
         raise ValueError("tokens: forward needs rows of equal length")
     return _forward(params, jnp.asarray(np.stack(rows)))
@@ -66,7 +66,7 @@ def generate(
     (``kvjax.sharding.make_mesh``) to run on, the params placed with ``kvjax.shard`` and the batch
     padded to a multiple of its ``data`` axis.
     """
-    rows, batched = check_tokens(tokens, params.config.vocab_size)
+    rows, batched = check_tokens(tokens, config_of(params).vocab_size)
     gen = _generation(
         params,
         rows,
@@ -97,7 +97,7 @@ def generate_stream(
 ) -> Iterator[list[np.ndarray]]:
     """Like ``generate`` (same keywords) but yields each row's newest tokens every ``every`` decode
     steps."""
-    rows, _ = check_tokens(tokens, params.config.vocab_size)
+    rows, _ = check_tokens(tokens, config_of(params).vocab_size)
     gen = _generation(
         params,
         rows,

@@ -12,6 +12,8 @@ import dataclasses
 
 import numpy as np
 
+from kvjax.model.config import ModelConfig
+
 MIN_BUCKET = 32
 CAPACITY_STEP = 256
 
@@ -28,11 +30,27 @@ def round_capacity(n: int) -> int:
     return -(-n // CAPACITY_STEP) * CAPACITY_STEP
 
 
+def config_of(params) -> ModelConfig:
+    """The config of ``params``, which must be kvjax's ``Params`` (``kvjax.load``)."""
+    config = getattr(params, "config", None)
+    if not isinstance(config, ModelConfig):
+        raise TypeError(
+            f"params must be kvjax's Params (kvjax.load(...)), got {type(params).__name__}"
+        )
+    return config
+
+
 def check_tokens(tokens, vocab_size: int, name: str = "tokens") -> tuple[list[np.ndarray], bool]:
     """Validate and split a 1-D sequence, a 2-D batch or a list of sequences into 1-D int32 arrays.
 
     Returns the rows and whether the input was a batch.
     """
+    text = TypeError(
+        f"{name} must be token ids, got text: encode it first (kvjax.chat_tokens(tokenizer, "
+        "text), or tokenizer.encode)"
+    )
+    if isinstance(tokens, str):
+        raise text
     if isinstance(tokens, (list, tuple)) and tokens and not np.isscalar(tokens[0]):
         rows, batched = [np.asarray(t) for t in tokens], True
     else:
@@ -45,6 +63,8 @@ def check_tokens(tokens, vocab_size: int, name: str = "tokens") -> tuple[list[np
     if not rows:
         raise ValueError(f"{name} is an empty batch")
     for i, row in enumerate(rows):
+        if row.dtype.kind in "US":
+            raise text
         if row.ndim != 1:
             raise ValueError(f"{name}[{i}] must be 1-D, got shape {row.shape}")
         if row.size == 0:
@@ -75,6 +95,14 @@ def plain_numbers(settings) -> None:
             raise ValueError(f"{field.name}={value!r} must be a number, not a bool")
         if isinstance(value, np.generic):
             object.__setattr__(settings, field.name, value.item())
+
+
+def check_stop_ids(stop_ids, vocab_size: int) -> tuple[int, ...]:
+    """Stop ids as sorted Python ints, each a token id in [0, vocab_size)."""
+    ids = tuple(stop_ids)
+    if not all(isinstance(t, (int, np.integer)) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"stop_ids={ids!r} must be token ids in [0, {vocab_size})")
+    return tuple(sorted(int(t) for t in ids))
 
 
 def check_max_new(max_new_tokens) -> int:

@@ -35,6 +35,7 @@ from kvjax.runtime.inputs import (
     check_context,
     check_max_new,
     check_tokens,
+    config_of,
     pad_rows,
     prompt_bucket,
     round_capacity,
@@ -399,7 +400,7 @@ def prefill_full(
         kv_dtype: how the cache stores keys and values (``EvictionOptions.kv_dtype``); its
             compressions keep it.
     """
-    rows, batched = check_tokens(tokens, params.config.vocab_size)
+    rows, batched = check_tokens(tokens, config_of(params).vocab_size)
     return Prefilled(params, rows, batched, room, _placed(params, rows, mesh), kv_dtype)
 
 
@@ -412,7 +413,7 @@ def prefill(params: Params, tokens, *, mesh: Mesh | None = None, **eviction) -> 
         mesh: a device mesh (``kvjax.sharding.make_mesh``) to place the params and the context on
             (the batch must split over its ``data`` axis); the context's ``decode`` runs there too.
     """
-    rows, batched = check_tokens(tokens, params.config.vocab_size)
+    rows, batched = check_tokens(tokens, config_of(params).vocab_size)
     longest = max(len(r) for r in rows)
     options = EvictionOptions.of(**eviction)
     ev = options.resolve(context=longest, model=params)
