@@ -264,6 +264,12 @@ def test_slots_from_memory(tiny_llama):
         )
     with pytest.raises(ValueError, match="holds no slot"):
         Engine.for_memory(tiny_llama, 1000, **kw)
+    # a size as --kv-memory reads it; a number that is not bytes is named
+    assert Engine.for_memory(tiny_llama, "8MiB", **kw).slots == engine.slots  # the full cache
+    with pytest.raises(ValueError, match="kv_memory 'lots': give bytes with a unit"):
+        Engine.for_memory(tiny_llama, "lots", **kw)
+    with pytest.raises(TypeError, match="kv_memory=0.5 must be bytes"):
+        Engine.for_memory(tiny_llama, 0.5, **kw)
     with pytest.raises(ValueError, match="slots: an engine sized by kv_memory"):
         Engine.for_memory(tiny_llama, 1 << 30, slots=3, **kw)
 
@@ -271,7 +277,7 @@ def test_slots_from_memory(tiny_llama):
 def test_kv_memory_sizes_and_random_shapes():
     """--kv-memory's sizes and their errors; random:<shape> models load with a byte-level tokenizer,
     and an unknown shape names the known ones."""
-    from kvjax.cli.main import memory_bytes
+    from kvjax.runtime.options import memory_bytes
 
     assert (memory_bytes("60GiB"), memory_bytes("512MiB"), memory_bytes("2GB")) == (
         60 << 30,
@@ -279,8 +285,8 @@ def test_kv_memory_sizes_and_random_shapes():
         2 * 10**9,
     )
     for bad in ("lots", "-1GB", "0"):
-        with pytest.raises(ValueError, match="--kv-memory"):
-            memory_bytes(bad)
+        with pytest.raises(ValueError, match=f"--kv-memory '{bad}': give bytes with a unit"):
+            memory_bytes(bad, "--kv-memory")
     with pytest.raises(ValueError, match="a fraction needs a device that reports its memory"):
         memory_bytes("0.5")  # the CPU reports none
     params, tokenizer = kvjax.load("random:tiny"), kvjax.load_tokenizer("random:tiny")

@@ -10,11 +10,10 @@ from kvjax.cli.ask_chat import FROM_FILE, add_ask_chat_parsers, read_text
 from kvjax.eval.cli import add_eval_parser
 from kvjax.runtime.compilation_cache import enable as enable_compilation_cache
 from kvjax.runtime.options import (
-    SIZE_UNITS,
     add_arguments,
     eviction_from,
     from_arguments,
-    size_number,
+    memory_bytes,
     with_tokenizer,
 )
 
@@ -123,7 +122,8 @@ def _serve(args) -> int:
     if args.kv_memory is None:
         engine = Engine(params, slots=args.slots, **shape, **eviction)
     else:
-        engine = Engine.for_memory(params, memory_bytes(args.kv_memory), **shape, **eviction)
+        kv_memory = memory_bytes(args.kv_memory, "--kv-memory")
+        engine = Engine.for_memory(params, kv_memory, **shape, **eviction)
     random = " (random weights)" if args.model.startswith("random:") else ""
     print(
         f"[{args.model}{random}: loaded in {time.perf_counter() - start:.1f}s; "
@@ -160,28 +160,6 @@ def _serve(args) -> int:
                 if running is not None:
                     running.stop()
     return 0
-
-
-def memory_bytes(text: str) -> int:
-    """``--kv-memory``: bytes ("60GiB", "512MiB", "2GB", "1e9") or a fraction in (0, 1] of the
-    device memory still free once the weights are loaded ("0.9")."""
-    value, unit = size_number(text) or (None, None)
-    if value is None or not value > 0:
-        raise ValueError(
-            f"--kv-memory {text!r}: give bytes with a unit (60GiB, 512MiB, 2GB) or a fraction "
-            "in (0, 1] of the free device memory"
-        )
-    if unit or value > 1:
-        return int(value * SIZE_UNITS[unit])
-    import jax
-
-    stats = jax.devices()[0].memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        raise ValueError(
-            f"--kv-memory {text!r}: a fraction needs a device that reports its memory "
-            f"({jax.devices()[0].platform} does not); give bytes (60GiB)"
-        )
-    return int(value * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
 
 
 def capacity_line(engine) -> str:

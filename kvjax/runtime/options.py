@@ -13,6 +13,7 @@ import decimal
 import re
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from kvjax.eviction import (
@@ -297,6 +298,26 @@ def size_value(text: str) -> int:
             f"{text!r} is not a size (for example 123456, 64MiB, 1.5GiB)"
         )
     return int(found[0] * SIZE_UNITS[found[1]])
+
+
+def memory_bytes(text: str, name: str = "kv_memory") -> int:
+    """Memory for caches, read from ``text``: bytes ("60GiB", "512MiB", "2GB", "1e9") or a
+    fraction in (0, 1] of the device memory still free ("0.9"); ``name`` labels its errors."""
+    value, unit = size_number(text) or (None, None)
+    if value is None or not value > 0:
+        raise ValueError(
+            f"{name} {text!r}: give bytes with a unit (60GiB, 512MiB, 2GB) or a fraction "
+            "in (0, 1] of the free device memory"
+        )
+    if unit or value > 1:
+        return int(value * SIZE_UNITS[unit])
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        raise ValueError(
+            f"{name} {text!r}: a fraction needs a device that reports its memory "
+            f"({jax.devices()[0].platform} does not); give bytes (60GiB)"
+        )
+    return int(value * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
 
 
 def from_arguments(args, names: tuple[str, ...] = NAMES) -> dict[str, Any]:

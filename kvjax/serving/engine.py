@@ -44,7 +44,7 @@ from kvjax.runtime.inputs import (
     round_capacity,
 )
 from kvjax.runtime.jit import jit
-from kvjax.runtime.options import EvictionOptions
+from kvjax.runtime.options import EvictionOptions, memory_bytes
 from kvjax.runtime.protocol import APPEND, Eviction, chunk_segment, step_groups
 from kvjax.runtime.sampling import Sampling
 from kvjax.sharding import auto_mesh, check_batch, constrain, data_size, on_mesh, shard
@@ -620,12 +620,21 @@ class Engine:
             )
 
     @classmethod
-    def for_memory(cls, params: Params, kv_memory: int, **options) -> Engine:
-        """The engine with as many slots as ``kv_memory`` bytes hold: every slot's cache and the
+    def for_memory(cls, params: Params, kv_memory: int | str, **options) -> Engine:
+        """The engine with as many slots as ``kv_memory`` holds: every slot's cache and the
         prompt rows' (``memory``) within it, the slots a multiple of the mesh's ``data`` axis.
-        ``options``: ``Engine``'s keywords but ``slots``. ValueError when not one slot fits."""
+        ``kv_memory``: bytes, or a size as ``kvjax serve --kv-memory`` reads it ("60GiB", or
+        "0.9" of the free device memory: ``memory_bytes``). ``options``: ``Engine``'s keywords
+        but ``slots``. ValueError when not one slot fits."""
         if "slots" in options:
             raise ValueError("slots: an engine sized by kv_memory derives its slot count")
+        if isinstance(kv_memory, str):
+            kv_memory = memory_bytes(kv_memory)
+        if isinstance(kv_memory, bool) or not isinstance(kv_memory, (int, np.integer)):
+            raise TypeError(
+                f"kv_memory={kv_memory!r} must be bytes (an int) or a size such as '60GiB' or "
+                "'0.9' (of the free device memory)"
+            )
         step = data_size(auto_mesh(options.get("mesh")))
         probe = cls(params, **(options | dict(slots=4 * step, mesh=None)))
         per_slot, rows = probe.cache_bytes(1), probe.cache_bytes(probe.prefill_rows, prompt=True)
