@@ -1,5 +1,10 @@
 """The command line: streamed generation with and without eviction, help, and clear errors."""
 
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 
 from kvjax.cli.main import main
@@ -56,6 +61,49 @@ def test_unreadable_budgets_say_what_they_take(capsys, flag, value, match):
         main(["generate", "--model", "no-such-model", "--chat", "hi", flag, value])
     assert exit_.value.code == 2
     assert f"argument {flag}: {match}" in capsys.readouterr().err
+
+
+def test_ask_names_an_unreadable_document_and_a_server_that_cannot_answer(tmp_path, capsys):
+    """Before any model loads: a missing --context file; --server at a closed port; a server
+    without kvjax's /v1/contexts (a 404 for it)."""
+    missing = str(tmp_path / "nope.txt")
+    assert main(["ask", "--context", missing, "--budget", "64", "hi"]) == 2
+    assert f"--context {missing}: cannot read it" in capsys.readouterr().err
+    document = tmp_path / "doc.txt"
+    document.write_text("The passcode is 4417.")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert main(["ask", "--server", closed, "--context", str(document), "hi"]) == 2
+    assert f"--server {closed}: no OpenAI-compatible server answers there" in (
+        capsys.readouterr().err
+    )
+
+    class NoContexts(BaseHTTPRequestHandler):
+        def do_GET(self):  # /v1/models
+            body = json.dumps({"data": [{"id": "other"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NoContexts)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert main(["ask", "--server", url, "--context", str(document), "hi"]) == 2
+        assert f"--server {url} keeps no contexts (POST /v1/contexts: 404)" in (
+            capsys.readouterr().err
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_unknown_scorer_lists_the_valid_names_before_loading(capsys):

@@ -41,6 +41,15 @@ def _chomp(text: str) -> str:
     return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
+def _document(path: str) -> str:
+    """The text of ``--context FILE``, or a ValueError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--context {path}: cannot read it: {e}") from None
+
+
 @contextlib.contextmanager
 def elapsed(desc: str, enabled: bool):
     """A status line on stderr counting the seconds of a step that reports no progress of its
@@ -106,8 +115,9 @@ def _ask(args) -> int:
             "--budget is required with --context (tokens per layer and KV head, or a fraction)"
         )
     if args.context is not None:
-        # bad settings fail before the model loads
+        # bad settings and an unreadable document fail before the model loads
         eviction_from(**with_tokenizer(None, **eviction))
+        document = _document(args.context)
     questions = [read_text(q, "question") for q in args.questions]
     if not questions and args.save is None:
         raise ValueError(
@@ -120,8 +130,6 @@ def _ask(args) -> int:
         context = load_context(context_path(args.load), params)
         print(f"[loaded {args.load}: {context_stats(params, context)}]", file=sys.stderr)
     else:
-        with open(args.context, encoding="utf-8") as f:
-            document = f.read()
         ids, _ = chat_parts(tokenizer, document + "\n\n", "", system=system)
         start = time.perf_counter()
         with elapsed(f"compressing {len(ids)} tokens", len(ids) >= LONG_CONTEXT and not args.quiet):
@@ -159,18 +167,26 @@ def _ask_server(args, eviction: dict) -> int:
         raise ValueError("--server: give the document with --context FILE (no --save / --load)")
     if any(k in eviction for k in ("repeat_prompt", "head_scores")):
         raise ValueError("--server: the server makes KVzip's repeat prompt; no --head-scores")
-    url = args.server.rstrip("/")
-    models = httpx.get(f"{url}/v1/models", timeout=30).raise_for_status().json()["data"]
+    document, url = _document(args.context), args.server.rstrip("/")
+    try:
+        models = httpx.get(f"{url}/v1/models", timeout=30).raise_for_status().json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        raise ValueError(
+            f"--server {url}: no OpenAI-compatible server answers there ({e})"
+        ) from None
     model = models[0]["id"]
-    with open(args.context, encoding="utf-8") as f:
-        document = f.read()
     body = {"model": model, "document": document} | eviction
     if args.system is not None:
         body["system"] = read_text(args.system, "--system")
     start = time.perf_counter()
-    made = httpx.post(f"{url}/v1/contexts", json=body, timeout=None)
+    try:
+        made = httpx.post(f"{url}/v1/contexts", json=body, timeout=None)
+    except httpx.HTTPError as e:
+        raise ValueError(f"--server {url}: {e}") from None
+    if made.status_code == 404:
+        raise ValueError(f"--server {url} keeps no contexts (POST /v1/contexts: 404): kvjax serve")
     if made.status_code >= 400:
-        raise ValueError(f"--server {url}: {made.json()['error']['message']}")
+        raise ValueError(f"--server {url}: {_error_message(made)}")
     card = made.json()
     print(
         f"[{'compressed' if made.status_code == 201 else 'already stored'}: context {card['id']}, "
@@ -180,15 +196,26 @@ def _ask_server(args, eviction: dict) -> int:
     )
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=None)
     for question in [read_text(q, "question") for q in args.questions]:
-        answer = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": question}],
-            temperature=0,
-            max_tokens=args.max_new_tokens or 64,
-            extra_body={"context_id": card["id"]},
-        )
+        try:
+            answer = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": question}],
+                temperature=0,
+                max_tokens=args.max_new_tokens or 64,
+                extra_body={"context_id": card["id"]},
+            )
+        except openai.APIError as e:
+            raise ValueError(f"--server {url}: {e}") from None
         print(f"> {question}\n{answer.choices[0].message.content.strip()}\n")
     return 0
+
+
+def _error_message(response) -> str:
+    """An error response's message: OpenAI's error body, else its text."""
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return f"{response.status_code} {response.text[:200]}"
 
 
 def _chat(args) -> int:
