@@ -106,6 +106,25 @@ def test_ask_names_an_unreadable_document_and_a_server_that_cannot_answer(tmp_pa
         server.server_close()
 
 
+def test_serve_and_kvzip_heads_fail_before_loading_where_they_cannot_run(tmp_path, capsys):
+    """A port out of range or already listened on, a host that does not resolve, a missing
+    calibration text: one line each, before the model loads."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args, match in (
+            (["--port", "99999"], "--port 99999 must be in [0, 65535]"),
+            (["--port", str(port)], f"--host 127.0.0.1 --port {port}: cannot listen there"),
+            (["--host", "no-such-host.invalid"], "--host no-such-host.invalid --port 8000: cannot"),
+        ):
+            assert main(["serve", "--model", "no-such-model", *args]) == 2
+            assert match in capsys.readouterr().err
+    missing = str(tmp_path / "nope.txt")
+    assert main(["kvzip-heads", "--context", missing, "--out", str(tmp_path / "h.json")]) == 2
+    assert f"--context {missing}: cannot read it" in capsys.readouterr().err
+
+
 def test_unknown_scorer_lists_the_valid_names_before_loading(capsys):
     assert (
         main(

@@ -41,13 +41,13 @@ def _chomp(text: str) -> str:
     return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
-def _document(path: str) -> str:
-    """The text of ``--context FILE``, or a ValueError naming it."""
+def read_document(path: str, flag: str = "--context") -> str:
+    """The text of the file a flag names, or a ValueError naming both."""
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--context {path}: cannot read it: {e}") from None
+        raise ValueError(f"{flag} {path}: cannot read it: {e}") from None
 
 
 @contextlib.contextmanager
@@ -117,7 +117,7 @@ def _ask(args) -> int:
     if args.context is not None:
         # bad settings and an unreadable document fail before the model loads
         eviction_from(**with_tokenizer(None, **eviction))
-        document = _document(args.context)
+        document = read_document(args.context)
     questions = [read_text(q, "question") for q in args.questions]
     if not questions and args.save is None:
         raise ValueError(
@@ -167,7 +167,7 @@ def _ask_server(args, eviction: dict) -> int:
         raise ValueError("--server: give the document with --context FILE (no --save / --load)")
     if any(k in eviction for k in ("repeat_prompt", "head_scores")):
         raise ValueError("--server: the server makes KVzip's repeat prompt; no --head-scores")
-    document, url = _document(args.context), args.server.rstrip("/")
+    document, url = read_document(args.context), args.server.rstrip("/")
     try:
         models = httpx.get(f"{url}/v1/models", timeout=30).raise_for_status().json()["data"]
     except (httpx.HTTPError, ValueError, KeyError) as e:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 import time
 
-from kvjax.cli.ask_chat import FROM_FILE, add_ask_chat_parsers, read_text
+from kvjax.cli.ask_chat import FROM_FILE, add_ask_chat_parsers, read_document, read_text
 from kvjax.eval.cli import add_eval_parser
 from kvjax.runtime.compilation_cache import enable as enable_compilation_cache
 from kvjax.runtime.options import (
@@ -72,10 +73,10 @@ def _kvzip_heads(args) -> int:
     import kvjax
     from kvjax.runtime.kvzip_pass import save_head_scores
 
+    text = read_document(args.context)
     params = kvjax.load(args.model, dtype=args.dtype)
     tokenizer = kvjax.load_tokenizer(args.model)
-    with open(args.context) as f:
-        ids = tokenizer(f.read(), add_special_tokens=False)["input_ids"][: args.max_tokens]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.max_tokens]
     start = time.perf_counter()
     scores = kvjax.prefill_full(params, ids).kvzip_head_scores(
         kvjax.kvzip_prompt(tokenizer, "paper")  # raw text
@@ -109,6 +110,7 @@ def _serve(args) -> int:
             f"--context-evict-slots={args.context_evict_slots} needs --context-slots >= 1 "
             "(the contexts' store and their slots without eviction)"
         )
+    check_listen(args.host, args.port)
     mesh = kvjax.make_mesh(args.mesh) if args.mesh else None
     start = time.perf_counter()
     params = kvjax.load(args.model, dtype=args.dtype)
@@ -160,6 +162,20 @@ def _serve(args) -> int:
                 if running is not None:
                     running.stop()
     return 0
+
+
+def check_listen(host: str, port: int) -> None:
+    """A ValueError, before the model loads, where the server could not listen (bound as uvicorn
+    binds, with SO_REUSEADDR, then released)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port} must be in [0, 65535]")
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as e:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e})") from None
 
 
 def capacity_line(engine) -> str:
