@@ -349,3 +349,22 @@ def test_seed_preset_writes_paired_tables(
     for budget in (32, 96):  # both claims, 2 pairs each
         assert paired_md.count(f"| query-aware | 256 | {budget} | 2 |") == 2
     assert "[" in (tmp_path / "table.md").read_text() and (tmp_path / "accuracy.png").exists()
+
+
+def test_eval_counts_and_lengths_are_checked_before_running(
+    tiny_smollm2_vocab, smollm2_tokenizer, monkeypatch, tmp_path, capsys
+):
+    """Counts below 1 are refused by the parser (a negative length had estimated "0+0j minutes");
+    needle prompts beyond the model's context are refused before the sweep."""
+    for flag in ("--lengths", "--samples", "--batch"):
+        with pytest.raises(SystemExit):
+            cli.parse_eval(["niah", flag, "0"])
+        assert f"argument {flag}: '0' is not an integer >= 1" in capsys.readouterr().err
+    monkeypatch.setattr(kvjax, "load", lambda source, dtype=None: tiny_smollm2_vocab)
+    monkeypatch.setattr(kvjax, "load_tokenizer", lambda source: smollm2_tokenizer)
+    context = tiny_smollm2_vocab.config.max_seq_len
+    argv = ["eval", "niah", "--out", str(tmp_path), "--budgets", "64", "--samples", "1"]
+    argv += ["--tasks", "single-number", "--haystacks", "filler", "--lengths", str(context)]
+    assert main(argv) == 2
+    assert f"--lengths {context}: a prompt and its answer take" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

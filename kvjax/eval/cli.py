@@ -331,6 +331,12 @@ def _niah(args) -> int:
     samples = make_samples(
         tokenizer, plan["tasks"], plan["haystacks"], plan["lengths"], plan["n"], args.seed
     )
+    longest = max(len(s.prompt) + s.max_new_tokens for s in samples)
+    if longest > params.config.max_seq_len:
+        raise ValueError(
+            f"--lengths {max(plan['lengths'])}: a prompt and its answer take {longest} tokens, "
+            f"beyond the model's context of {params.config.max_seq_len}"
+        )
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     rows = sweep.run(
@@ -416,6 +422,17 @@ def _fidelity(args) -> int:
     return 0
 
 
+def count(text: str) -> int:
+    """A command-line count: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
 def add_eval_parser(sub) -> None:
     """The ``eval`` command and its three evaluations."""
     e = sub.add_parser(
@@ -455,16 +472,18 @@ def add_eval_parser(sub) -> None:
         "--protocols", nargs="+", choices=["prefill", "blockwise"], help="default: prefill"
     )
     n.add_argument("--settings", nargs="+", choices=SETTINGS, help="default: both")
-    n.add_argument("--lengths", nargs="+", type=int, help="prompt tokens (default: 1024 2048 4096)")
+    n.add_argument(
+        "--lengths", nargs="+", type=count, help="prompt tokens (default: 1024 2048 4096)"
+    )
     n.add_argument("--tasks", nargs="+", choices=TASKS, help="default: all")
     n.add_argument("--haystacks", nargs="+", choices=HAYSTACKS, help="default: all")
     n.add_argument(
-        "--samples", type=int, help="samples per task, haystack and length (needle depths spread)"
+        "--samples", type=count, help="samples per task, haystack and length (needle depths spread)"
     )
     n.add_argument("--seed", type=int, default=0, help="fixes every sample (default: %(default)s)")
     n.add_argument(
         "--batch",
-        type=int,
+        type=count,
         default=8,
         help="samples of one length and task answered together (default: %(default)s)",
     )
@@ -477,11 +496,13 @@ def add_eval_parser(sub) -> None:
 
     p = kinds.add_parser("ppl", help="perplexity of a long real text under decoding-time eviction")
     common(p, "benchmarks/results/ppl")
-    p.add_argument("--length", type=int, default=4096, help="tokens of text (default: %(default)s)")
+    p.add_argument(
+        "--length", type=count, default=4096, help="tokens of text (default: %(default)s)"
+    )
     p.add_argument(
         "--edges",
         nargs="+",
-        type=int,
+        type=count,
         default=[256, 512, 1024, 2048, 4096],
         help="report perplexity over the tokens up to each of these positions",
     )
@@ -491,9 +512,13 @@ def add_eval_parser(sub) -> None:
         "fidelity", help="attention-output error and next-token KL of compressed caches"
     )
     common(f, "benchmarks/results/fidelity")
-    f.add_argument("--length", type=int, default=2048, help="context tokens (default: %(default)s)")
-    f.add_argument("--continuation", type=int, default=64, help="tokens compared after the context")
-    f.add_argument("--prompts", type=int, default=2, help="real-text prompts averaged over")
+    f.add_argument(
+        "--length", type=count, default=2048, help="context tokens (default: %(default)s)"
+    )
+    f.add_argument(
+        "--continuation", type=count, default=64, help="tokens compared after the context"
+    )
+    f.add_argument("--prompts", type=count, default=2, help="real-text prompts averaged over")
     f.set_defaults(run=_fidelity)
 
     from kvjax.eval import seeds
