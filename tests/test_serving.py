@@ -549,11 +549,18 @@ MALFORMED = [  # (what, path, body, status, param)
         "stop",
     ),
     (
-        "a seed out of range",
+        "a negative seed",
         "/v1/completions",
         {"model": "smollm2", "prompt": "hi", "seed": -1},
-        400,
-        None,
+        422,
+        "seed",
+    ),
+    (
+        "a seed past the engine's range",
+        "/v1/completions",
+        {"model": "smollm2", "prompt": "hi", "seed": 2**40},
+        422,
+        "seed",
     ),
     ("an unknown route", "/v1/embeddings", {"model": "smollm2", "input": "hi"}, 404, None),
 ]

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvjax.serving.engine import MAX_SEED
+
 
 class Strict(BaseModel):
     """Unknown fields are refused, types are not coerced, and null stands for the default
@@ -36,7 +38,7 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
     user: str | None = None
     context_id: str | None = None  # an extension: continue a stored context (/v1/contexts)
     context_evict: bool = False  # an extension: evict the question under its context's budget
