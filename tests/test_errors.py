@@ -1,8 +1,10 @@
 """Bad input gets a clear error naming the argument or the file, never a crash deep inside XLA."""
 
+import dataclasses
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 from helpers import HF_CASES, make_hf_model
@@ -259,3 +261,17 @@ def test_moments_without_sums_are_refused_by_momentkv(tiny_llama):
     assert momentkv.fit(cache("momentkv"), tiny_llama.config, 1).moments.dims == (K, K)
     zeroth = eviction_from(budget=20, scorer="snapkv+momentkv-zeroth", window=4)
     assert zeroth.fit(cache("momentkv"), tiny_llama.config, 1).moments.dims == (K, K)
+
+
+def test_stream_steps_and_another_models_context_are_refused(tiny_llama):
+    """``generate_stream(every=0)`` had looped forever; a context decoded with another model's
+    params had failed inside XLA on a broadcast."""
+    prompt = np.arange(4, 40, dtype=np.int32)
+    with pytest.raises(ValueError, match="every=0 must be an integer >= 1"):
+        next(kvjax.generate_stream(tiny_llama, prompt, budget=20, window=4, every=0))
+    context = kvjax.prefill(tiny_llama, prompt, budget=20, window=4)
+    other = kvjax.init_params(dataclasses.replace(tiny_llama.config, n_layers=3), jax.random.key(0))
+    with pytest.raises(
+        ValueError, match=r"context: made for another model: n_layers 2 \(the model's 3\)"
+    ):
+        kvjax.decode(other, context, [5, 6])

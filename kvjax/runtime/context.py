@@ -22,7 +22,7 @@ from kvjax.model.params import Params
 from kvjax.runtime.decoding import Generation, feed_budget, resume_state
 from kvjax.runtime.inputs import (
     check_context,
-    check_max_new,
+    check_count,
     check_tokens,
     config_of,
     pad_rows,
@@ -102,7 +102,7 @@ def decode(
     anything (KVzip's and kvpress's query-agnostic setting: only the context is compressed);
     MomentKV's correction still applies. A context compressed by a scorer with a scoring pass of its
     own (kvzip, kvzip-head) is always continued that way: it has no scores for later tokens."""
-    max_new = check_max_new(max_new_tokens)
+    max_new = check_count(max_new_tokens)
     sampling = Sampling(temperature, top_k, top_p)
     rows = _new_rows(config_of(params), context, tokens, max_new)
     out = resume(params, context, rows, max_new, sampling, seed, stop_ids, evict).run(max_new)
@@ -143,9 +143,8 @@ def extend(
             "extended turn after turn must evict after every decoded token (decode_evict=True, "
             "evict_every=1)"
         )
-    if not (isinstance(every, int) and every >= 1):
-        raise ValueError(f"every={every!r} must be an integer >= 1")
-    max_new = check_max_new(max_new_tokens)
+    every = check_count(every, "every")
+    max_new = check_count(max_new_tokens)
     sampling = Sampling(temperature, top_k, top_p)
     rows = _new_rows(config_of(params), context, tokens, max_new)
     gen = resume(params, context, rows, max_new, sampling, seed, stop_ids)
@@ -174,6 +173,12 @@ def _new_rows(cfg, context: Context, tokens, max_new: int) -> list[np.ndarray] |
     """What ``decode`` / ``extend`` feed a context, validated: ``tokens`` (None, or one row per
     context row, shaped like the prompts given to ``prefill``), which with ``max_new`` new tokens
     must fit the model's context. Returns the rows (None for none)."""
+    L, _, Hk = context.cache.pos.shape[:3]
+    made = dict(n_layers=L, n_kv_heads=Hk, vocab_size=context.logits.shape[-1])
+    if diff := [
+        f"{k} {v} (the model's {getattr(cfg, k)})" for k, v in made.items() if v != getattr(cfg, k)
+    ]:
+        raise ValueError(f"context: made for another model: {', '.join(diff)}")
     if tokens is None:
         check_context(cfg, int(context.lengths.max()), max_new, what="context length")
         return None

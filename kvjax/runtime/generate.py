@@ -15,7 +15,7 @@ from kvjax.model.params import Params
 from kvjax.model.segment import Segment
 from kvjax.runtime.context import resume
 from kvjax.runtime.decoding import Generation
-from kvjax.runtime.inputs import check_context, check_max_new, check_tokens, config_of
+from kvjax.runtime.inputs import check_context, check_count, check_tokens, config_of
 from kvjax.runtime.jit import jit
 from kvjax.runtime.options import EvictionOptions
 from kvjax.runtime.prefilled import compress_rows
@@ -98,6 +98,7 @@ def generate_stream(
     """Like ``generate`` (same keywords) but yields each row's newest tokens every ``every`` decode
     steps."""
     rows, _ = check_tokens(tokens, config_of(params).vocab_size)
+    every = check_count(every, "every")
     gen = _generation(
         params,
         rows,
@@ -130,7 +131,7 @@ def _generation(
     options = EvictionOptions.of(**eviction)
     ev = options.resolve(context=longest, model=params)
     mesh = auto_mesh(mesh)
-    max_new = check_max_new(max_new_tokens)
+    max_new = check_count(max_new_tokens)
     check_context(params.config, longest, max_new)
     rows = rows + [np.full(1, params.config.pad_token_id, np.int32)] * (
         -len(rows) % data_size(mesh)

@@ -105,10 +105,13 @@ def check_stop_ids(stop_ids, vocab_size: int) -> tuple[int, ...]:
     return tuple(sorted(int(t) for t in ids))
 
 
-def check_max_new(max_new_tokens) -> int:
-    if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-    return int(max_new_tokens)
+def check_count(value, name: str = "max_new_tokens") -> int:
+    """``value`` as a Python int, which must be an integer >= 1 (NumPy's too, not a bool)."""
+    if isinstance(value, (bool, np.bool_)) or not (
+        isinstance(value, (int, np.integer)) and value >= 1
+    ):
+        raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    return int(value)
 
 
 def check_context(cfg, longest: int, max_new_tokens: int, what: str = "prompt length") -> None:

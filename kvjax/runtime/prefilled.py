@@ -33,7 +33,7 @@ from kvjax.runtime.context import Context, compress_by_protocol
 from kvjax.runtime.decoding import Generation, start_state
 from kvjax.runtime.inputs import (
     check_context,
-    check_max_new,
+    check_count,
     check_tokens,
     config_of,
     pad_rows,
@@ -357,7 +357,7 @@ class Prefilled:
     def generate(self, max_new_tokens: int = 64, *, stop_ids: Sequence[int] | None = None):
         """Greedy continuation of the prompts with the full cache (as ``kvjax.generate`` with no
         budget)."""
-        max_new = check_max_new(max_new_tokens)
+        max_new = check_count(max_new_tokens)
         room = self.cache.full.capacity - self.hidden.shape[1]
         if max_new > room:
             raise ValueError(

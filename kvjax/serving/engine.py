@@ -38,7 +38,7 @@ from kvjax.model.segment import when
 from kvjax.runtime.decoding import decode_feed, decode_step, fresh_state, zero_state
 from kvjax.runtime.inputs import (
     CAPACITY_STEP,
-    check_max_new,
+    check_count,
     check_tokens,
     pad_rows,
     round_capacity,
@@ -417,15 +417,10 @@ class Engine:
     ):
         cfg = params.config
         mesh = auto_mesh(mesh)
-        for name, value in (
-            ("slots", slots),
-            ("steps", steps),
-            ("prefill_chunk", prefill_chunk),
-        ):
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        slots, steps = check_count(slots, "slots"), check_count(steps, "steps")
+        prefill_chunk = check_count(prefill_chunk, "prefill_chunk")
         check_batch(slots, mesh)
-        max_new_tokens = check_max_new(max_new_tokens)
+        max_new_tokens = check_count(max_new_tokens)
         if not (
             isinstance(max_prompt, int) and 1 <= max_prompt <= cfg.max_seq_len - max_new_tokens
         ):
@@ -540,7 +535,7 @@ class Engine:
                 f"tokens: a prompt of {len(row)} tokens exceeds the engine's "
                 f"max_prompt={self.max_prompt}"
             )
-        max_new = self.max_new_tokens if max_new_tokens is None else check_max_new(max_new_tokens)
+        max_new = self.max_new_tokens if max_new_tokens is None else check_count(max_new_tokens)
         if max_new > self.max_new_tokens:
             raise ValueError(
                 f"max_new_tokens={max_new} must be in [1, {self.max_new_tokens}] "
