@@ -120,7 +120,7 @@ class EvictionOptions(EvictionKeywords):
         try:
             policy = make_policy(self, budget, ratio=ratio, ratio_of=ratio_of)
         except ValueError as e:
-            if ratio is None:
+            if ratio is None or not str(e).startswith(f"budget={budget} "):
                 raise
             raise ValueError(
                 f"budget={self.budget!r} of a {context}-token prompt is {budget} slots: {e}"
