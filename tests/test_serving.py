@@ -270,6 +270,7 @@ def test_slots_from_memory(tiny_llama):
         Engine.for_memory(tiny_llama, "lots", **kw)
     with pytest.raises(TypeError, match="kv_memory=0.5 must be bytes"):
         Engine.for_memory(tiny_llama, 0.5, **kw)
+    assert Engine(tiny_llama, slots=np.int64(2), **kw).slots == 2  # a count from NumPy
     with pytest.raises(ValueError, match="slots: an engine sized by kv_memory"):
         Engine.for_memory(tiny_llama, 1 << 30, slots=3, **kw)
 
