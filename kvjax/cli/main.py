@@ -169,11 +169,11 @@ def check_listen(host: str, port: int) -> None:
     binds, with SO_REUSEADDR, then released)."""
     if not 0 <= port <= 65535:
         raise ValueError(f"--port {port} must be in [0, 65535]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # uvicorn's choice
     try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(address)
+            s.bind((host, port))
     except OSError as e:
         raise ValueError(f"--host {host} --port {port}: cannot listen there ({e})") from None
 
