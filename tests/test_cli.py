@@ -68,7 +68,7 @@ def test_ask_names_an_unreadable_document_and_a_server_that_cannot_answer(tmp_pa
     without kvjax's /v1/contexts (a 404 for it)."""
     missing = str(tmp_path / "nope.txt")
     assert main(["ask", "--context", missing, "--budget", "64", "hi"]) == 2
-    assert f"--context {missing}: cannot read it" in capsys.readouterr().err
+    assert f"--context {missing}: cannot read {missing!r}" in capsys.readouterr().err
     document = tmp_path / "doc.txt"
     document.write_text("The passcode is 4417.")
     with socket.socket() as s:
@@ -122,7 +122,7 @@ def test_serve_and_kvzip_heads_fail_before_loading_where_they_cannot_run(tmp_pat
             assert match in capsys.readouterr().err
     missing = str(tmp_path / "nope.txt")
     assert main(["kvzip-heads", "--context", missing, "--out", str(tmp_path / "h.json")]) == 2
-    assert f"--context {missing}: cannot read it" in capsys.readouterr().err
+    assert f"--context {missing}: cannot read {missing!r}" in capsys.readouterr().err
 
 
 def test_unknown_scorer_lists_the_valid_names_before_loading(capsys):

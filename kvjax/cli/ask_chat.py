@@ -29,11 +29,7 @@ def read_text(value: str, flag: str) -> str:
     if value == "-":
         return _chomp(sys.stdin.read())
     if value.startswith("@"):
-        try:
-            with open(value[1:], encoding="utf-8") as f:
-                return _chomp(f.read())
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"{flag} {value}: cannot read {value[1:]!r}: {e}") from None
+        return _chomp(read_document(value[1:], f"{flag} {value}"))
     return value
 
 
@@ -41,13 +37,14 @@ def _chomp(text: str) -> str:
     return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
-def read_document(path: str, flag: str = "--context") -> str:
-    """The text of the file a flag names, or a ValueError naming both."""
+def read_document(path: str, what: str | None = None) -> str:
+    """The text of the file ``path``, or a ValueError naming ``what`` gave it (by default
+    ``--context PATH``) and the file."""
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{flag} {path}: cannot read it: {e}") from None
+        raise ValueError(f"{what or '--context ' + path}: cannot read {path!r}: {e}") from None
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from kvjax.eval.haystack import HAYSTACKS
 from kvjax.eval.niah import TASKS
 from kvjax.eval.sweep import SETTINGS
 from kvjax.extras import require
+from kvjax.runtime.inputs import check_count
 from kvjax.runtime.options import DEFAULTS, NAMES, add_arguments, from_arguments
 
 # The evaluations sweep these (--budgets, --scorers, --protocols).
@@ -423,14 +424,11 @@ def _fidelity(args) -> int:
 
 
 def count(text: str) -> int:
-    """A command-line count: an integer >= 1."""
+    """A command-line count: an integer >= 1 (``check_count``)."""
     try:
-        value = int(text)
+        return check_count(int(text))
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return value
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1") from None
 
 
 def add_eval_parser(sub) -> None:
