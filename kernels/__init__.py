@@ -21,6 +21,9 @@ online softmax, the score pass of every score kind, tile sizes): ``tpu_common``,
 * ``lowest_place`` — a decoding step's one eviction per (row, KV head) in the dense cache: the
   place, by position, of the lowest key (the base's aggregate of its state, pooled along
   positions); a Triton kernel on CUDA, the reference elsewhere.
+* ``lowest_places`` — the same keys' few lowest per (row, KV head), with the counts a shared
+  allocation reads: a decoding step's evictions in the paged cache (AdaKV), where the only pass over
+  every slot is the kernel's.
 
 What runs where, tiling rules and what has (not) been checked on hardware: ``docs/kernels.md``.
 
@@ -39,7 +42,7 @@ from kvjax.kernels.block_attention import block_attention_with_scores
 from kvjax.kernels.block_attention.reference import attention_with_scores
 from kvjax.kernels.decode_attention import decode_attention_with_scores
 from kvjax.kernels.decode_attention.reference import corrected_attention
-from kvjax.kernels.eviction_place import lowest_place
+from kvjax.kernels.eviction_place import lowest_place, lowest_places
 from kvjax.kernels.expected_logits import expected_logits
 from kvjax.kernels.moment_residuals import moment_residual_norms
 from kvjax.kernels.prompt_attention import PREFILL_CHUNK, causal_attention
@@ -59,6 +62,7 @@ __all__ = [
     "decode_attention_with_scores",
     "expected_logits",
     "lowest_place",
+    "lowest_places",
     "moment_residual_norms",
     "quantize",
 ]

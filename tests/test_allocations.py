@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvjax.kernels.eviction_place.reference import lowest_of
 from reference_eviction import shared_counts
 
 import kvjax
@@ -260,9 +261,20 @@ def _shuffled(rng, key, pos):
     return jnp.asarray(key), jnp.asarray(pos, jnp.int32), jnp.asarray(order, jnp.int32)
 
 
-def _by_pos(key, order):
-    """The keys listed by position, as ``few_dropped`` takes them."""
-    return jnp.take_along_axis(key, order, -1)
+def _lowest(key, order, picks):
+    """``Lowest`` of the keys listed by position, as ``few_dropped`` takes them."""
+    return lowest_of(jnp.take_along_axis(key, order, -1), picks)
+
+
+def _mask(gone, order, S):
+    """The [..., S] mask of the dropped slots in ``gone`` = (slots, places) [..., picks] (-1: none),
+    checking that each place is its slot's place in ``order``."""
+    slots, places = (np.asarray(x) for x in gone)
+    assert ((slots >= 0) == (places >= 0)).all()
+    np.testing.assert_array_equal(
+        np.where(places >= 0, np.take_along_axis(np.asarray(order), places.clip(0), -1), -1), slots
+    )
+    return (np.arange(S)[:, None] == slots[..., None, :]).any(-1)
 
 
 @pytest.mark.parametrize("floor", [0, 3, 6])
@@ -295,10 +307,8 @@ def test_a_decoding_steps_few_drops_equal_the_sorted_ranking(floor):
     key, pos, order = _shuffled(rng, key, pos)
     kept = shared_targets(key, pos, total, floor, total)
     expected = np.asarray((key > -jnp.inf) & ~(ranks(-key, -pos) < kept[..., None]))
-    np.testing.assert_array_equal(
-        np.asarray(shared_drops(_by_pos(key, order), pos, order, total, floor, total, H)),
-        expected,
-    )
+    gone = shared_drops(_lowest(key, order, H), pos, order, total, floor, total)
+    np.testing.assert_array_equal(_mask(gone, order, S), expected)
     drops = expected.sum((-2, -1))
     assert (drops > 0).mean() > 0.3 and (drops == H).any() and (count > total).any()
 
@@ -329,10 +339,10 @@ def test_a_decoding_steps_drop_per_head_equals_the_sorted_ranking(kind):
     kept = spec.targets(key, pos, budgets, 0, max(budgets), head_budgets)
     expected = np.asarray((key > -jnp.inf) & ~(ranks(-key, -pos) < kept[..., None]))
     fits, dropped = spec.few_dropped(
-        _by_pos(key, order), pos, order, budgets, 0, max(budgets), head_budgets
+        _lowest(key, order, 1), pos, order, budgets, 0, max(budgets), head_budgets
     )
     assert bool(fits)
-    np.testing.assert_array_equal(np.asarray(dropped()), expected)
+    np.testing.assert_array_equal(_mask(dropped(), order, S), expected)
     assert expected.sum(-1).max() == 1 and expected.any(-1).mean() > 0.2
     assert (
         np.asarray((key == jnp.inf).sum(-1)) > limit
@@ -340,7 +350,7 @@ def test_a_decoding_steps_drop_per_head_equals_the_sorted_ranking(kind):
     two_over = np.arange(S) < limit[1, 0, 2] + 2
     order = order.at[1, 0, 2].set(np.arange(S))
     fits, _ = spec.few_dropped(
-        _by_pos(key.at[1, 0, 2].set(np.where(two_over, 1.0, -np.inf)), order),
+        _lowest(key.at[1, 0, 2].set(np.where(two_over, 1.0, -np.inf)), order, 1),
         pos.at[1, 0, 2].set(np.where(two_over, np.arange(S), -1)),
         order,
         budgets,

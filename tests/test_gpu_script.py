@@ -42,12 +42,12 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
     assert all(r["kept_per_head"] == 64 for r in parts["compress"])
     kernels_part, VARIANTS = gpu_script("kernels_part"), gpu_script("layers_part").VARIANTS
     checks = parts["kernel_checks"]
-    # every kernel (dense, paged, MomentKV-corrected, the dense cache's decoding eviction) and the
-    # full cache's prompt attention (XLA's on a CPU)
+    # every kernel (dense, paged, MomentKV-corrected, the dense and paged caches' decoding
+    # evictions) and the full cache's prompt attention (XLA's on a CPU)
     assert {r["op"] for r in checks} == {
         *kernels_part.OPS,
         kernels_part.PROMPT,
-        kernels_part.LOWEST_PLACE,
+        *kernels_part.PLACE_OPS,
     }
     assert {r.get("attention") for r in checks if r["op"] == kernels_part.PROMPT} == {"xla"}
     assert all(r["ok"] and r["max_err"] < 1e-2 for r in checks)
@@ -60,6 +60,9 @@ def test_smoke_runs_every_part_and_reports_every_row(tmp_path):
         "cudnn",
     }
     assert {r["op"] for r in times if r["impl"] == kernels_part.WIDE} == {*kernels_part.WIDE_OPS}
+    # the decoding evictions' kernels, against the XLA forms they replace
+    for impl in ("pallas_gpu", "xla"):
+        assert {r["op"] for r in times if r["impl"] == impl} >= {*kernels_part.PLACE_OPS}
     # the dense decode kernel by its splits, at a budget cache's slots
     assert {(r["op"], r["slots"]) for r in times if r["impl"] in kernels_part.SPLITS} == {
         ("decode", 129)

@@ -10,7 +10,9 @@ which is what the decoding step runs), Expected Attention's expected logits (``e
 kept aside as a decoding keeps them, and of one),
 paged block and paged decode attention (plain and corrected), every score kind, and the dense
 cache's decoding eviction (``lowest_place``, op "lowest_place": each head's place of the lowest
-pooled key, SnapKV's settings; float32 states, compared place for place: its tolerance is 0),
+pooled key, SnapKV's settings; float32 states, compared place for place: its tolerance is 0) and the
+paged cache's (``lowest_places``, op "lowest_places": each head's KV-heads-many lowest places and
+its counts of valid and protected slots, compared exactly),
 at SmolLM2's heads (3 KV heads of 3 query heads, head dim 64) and Llama-3.1-8B's (8 of 4, head dim
 128), float32 and bfloat16, cache lengths of 1061 slots (a ragged last tile) and 32768 (then 4096 if
 time is left). Inputs: two batch rows, positions shuffled per head, 3% of the slots empty plus the
@@ -30,7 +32,8 @@ program holds.
 Timings (Llama-3.1-8B heads, bfloat16, 4 rows, 1K / 4K / 32K slots, every slot visible): the median
 of batches of back-to-back calls, inputs rotated among 3 sets when they would fit in L2. The
 eviction's ``lowest_place`` is timed as one decoding step of the 8B's 32 layers at batch 1 and 64
-(32 and 2,048 rows of 8 heads, 1,025 slots: budget 1024), against the XLA form it replaces. The
+(32 and 2,048 rows of 8 heads, 1,025 slots: budget 1024), against the XLA form it replaces;
+``lowest_places`` the same at AdaKV 1024's capacity (6,576 slots a head, 8 picks). The
 dense decode kernel is also timed at a budget cache's batches 64 and 512 (1,025 slots) with 1, 2 and
 4 flash-decoding splits beside the default's (``gpu_common.decode_splits``: 8 there).
 """
@@ -61,6 +64,7 @@ from kvjax.kernels import (
     decode_attention_with_scores,
     expected_logits,
     lowest_place,
+    lowest_places,
     moment_residual_norms,
 )
 from kvjax.kernels.decode_attention import gpu as decode_gpu
@@ -106,6 +110,11 @@ EXPECTED_LOGITS = "expected_logits"
 LOWEST_PLACE = "lowest_place"
 PLACE_OPTIONS = dict(n_sink=4, window=32, aggregate="mean", pool="max", kernel=7)
 PLACE_LAYERS = 32  # a timed call: every layer of the 8B's decoding step, as rows
+# the paged cache's decoding eviction (AdaKV): each head's KV-heads-many lowest, SnapKV's settings;
+# timed at the 8B's AdaKV 1024 capacity (8 heads sharing 8 × 1,024 slots, less 7 floors)
+LOWEST_PLACES = "lowest_places"
+PLACES_CAPACITY = 6576
+PLACE_OPS = (LOWEST_PLACE, LOWEST_PLACES)
 # causal_attention: the full cache's prompt (cuDNN on CUDA), checked beside the kernels
 PROMPT = "prompt"
 # The decoding evictions' kernels are also timed with 128-slot key tiles (and 8 warps): each tile
@@ -148,7 +157,7 @@ def make_inputs(case: Case, seed: int, visible_all: bool = False) -> tuple:
         return (normal((B, T, Hk * G, K)), normal((B, Hk, T, K)), normal((B, Hk, T, K)))
     if case.op == EXPECTED_LOGITS:
         return expected_inputs(case, normal, keys)
-    if case.op == LOWEST_PLACE:
+    if case.op in PLACE_OPS:
         return place_inputs(case, keys)
     paged, decode, moments = OPS[case.op]
     B, S, T = case.batch, case.slots, 1 if decode else BLOCK_T
@@ -266,6 +275,14 @@ def kernel_fn(case: Case, impl: str | None, interpret: bool, in_stack: bool = Fa
         return jax.jit(lambda *args: (expected_logits(*args, **opts), None, None))
     if case.op == LOWEST_PLACE:
         return jax.jit(lambda *args: (lowest_place(*args, **PLACE_OPTIONS, **opts), None, None))
+    if case.op == LOWEST_PLACES:  # out: the places; lse, col: the valid and protected counts
+        picks = SHAPES[case.shape][0]
+
+        def few(*args):
+            low = lowest_places(*args, picks=picks, **PLACE_OPTIONS, **opts)
+            return low.place, low.count, low.protected
+
+        return jax.jit(few)
     paged, decode, moments = OPS[case.op]
     score = "attn" if case.score == "none" else case.score
     if impl in SPLITS:  # the dense decode kernel itself, its splits given
@@ -370,7 +387,7 @@ def check_cases(smoke: bool, slots: int, ops: tuple[str, ...] | None = None) -> 
                         )
                     )
     cases += [Case(PROMPT, "none", shape, "bfloat16", slots, 2) for shape in shapes]
-    cases += [Case(LOWEST_PLACE, "attn", shape, "float32", slots, 16) for shape in shapes]
+    cases += [Case(op, "attn", shape, "float32", slots, 16) for shape in shapes for op in PLACE_OPS]
     return [c for c in cases if ops is None or c.op in ops]
 
 
@@ -400,6 +417,10 @@ def timing_cases(smoke: bool) -> list[Case]:
         + [  # a decoding step's eviction of every layer: budget 1024 + the new token
             Case(LOWEST_PLACE, "attn", shape, "float32", 129 if smoke else 1025, rows)
             for rows in ((1,) if smoke else (PLACE_LAYERS, 64 * PLACE_LAYERS))
+        ]
+        + [  # the paged cache's (AdaKV 1024) at batch 64
+            Case(LOWEST_PLACES, "attn", shape, "float32", 129 if smoke else PLACES_CAPACITY, rows)
+            for rows in ((1,) if smoke else (64 * PLACE_LAYERS,))
         ]
     )
 
@@ -469,7 +490,7 @@ def run_checks(
                 row["attention"] = prompt_attention(futures[c, "kernel"].result()[0])
             errs = [row[k] for k in row if k.startswith("kernel_") and k.endswith("_err")]
             row["max_err"] = max(errs) if not any(math.isnan(e) for e in errs) else float("nan")
-            row["tol"] = 0.0 if c.op == LOWEST_PLACE else TOL[c.dtype]  # places: exact
+            row["tol"] = 0.0 if c.op in PLACE_OPS else TOL[c.dtype]  # places: exact
             row["ok"] = bool(row["max_err"] <= row["tol"])
             return row
 
@@ -518,7 +539,7 @@ def run_timings(results: Results, deadline: Deadline, futures: dict, smoke: bool
             * K
             * jnp.dtype(c.dtype).itemsize
         )
-        if c.op == LOWEST_PLACE:  # the state, positions and order
+        if c.op in PLACE_OPS:  # the state, positions and order
             kv_bytes = c.batch * Hk * c.slots * (4 * G + 8)
         n_sets = 1 if kv_bytes > L2_BYTES else 3
         sets = None
@@ -631,7 +652,7 @@ def tables(results: Results) -> list[str]:
             "| op | score | slots | batch | Pallas (Triton) ms | Pallas, 128-slot tiles ms "
             "| XLA ms | cuDNN ms | XLA / Pallas "
             "| K+V GB/s (Pallas; K alone for expected_logits; state, positions and order for "
-            "lowest_place) |",
+            "lowest_place(s)) |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         by = {}

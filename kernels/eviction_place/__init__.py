@@ -1,6 +1,8 @@
-"""A decoding step's eviction in the dense cache: the place, by position, of each (row, KV head)'s
-lowest eviction key (the base's pooled aggregate); a Triton kernel beside the XLA reference."""
+"""A decoding step's eviction: the place, by position, of each (row, KV head)'s lowest eviction key
+(the base's pooled aggregate; the dense cache), or its few lowest with their counts (the paged
+cache's shared allocations); Triton kernels beside the XLA reference."""
 
-from kvjax.kernels.eviction_place.api import lowest_place
+from kvjax.kernels.eviction_place.api import lowest_place, lowest_places
+from kvjax.kernels.eviction_place.reference import Lowest
 
-__all__ = ["lowest_place"]
+__all__ = ["Lowest", "lowest_place", "lowest_places"]

@@ -1,5 +1,6 @@
-"""The eviction keys of the dense cache's slots listed by position, as kvjax computes them in XLA,
-and the place of the lowest (a decoding step's one eviction).
+"""The eviction keys of a cache's slots listed by position, as kvjax computes them in XLA; the
+place of the lowest (the dense cache's decoding step: one eviction), and the few lowest places
+with what a shared allocation's choice reads (the paged cache's decoding step).
 
 A slot's key is its base scorer's priority: the per-slot state [B, Hk, G, S] aggregated over the G
 query heads of its KV head (``aggregate``), pooled along positions among the unprotected slots
@@ -12,6 +13,7 @@ to the earlier position.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,9 +83,20 @@ def by_order(order: jax.Array, *xs: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def keys_by_position(
-    state, pos, order, seen, *, n_sink: int, window: int, how: str, pool: str, kernel: int
-) -> jax.Array:
-    """[B, Hk, S] float32 the key of the slot at each place of ``order``.
+    state,
+    pos,
+    order,
+    seen,
+    *,
+    n_sink: int,
+    window: int,
+    how: str,
+    pool: str,
+    kernel: int,
+    with_positions: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """[B, Hk, S] float32 the key of the slot at each place of ``order`` (and, ``with_positions``,
+    the positions [B, Hk, S] listed so, from the same gather).
 
     Args:
         state: [B, Hk, G, S] float32 the per-slot state.
@@ -98,10 +111,48 @@ def keys_by_position(
     protected, unprotected = protection(pos, seen, n_sink, window)
     if pool != "none":
         agg = pool_by_position(agg, unprotected, pool, kernel)
-    return jnp.where(unprotected, agg, jnp.where(protected, jnp.inf, -jnp.inf))
+    key = jnp.where(unprotected, agg, jnp.where(protected, jnp.inf, -jnp.inf))
+    return (key, pos) if with_positions else key
 
 
 def lowest_place(state, pos, order, seen, **options) -> jax.Array:
     """[B, Hk] int32 the first place of ``order`` holding the lowest key (``keys_by_position``,
     whose arguments these are)."""
     return jnp.argmin(keys_by_position(state, pos, order, seen, **options), -1).astype(jnp.int32)
+
+
+class Lowest(NamedTuple):
+    """A head's ``picks`` lowest keys listed by position, and its counts.
+
+    Fields:
+        place: [..., picks] int32 places of ``order``: the valid slots' (key > -inf) by key
+            ascending, then by place (the earlier position), the empty ones after them.
+        key: [..., picks] float32 their keys.
+        count: [..., ] int32 the valid slots.
+        protected: [..., ] int32 the protected ones (key +inf).
+    """
+
+    place: jax.Array
+    key: jax.Array
+    count: jax.Array
+    protected: jax.Array
+
+
+def lowest_of(key: jax.Array, picks: int) -> Lowest:
+    """``Lowest`` of keys [..., S] listed by position, by one ``jax.lax.top_k`` (its ties go to the
+    lower index); picks <= S."""
+    valid = key > -jnp.inf
+    # +0.0: -0.0 and 0.0, equal keys, rank alike; empty slots (after the valid ones) last
+    place = jax.lax.top_k(-jnp.where(valid, key + 0.0, jnp.inf), picks)[1].astype(jnp.int32)
+    return Lowest(
+        place,
+        jnp.take_along_axis(key, place, -1),
+        valid.sum(-1, dtype=jnp.int32),
+        (key == jnp.inf).sum(-1, dtype=jnp.int32),
+    )
+
+
+def lowest_places(state, pos, order, seen, *, picks: int, **options) -> Lowest:
+    """``Lowest`` [B, Hk, ...] of the keys by position (``keys_by_position``, whose other arguments
+    these are)."""
+    return lowest_of(keys_by_position(state, pos, order, seen, **options), picks)

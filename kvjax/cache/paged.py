@@ -27,6 +27,8 @@ from kvjax.eviction import Policy, eviction_keys
 from kvjax.eviction.allocations import ranks
 from kvjax.eviction.moments import Moments, over_layers
 from kvjax.eviction.priority import keys_by_position
+from kvjax.kernels.eviction_place import Lowest, lowest_places
+from kvjax.kernels.eviction_place.reference import by_order, lowest_of
 from kvjax.kernels.paged_attention import (
     paged_block_attention_with_scores,
     paged_decode_attention_with_scores,
@@ -400,40 +402,65 @@ class PagedCache(SlotsView):
             kv = jax.vmap(lambda t, n, s: gather_pages(k_pages, v_pages, t, n, s)[:2])(
                 self.table, self.n_pages, self.pos
             )
-        valid = self.pos >= 0
-        count = valid.sum(-1)
+        C = self.slots
         spec, floor = p.allocation_spec, p.floor_count()
-        if p.pooled_aggregate:  # the keys by position, not permuted back (``keys_by_position``)
+        targets = (budgets, floor, cap, head_budgets, group)
+        if p.pooled_aggregate:  # the keys by position (``keys_by_position``), in the branches
             key = prio = unprotected = None
-            by_pos = jax.vmap(lambda s, q, o: keys_by_position(p, s, q, o, seen))(
-                self.state, self.pos, self.order
-            )
-            present = valid  # such a key is -inf exactly at the empty slots
         else:
             key, prio, unprotected = jax.vmap(
                 lambda s, q, k, v, o, st: eviction_keys(p, s, q, k, v, o, st, seen)
             )(self.state, self.pos, *kv, self.order, self.stats)
-            by_pos = jnp.take_along_axis(key, self.order, -1)
-            present = key > -jnp.inf
 
-        def ranked():  # kept counts [L, B, Hk] and kept slots [L, B, Hk, C], by sorting
-            # by slot: placed back from the positions' order, in the branch that reads them
-            k = key if key is not None else set_slots(by_pos, self.order, by_pos, 3, unique=True)
-            kept = spec.targets(k, self.pos, budgets, floor, cap, head_budgets, group)
-            return kept, valid & (ranks(-k, -self.pos) < kept[..., None])
+        def by_position():  # keys and positions [L, B, Hk, C] listed by position: one gather
+            if key is None:
+                return jax.vmap(
+                    lambda s, q, o: keys_by_position(p, s, q, o, seen, with_positions=True)
+                )(self.state, self.pos, self.order)
+            return by_order(self.order, key, self.pos)
 
-        def unsorted(find):  # the same from the slots that ``find`` drops
-            keep = present & ~find()
-            return keep.sum(-1).astype(jnp.int32), keep
+        def ranked_by_position():  # kept counts [L, B, Hk]; kept and dropped places, by sorting
+            by_pos, pos = by_position()  # ``targets`` and the ranks read no slot numbers
+            kept = spec.targets(by_pos, pos, *targets)
+            keep = (pos >= 0) & (ranks(-by_pos, -pos) < kept[..., None])
+            return kept, keep, (pos >= 0) & ~keep
 
-        few = spec.few_dropped(
-            by_pos, self.pos, self.order, budgets, floor, cap, head_budgets, group
-        )
-        if few is None:
-            kept, best = ranked()
-        else:  # a decoding step's few drops need no sort
-            fits, find = few
-            kept, best = jax.lax.cond(fits, lambda: unsorted(find), ranked)
+        def ranked():  # kept counts and kept slots [L, B, Hk, C]
+            kept, keep, _ = ranked_by_position()
+            return kept, set_slots(jnp.zeros_like(keep), self.order, keep, 3, unique=True)
+
+        picks = spec.few_picks(self.pos.shape[2])
+        if picks is not None:
+            picks = min(picks, C)
+            low = (
+                self._lowest(p, seen, picks)
+                if key is None
+                else lowest_of(jnp.take_along_axis(key, self.order, -1), picks)
+            )
+            fits, dropped = spec.few_dropped(low, self.pos, self.order, *targets)
+        # each head's slots before: 0 … count − 1 (a pooled key is -inf exactly at the empty ones)
+        count = low.count if picks is not None and key is None else (self.pos >= 0).sum(-1)
+        if picks is not None and max_evict <= FEW_FIRST and not p.modifier_spec.sequential_choice:
+            # a decoding step's few drops, listed without a sort (sorted where they do not fit)
+            gone, places = jax.lax.cond(
+                fits,
+                lambda: tuple(self._ascending(x, max_evict) for x in dropped()),
+                lambda: self._ranked_lists(ranked_by_position()[2], max_evict),
+            )
+            return self._compact_few(p, gone, places, count, self._add_moments(gone), reset)
+        valid = self.pos >= 0
+        if picks is None:
+            kept, keep = ranked()
+        else:  # the few drops need no sort where they fit
+
+            def unsorted():
+                slot = dropped()[0]
+                drop = set_slots(
+                    jnp.zeros_like(valid), jnp.where(slot >= 0, slot, C), True, 3, mode="drop"
+                )
+                return (valid & ~drop).sum(-1).astype(jnp.int32), valid & ~drop
+
+            kept, keep = jax.lax.cond(fits, unsorted, ranked)
         if p.modifier_spec.sequential_choice:  # the modifier chooses, a few layers at a time
             chosen = over_layers(
                 lambda a: p.modifier_spec.choose(*a, max_evict, p),
@@ -441,45 +468,86 @@ class PagedCache(SlotsView):
                 max_evict,
             )
             keep = valid & ~chosen
-        else:
-            keep = best
-        dropped = valid & ~keep
-        # [L, B, Hk, E]
-        first_dropped = true_first(dropped, max_evict)
-        weight = jnp.take_along_axis(dropped, first_dropped, -1).astype(jnp.float32)
-        k_out, v_out = self._rows(first_dropped)
-        moments = jax.vmap(Moments.add)(self.moments, weight, k_out, v_out)
-        return self._compact(p, keep, first_dropped, moments, max_evict, reset)
+        if max_evict <= FEW_FIRST:
+            gone, places = self._listed(valid & ~keep, max_evict)
+            return self._compact_few(p, gone, places, count, self._add_moments(gone), reset)
+        gone = true_first(valid & ~keep, max_evict)
+        gone = jnp.where(jnp.arange(max_evict) < (valid & ~keep).sum(-1)[..., None], gone, C)
+        return self._compact(p, keep, gone, self._add_moments(gone), max_evict, reset)
 
-    def _compact(
-        self,
-        p: Policy,
-        keep: jax.Array,
-        dropped: jax.Array,
-        moments: Moments,
-        max_moves: int,
-        reset: bool = True,
-    ) -> PagedCache:
-        """Lay every head's ``keep`` [L, B, Hk, C] slots out in logical slots 0 … n−1 (the kept ones
-        above n move into the holes below it) and free the pages past ⌈n / P⌉; ``dropped``
-        [L, B, Hk, E]: the dropped slots ascending (``true_first``), at most E = ``max_moves`` of
-        them; ``reset`` as in ``evict``.
+    def _lowest(self, p: Policy, seen: jax.Array, picks: int) -> Lowest:
+        """``Lowest`` [L, B, Hk, picks] of every layer's keys by position (``keys_by_position``):
+        ``kvjax.kernels.lowest_places``, a kernel on CUDA, over the layers and rows as one batch."""
 
-        A head's tokens were in slots 0 … m−1 (``attend`` appends), so of the m − n ≤ E dropped,
-        the holes are the first ones (those below n), and the tails, as many, lie in the E slots
-        from n: neither list needs a pass over the C slots."""
+        def run(state, pos, order, seen):  # [L, B, Hk, ...] on each device: its rows and heads
+            L, B = pos.shape[:2]
+            flat = lambda x: x.reshape((L * B,) + x.shape[2:])  # noqa: E731
+            low = lowest_places(
+                flat(state),
+                flat(pos),
+                flat(order),
+                jnp.tile(seen, L),
+                picks=picks,
+                n_sink=p.n_sink,
+                window=p.window,
+                aggregate=p.aggregate,
+                pool=p.pool,
+                kernel=p.kernel,
+                impl=p.impl,
+            )
+            return tuple(x.reshape((L, B) + x.shape[1:]) for x in low)
+
+        layers = (None, *KV)
+        low = per_shard(
+            run,
+            (self.state, self.pos, self.order, seen),
+            (layers, layers, layers, ("batch",)),
+            (layers,) * 4,
+            *self.pos.shape[1:3],
+        )
+        return Lowest(*low)
+
+    def _ascending(self, x: jax.Array, width: int) -> jax.Array:
+        """[L, B, Hk, width] the entries >= 0 of x [L, B, Hk, E <= width] ascending, then C: each
+        put at its rank among the E (compared pairwise, no sort: E is a few)."""
+        x = jnp.where(x >= 0, x, self.slots)
+        x = jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])], constant_values=self.slots)
+        i = jnp.arange(width)
+        before = (x[..., None, :] < x[..., :, None]) | (
+            (x[..., None, :] == x[..., :, None]) & (i < i[:, None])
+        )
+        return set_slots(jnp.zeros_like(x), before.sum(-1), x, lead=3, unique=True)
+
+    def _ranked_lists(self, dropped: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+        """``_listed`` from the dropped places [L, B, Hk, C] of ``order`` (a sorted ranking's)."""
+        n = dropped.sum(-1)[..., None]
+        places = jnp.where(jnp.arange(width) < n, true_first(dropped, width), self.slots)
+        slots = jnp.take_along_axis(self.order, jnp.minimum(places, self.slots - 1), -1)
+        return self._ascending(jnp.where(places < self.slots, slots, -1), width), places
+
+    def _listed(self, dropped: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+        """The ``dropped`` [L, B, Hk, C] slots ascending and their places in ``order`` ascending,
+        [L, B, Hk, width] each, C past them (at most ``width`` <= ``FEW_FIRST`` dropped)."""
+        n = dropped.sum(-1)[..., None]
+        fill = lambda x: jnp.where(jnp.arange(width) < n, x, self.slots)  # noqa: E731
+        in_order = jnp.take_along_axis(dropped, self.order, -1)
+        return fill(true_first(dropped, width)), fill(true_first(in_order, width))
+
+    def _add_moments(self, gone: jax.Array) -> Moments:
+        """The moments with the tokens of the ``gone`` [L, B, Hk, E] slots added (C: none)."""
+        weight = (gone < self.slots).astype(jnp.float32)
+        k_out, v_out = self._rows(jnp.minimum(gone, self.slots - 1))
+        return jax.vmap(Moments.add)(self.moments, weight, k_out, v_out)
+
+    def _move(self, holes, tails, moving, n) -> dict:
+        """The fields that the compaction's row copies and page release change: each ``moving``
+        [L, B, Hk, E] tail's keys and values into its hole's, and the pages past ⌈n / P⌉ of each
+        head (n [L, B, Hk] its new count) returned to the pool."""
         L, B, Hk, C = self.pos.shape
-        P, N = self.page_size, self.free.shape[1]
-        slot = jnp.arange(C)
-        n = keep.sum(-1)  # [L, B, Hk]
-        window = n[..., None] + jnp.arange(max_moves)  # [L, B, Hk, E]
-        tail = jnp.take_along_axis(keep, jnp.minimum(window, C - 1), -1) & (window < C)
-        holes = dropped  # ascending: the first ``tail.sum(-1)`` of them are below n
-        tails = jnp.take_along_axis(window, true_first(tail), -1)  # [L, B, Hk, E] ascending
-        moving = jnp.arange(max_moves) < tail.sum(-1)[..., None]
-        page_of = lambda s: jnp.take_along_axis(self.table, s // P, -1)  # noqa: E731
+        P, N, E = self.page_size, self.free.shape[1], holes.shape[-1]
+        page_of = lambda s: jnp.take_along_axis(self.table, jnp.minimum(s, C - 1) // P, -1)  # noqa: E731
         # out of range, each its own page number (so every update is unique): dropped
-        beyond = N + jnp.arange(L * Hk * max_moves).reshape(L, 1, Hk, max_moves)
+        beyond = N + jnp.arange(L * Hk * E).reshape(L, 1, Hk, E)
         dst_page = jnp.where(moving, page_of(holes), beyond)
 
         def move(pool):  # per row: the tails' rows into the holes' rows
@@ -496,35 +564,125 @@ class PagedCache(SlotsView):
                 pool,
             )
 
-        k_pages, v_pages = move(self.k_pages), move(self.v_pages)
-        identity = jnp.broadcast_to(slot, keep.shape)
-        if max_moves <= FEW_FIRST:  # against the moves' short lists: no [..., C] permutations
+        n_pages = -(-n // P)
+        released = jnp.arange(self.table.shape[-1]) >= n_pages[..., None]
+        released &= jnp.arange(self.table.shape[-1]) < self.n_pages[..., None]
+        returned = jnp.where(released, self.table, N).swapaxes(0, 1).reshape(B, -1)
+        free = per_row(
+            lambda f, r: f.at[r].set(True, mode="drop"), self.free, returned, axes=(0, 0)
+        )
+        return dict(
+            k_pages=move(self.k_pages),
+            v_pages=move(self.v_pages),
+            n_pages=n_pages.astype(jnp.int32),
+            free=free,
+        )
 
-            def from_tails(x):  # x [L, B, Hk, ..., C]: each moving hole takes its tail's entry
-                lead = x.shape[:3] + (1,) * (x.ndim - 4)
-                at = jnp.broadcast_to(tails.reshape(lead + (-1,)), x.shape[:-1] + (max_moves,))
-                taken, out = jnp.take_along_axis(x, at, -1), x
-                for i in range(max_moves):
-                    hit = (slot == holes[..., i : i + 1]) & moving[..., i : i + 1]
-                    out = jnp.where(hit.reshape(lead + (C,)), taken[..., i : i + 1], out)
-                return out
+    def _compact_few(
+        self,
+        p: Policy,
+        gone: jax.Array,
+        places: jax.Array,
+        count: jax.Array,
+        moments: Moments,
+        reset: bool = True,
+    ) -> PagedCache:
+        """``_compact`` from the lists of at most E <= ``FEW_FIRST`` dropped slots: ``gone`` and
+        their ``places`` in ``order`` [L, B, Hk, E], each ascending, C past them; ``count`` [L, B,
+        Hk] each head's slots before. Positions and state change at the moved and emptied slots
+        alone (scatters of E), the order in one pass that shifts each place past the dropped ones
+        by at most E (no [..., C] index array or permutation)."""
+        L, B, Hk, C = self.pos.shape
+        E = gone.shape[-1]
+        k = (gone < C).sum(-1)
+        n = count - k  # [L, B, Hk]
+        window = n[..., None] + jnp.arange(E)  # [L, B, Hk, E]: the tails lie among these
+        tail = (window < count[..., None]) & ~(window[..., None] == gone[..., None, :]).any(-1)
+        tails = jnp.take_along_axis(window, true_first(tail), -1)  # ascending
+        moving = jnp.arange(E) < tail.sum(-1)[..., None]
+        holes = gone  # ascending: the first ``tail.sum(-1)`` of them are below n
+        # the tails' entries into the holes, every slot from n on emptied (E of them at most):
+        # distinct slots, those out of range (C + i, also distinct) dropped
+        at = jnp.concatenate(
+            [
+                jnp.where(moving, holes, C + jnp.arange(E)),
+                jnp.where(window < count[..., None], window, C + E + jnp.arange(E)),
+            ],
+            -1,
+        )
 
-            def renamed(v):  # slot numbers v [L, B, Hk, C]: each moving tail's is its hole's
-                out = v
-                for i in range(max_moves):
-                    hit = (v == tails[..., i : i + 1]) & moving[..., i : i + 1]
-                    out = jnp.where(hit, holes[..., i : i + 1], out)
-                return out
+        def moved(x, empty, lead=3):  # x [L, B, Hk, (G,) C]
+            src = jnp.minimum(tails, C - 1)
+            if lead == 4:
+                src, idx = src[:, :, :, None], at[:, :, :, None]
+                src, idx = (jnp.broadcast_to(a, x.shape[:4] + a.shape[-1:]) for a in (src, idx))
+            else:
+                idx = at
+            new = jnp.concatenate(
+                [jnp.take_along_axis(x, src, -1), jnp.full(src.shape, empty, x.dtype)], -1
+            )
+            return set_slots(x, idx, new, lead=lead, mode="drop", unique=True)
+
+        pos = moved(self.pos, -1)
+        if p.scorer.reset_after_evict:  # unreset, the next step overwrites it
+            state = reset_state(self.state) if reset else self.state
         else:
-            source = set_slots(identity, jnp.where(moving, holes, C), tails, lead=3, mode="drop")
-            new_slot = set_slots(identity, jnp.where(moving, tails, C), holes, lead=3, mode="drop")
+            state = moved(self.state, 0.0, lead=4)
+        # place q < n takes the entry of place q + s, s the dropped places that q's entry passed
+        # (places ascending: the i-th lies at or below q + i exactly where it is passed)
+        q = jnp.arange(C)
+        shift = sum(  # [L, B, Hk, C]; past the list (C) nothing is passed
+            ((places[..., i : i + 1] - i <= q) & (places[..., i : i + 1] < C)).astype(jnp.int32)
+            for i in range(E)
+        )
+        padded = jnp.pad(self.order, [(0, 0)] * 3 + [(0, E)])
+        order = padded[..., :C]
+        for s_ in range(1, E + 1):
+            order = jnp.where(shift == s_, padded[..., s_ : s_ + C], order)
+        for i in range(E):  # a moved tail's slot number is its hole's
+            hit = (order == tails[..., i : i + 1]) & moving[..., i : i + 1]
+            order = jnp.where(hit, holes[..., i : i + 1], order)
+        order = jnp.where(q < n[..., None], order, q)  # the empty slots, ascending
+        return self.replace(
+            pos=pos,
+            state=state,
+            order=order.astype(jnp.int32),
+            moments=moments,
+            **self._move(holes, tails, moving, n),
+        )
 
-            def from_tails(x):
-                at = source.reshape(source.shape[:3] + (1,) * (x.ndim - 4) + (C,))
-                return jnp.take_along_axis(x, jnp.broadcast_to(at, x.shape), -1)
+    def _compact(
+        self,
+        p: Policy,
+        keep: jax.Array,
+        dropped: jax.Array,
+        moments: Moments,
+        max_moves: int,
+        reset: bool = True,
+    ) -> PagedCache:
+        """Lay every head's ``keep`` [L, B, Hk, C] slots out in logical slots 0 … n−1 (the kept ones
+        above n move into the holes below it) and free the pages past ⌈n / P⌉; ``dropped``
+        [L, B, Hk, E]: the dropped slots ascending, C past them, at most E = ``max_moves``;
+        ``reset`` as in ``evict``. (``_compact_few`` for a few dropped.)
 
-            def renamed(v):
-                return jnp.take_along_axis(new_slot, v, -1)
+        A head's tokens were in slots 0 … m−1 (``attend`` appends), so of the m − n ≤ E dropped,
+        the holes are the first ones (those below n), and the tails, as many, lie in the E slots
+        from n: neither list needs a pass over the C slots."""
+        C = self.slots
+        slot = jnp.arange(C)
+        n = keep.sum(-1)  # [L, B, Hk]
+        window = n[..., None] + jnp.arange(max_moves)  # [L, B, Hk, E]
+        tail = jnp.take_along_axis(keep, jnp.minimum(window, C - 1), -1) & (window < C)
+        holes = dropped  # ascending: the first ``tail.sum(-1)`` of them are below n
+        tails = jnp.take_along_axis(window, true_first(tail), -1)  # [L, B, Hk, E] ascending
+        moving = jnp.arange(max_moves) < tail.sum(-1)[..., None]
+        identity = jnp.broadcast_to(slot, keep.shape)
+        source = set_slots(identity, jnp.where(moving, holes, C), tails, lead=3, mode="drop")
+        new_slot = set_slots(identity, jnp.where(moving, tails, C), holes, lead=3, mode="drop")
+
+        def from_tails(x):  # x [L, B, Hk, ..., C]: each moving hole takes its tail's entry
+            at = source.reshape(source.shape[:3] + (1,) * (x.ndim - 4) + (C,))
+            return jnp.take_along_axis(x, jnp.broadcast_to(at, x.shape), -1)
 
         live = slot < n[..., None]
         pos = jnp.where(live, from_tails(self.pos), -1)
@@ -534,23 +692,15 @@ class PagedCache(SlotsView):
             state = jnp.where(live[..., None, :], from_tails(self.state), 0.0)
         kept_in_order = jnp.take_along_axis(keep, self.order, -1)
         rank = jnp.where(kept_in_order, jnp.cumsum(kept_in_order, -1) - 1, C)
-        order = set_slots(identity, rank, renamed(self.order), lead=3, mode="drop")
-        n_pages = -(-n // P)
-        released = jnp.arange(self.table.shape[-1]) >= n_pages[..., None]
-        released &= jnp.arange(self.table.shape[-1]) < self.n_pages[..., None]
-        returned = jnp.where(released, self.table, N).swapaxes(0, 1).reshape(B, -1)
-        free = per_row(
-            lambda f, r: f.at[r].set(True, mode="drop"), self.free, returned, axes=(0, 0)
+        order = set_slots(
+            identity, rank, jnp.take_along_axis(new_slot, self.order, -1), lead=3, mode="drop"
         )
         return self.replace(
-            k_pages=k_pages,
-            v_pages=v_pages,
-            n_pages=n_pages.astype(jnp.int32),
-            free=free,
             pos=pos.astype(jnp.int32),
             state=state,
             order=order.astype(jnp.int32),
             moments=moments,
+            **self._move(holes, tails, moving, n),
         )
 
     def resize(self, pages_per_head: int, n_pool: int, spare: int) -> PagedCache:

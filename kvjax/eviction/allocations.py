@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.kernels.eviction_place import Lowest
 from kvjax.slots import inverse_permutation
 
 PYRAMID_BETA = 20
@@ -114,13 +115,15 @@ def shared_targets(key: jax.Array, pos: jax.Array, total: int, floor: int, cap: 
 
 
 def shared_drops(
-    by_pos: jax.Array, pos: jax.Array, order: jax.Array, total, floor: int, cap, picks: int
-) -> jax.Array:
-    """[..., H, S] the slots ``shared_targets`` leaves out, found in ``picks`` greedy steps instead
-    of two sorts, for when at most ``picks`` slots go (the heads' count over ``total``).
+    low: Lowest, pos: jax.Array, order: jax.Array, total, floor: int, cap
+) -> tuple[jax.Array, jax.Array]:
+    """The slots ``shared_targets`` leaves out of H heads, for when at most ``picks`` go (the heads'
+    count over ``total``), found in ``picks`` greedy steps over each head's ``picks`` lowest keys
+    instead of two sorts: (slots, their places in ``order``), each [..., H, picks], -1 past a
+    head's drops.
 
     Args:
-        by_pos: [..., H, S] each head's eviction keys listed by position (at the places of
+        low: ``Lowest`` [..., H, picks] of each head's keys listed by position (at the places of
             ``order``).
         pos: [..., H, S] the positions by slot.
         order: [..., H, S] each head's slots by position, valid ones first (``SlotsView.order``).
@@ -129,17 +132,14 @@ def shared_drops(
     Each step drops one slot: while a head holds more than ``cap``, the lowest of such heads' slots;
     else the lowest of the heads above their floor (sorted last by ``shared_targets``: lowest key,
     then earliest position, then highest head). A head's drops are its lowest slots by key, then
-    position, so the steps run on each head's ``picks`` lowest, found in one pass over its slots
-    (``jax.lax.top_k`` in position order, whose ties go to the lower index: the earlier position).
+    position: the first of its lowest.
     """
-    H, S = by_pos.shape[-2:]
-    picks = min(picks, S)
-    valid, count, floored = _floored(by_pos, floor)
+    H, picks = low.place.shape[-2:]
+    count = low.count
+    floored = jnp.minimum(jnp.maximum(floor, low.protected), count)
     over = count.sum(-1, keepdims=True) > total  # [..., 1]: else every slot is kept
-    # +0.0: -0.0 and 0.0, equal keys, rank alike; empty slots (after the valid ones) last
-    place = jax.lax.top_k(-jnp.where(valid, by_pos + 0.0, jnp.inf), picks)[1]  # [..., H, picks]
-    slot = jnp.take_along_axis(order, place, -1)
-    low_key, low_valid = (jnp.take_along_axis(x, place, -1) for x in (by_pos, valid))
+    slot = jnp.take_along_axis(order, low.place, -1)
+    low_valid = low.key > -jnp.inf
     low_pos = jnp.take_along_axis(pos, slot, -1)
     head = jnp.arange(H)
 
@@ -153,14 +153,14 @@ def shared_drops(
         go = over & (anyone | (n.sum(-1, keepdims=True) > total))
         heads = jnp.where(anyone, forced, n > floored) & go
         at = jnp.minimum(taken, picks - 1)[..., None]  # each head's lowest slot not yet dropped
-        k, p, ok = (jnp.take_along_axis(x, at, -1)[..., 0] for x in (low_key, low_pos, low_valid))
+        k, p, ok = (jnp.take_along_axis(x, at, -1)[..., 0] for x in (low.key, low_pos, low_valid))
         cand = heads & ok & (taken < picks)
         cand &= k == lowest(k, cand, jnp.inf)
         cand &= p == lowest(p, cand, jnp.iinfo(jnp.int32).max)
         cand &= head == -lowest(-head, cand, 1)  # the highest head
         taken, n = taken + cand, n - cand
-    gone = jnp.where(jnp.arange(picks) < taken[..., None], slot, -1)  # [..., H, picks]
-    return (jnp.arange(S)[:, None] == gone[..., None, :]).any(-1)
+    gone = jnp.arange(picks) < taken[..., None]  # [..., H, picks]
+    return jnp.where(gone, slot, -1), jnp.where(gone, low.place, -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,21 +225,32 @@ class Allocation:
         themselves)."""
         return jnp.asarray(budgets, jnp.int32)[:, None, None]
 
-    def few_dropped(self, by_pos, pos, order, budgets, floor, cap, head_budgets=None, group=None):
-        """(fits, dropped) for a decoding step's eviction, found without a sort, or None where this
-        allocation has none. fits: a bool scalar, True where every head holds at most one slot
-        over its limit (heads sharing a budget: at most one each over their total); dropped: a
-        function of no arguments returning the [L, B, Hk, S] slots that ``targets`` and the
-        ranking leave out, valid only where fits. by_pos: the keys [L, B, Hk, S] listed by
-        position, as ``order`` [L, B, Hk, S] lists the slots (valid ones first,
-        ``SlotsView.order``); the other arguments as for ``targets``."""
-        limit = self.limits(budgets, head_budgets, by_pos.shape[2])[..., None]  # [L, 1, Hk|1, 1]
-        fits = jnp.all((by_pos > -jnp.inf).sum(-1) <= limit[..., 0] + 1)
+    def few_picks(self, n_kv_heads: int) -> int | None:
+        """How many of each head's lowest keys ``few_dropped`` reads (at most one slot over each
+        head's limit: one), or None where this allocation has no sort-free decoding step."""
+        return 1
+
+    def few_dropped(
+        self, low: Lowest, pos, order, budgets, floor, cap, head_budgets=None, group=None
+    ):
+        """(fits, dropped) for a decoding step's eviction, found without a sort. fits: a bool
+        scalar, True where every head holds at most one slot over its limit (heads sharing a
+        budget: at most one each over their total); dropped: a function of no arguments returning
+        the slots that ``targets`` and the ranking leave out and their places in ``order``
+        (``shared_drops``' lists [L, B, Hk, picks]), valid only where fits. low: ``Lowest`` [L, B,
+        Hk, picks] of the keys listed by position as ``order`` [L, B, Hk, S] lists the slots (valid
+        ones first, ``SlotsView.order``), picks = ``few_picks``; the other arguments as for
+        ``targets``."""
+        limit = self.limits(budgets, head_budgets, pos.shape[2])  # [L, 1, Hk|1]
+        fits = jnp.all(low.count <= limit + 1)
         one_head = lambda x: x[..., None, :]  # noqa: E731  each head a budget of its own
 
         def dropped():  # shared_drops over one head: its lowest key, then earliest position
-            heads = (one_head(x) for x in (by_pos, pos, order))
-            return shared_drops(*heads, limit, 0, limit, 1)[..., 0, :]
+            low1 = Lowest(*(x[..., None] if x.ndim == 3 else one_head(x) for x in low))
+            gone = shared_drops(
+                low1, one_head(pos), one_head(order), limit[..., None], 0, limit[..., None]
+            )
+            return tuple(x[..., 0, :] for x in gone)
 
         return fits, dropped
 
@@ -287,11 +298,14 @@ class AdaKV(Allocation):
         group = key.shape[2] * budgets[0] if group is None else group
         return shared_targets(key, pos, group, floor, cap).astype(jnp.int32)
 
-    def few_dropped(self, by_pos, pos, order, budgets, floor, cap, head_budgets=None, group=None):
-        Hk = by_pos.shape[2]
+    def few_picks(self, n_kv_heads):
+        return n_kv_heads  # the layer's new tokens may all leave one head
+
+    def few_dropped(self, low, pos, order, budgets, floor, cap, head_budgets=None, group=None):
+        Hk = pos.shape[2]
         group = Hk * budgets[0] if group is None else group
-        fits = jnp.all((by_pos > -jnp.inf).sum((-2, -1)) <= group + Hk)
-        return fits, lambda: shared_drops(by_pos, pos, order, group, floor, cap, Hk)
+        fits = jnp.all(low.count.sum(-1) <= group + Hk)
+        return fits, lambda: shared_drops(low, pos, order, group, floor, cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +332,7 @@ class Global(AdaKV):
         kept = shared_targets(rows(key), rows(pos), group, floor, cap)
         return kept.reshape(B, L, Hk).transpose(1, 0, 2).astype(jnp.int32)
 
-    def few_dropped(self, by_pos, pos, order, budgets, floor, cap, head_budgets=None, group=None):
+    def few_picks(self, n_kv_heads):
         return None  # one new slot per head is L × Hk greedy steps over a whole row: the sorts
 
 

@@ -108,13 +108,19 @@ def eviction_keys(
 
 
 def keys_by_position(
-    policy, state: jax.Array, pos: jax.Array, order: jax.Array, seen: jax.Array
-) -> jax.Array:
+    policy,
+    state: jax.Array,
+    pos: jax.Array,
+    order: jax.Array,
+    seen: jax.Array,
+    with_positions: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``eviction_keys``' keys [B, Hk, S] listed by position (as ``order`` lists the slots), for a
     policy whose priority is its base's pooled aggregate (``Policy.pooled_aggregate``): pooled in
     that order (``kvjax.kernels.eviction_place.reference``), with no permutation back to the slots
     and none forth again (a decoding step of the dense cache inverted an [L, B, Hk, S] permutation
-    for the pooling alone). The same keys, bit for bit."""
+    for the pooling alone). The same keys, bit for bit; ``with_positions``: and the positions
+    listed so."""
     return reference.keys_by_position(
         state,
         pos,
@@ -125,4 +131,5 @@ def keys_by_position(
         how=policy.aggregate,
         pool=policy.pool,
         kernel=policy.kernel,
+        with_positions=with_positions,
     )
