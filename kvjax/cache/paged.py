@@ -105,6 +105,16 @@ class PagedCache(SlotsView):
     )
     LAYER_FIELDS = ("table", "n_pages", "pos", "state", "order", "moments")
 
+    def layer_fields(self, seg: Segment) -> tuple[str, ...]:
+        """The ``LAYER_FIELDS`` a layer's ``attend`` reads or writes under ``seg``: new tokens
+        take the next logical slots, whose places in the order are theirs already, so the order
+        only where the layer evicts (``seg.evict_in_layer``); else it stays stacked, carried
+        untouched (docs/performance.md, "The paged decoding step from each head's few lowest
+        keys")."""
+        if seg.evict_in_layer:
+            return self.LAYER_FIELDS
+        return tuple(n for n in self.LAYER_FIELDS if n != "order")
+
     @classmethod
     def init(
         cls,

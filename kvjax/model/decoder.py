@@ -100,12 +100,12 @@ def forward(params: Params, groups: tuple) -> tuple[tuple, tuple]:
     inv_freq = inverse_frequencies(cfg)
     xs = tuple(jnp.take(params.embed, tokens, axis=0) for tokens, _, _ in groups)
     segs = tuple(seg for _, _, seg in groups)
-    rest, fields = zip(*(split_layers(cache) for _, cache, _ in groups), strict=True)
+    rest, fields = zip(*(split_layers(cache, seg) for _, cache, seg in groups), strict=True)
 
     def layer_step(xs, rest, p, index, here):
         caches = tuple(join_layers(r, f) for r, f in zip(rest, here, strict=True))
         xs, caches = decoder_layer(cfg, xs, p, index, caches, segs, inv_freq)
-        rest, here = zip(*(split_layers(c) for c in caches), strict=True)
+        rest, here = zip(*(split_layers(c, s) for c, s in zip(caches, segs)), strict=True)
         return xs, rest, here
 
     if isinstance(params.layers, tuple):

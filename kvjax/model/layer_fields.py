@@ -26,9 +26,13 @@ import jax
 import jax.numpy as jnp
 
 
-def split_layers(cache) -> tuple[object, dict]:
-    """(``cache`` with its ``LAYER_FIELDS`` set to None, those fields by name)."""
+def split_layers(cache, seg=None) -> tuple[object, dict]:
+    """(``cache`` with its ``LAYER_FIELDS`` set to None, those fields by name); with the layer's
+    ``seg``, only those its attention reads or writes there (``layer_fields``): the others stay
+    stacked in the cache, which the layer loop carries untouched."""
     names = getattr(cache, "LAYER_FIELDS", ())
+    if seg is not None and hasattr(cache, "layer_fields"):
+        names = cache.layer_fields(seg)
     if not names:
         return cache, {}
     return cache.replace(**dict.fromkeys(names)), {name: getattr(cache, name) for name in names}
