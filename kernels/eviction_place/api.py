@@ -41,17 +41,8 @@ def lowest_place(
         impl / interpret: as ``block_attention_with_scores``.
     """
     options = dict(n_sink=n_sink, window=window, how=aggregate, pool=pool, kernel=kernel)
-    return _select(
-        reference.lowest_place,
-        gpu.lowest_place_gpu,
-        options,
-        impl,
-        interpret,
-        state,
-        pos,
-        order,
-        seen,
-    )
+    xla, on_gpu = reference.lowest_place, gpu.lowest_place_gpu
+    return _select(xla, on_gpu, options, impl, interpret, (state, pos, order, seen))
 
 
 def lowest_places(
@@ -80,23 +71,15 @@ def lowest_places(
     options = dict(
         picks=picks, n_sink=n_sink, window=window, how=aggregate, pool=pool, kernel=kernel
     )
-    return _select(
-        reference.lowest_places,
-        gpu.lowest_places_gpu,
-        options,
-        impl,
-        interpret,
-        state,
-        pos,
-        order,
-        seen,
-    )
+    xla, on_gpu = reference.lowest_places, gpu.lowest_places_gpu
+    return _select(xla, on_gpu, options, impl, interpret, (state, pos, order, seen))
 
 
-def _select(xla, on_gpu, options, impl, interpret, state, pos, order, seen):
-    """Checks the shapes, and runs the kernel ``on_gpu`` where ``impl`` and the platform say, else
-    the reference ``xla``."""
+def _select(xla, on_gpu, options, impl, interpret, args):
+    """Checks the shapes of ``args`` = (state, pos, order, seen), and runs the kernel ``on_gpu``
+    where ``impl`` and the platform say, else the reference ``xla``."""
     check_impl(impl)
+    state, pos, order, seen = args
     B, Hk, G, S = state.shape
     for name, x in (("pos", pos), ("order", order)):
         if x.shape != (B, Hk, S):
@@ -105,7 +88,6 @@ def _select(xla, on_gpu, options, impl, interpret, state, pos, order, seen):
             )
     if seen.shape != (B,):
         raise ValueError(f"seen must be (B,) = {(B,)}, got {seen.shape}")
-    args = (state, pos, order, seen)
     xla = functools.partial(xla, **options)
     on_gpu = functools.partial(on_gpu, interpret=interpret, **options)
     if impl == "pallas_gpu":

@@ -115,53 +115,23 @@ def _lowest_kernel(
     key_ref[...] = keys
 
 
-def lowest_place_gpu(
-    state,
-    pos,
-    order,
-    seen,
-    *,
-    n_sink: int,
-    window: int,
-    how: str,
-    pool: str,
-    kernel: int,
-    interpret=False,
-):
+def lowest_place_gpu(state, pos, order, seen, *, interpret=False, **options):
     """``reference.lowest_place`` (arguments as there; ``how`` one of ``KERNEL_AGGREGATES``),
     [B, Hk] int32."""
-    options = dict(n_sink=n_sink, window=window, how=how, pool=pool, kernel=kernel)
-    (out,) = _call(_kernel, "lowest_place", (1,), state, pos, order, seen, options, interpret)
+    (out,) = _call(_kernel, "lowest_place", (1,), (state, pos, order, seen), options, interpret)
     return out[..., 0]
 
 
-def lowest_places_gpu(
-    state,
-    pos,
-    order,
-    seen,
-    *,
-    picks: int,
-    n_sink: int,
-    window: int,
-    how: str,
-    pool: str,
-    kernel: int,
-    interpret=False,
-):
+def lowest_places_gpu(state, pos, order, seen, *, picks: int, interpret=False, **options):
     """``reference.lowest_places`` (arguments as there; ``how`` one of ``KERNEL_AGGREGATES``), a
     ``reference.Lowest``. Its picks are ``picks`` greedy min-reductions over the keys in
     registers, each the lowest untaken key's first place (as ``jax.lax.top_k``'s ties go)."""
-    options = dict(n_sink=n_sink, window=window, how=how, pool=pool, kernel=kernel)
     wide = next_pow2(picks)
     place, key, count, protected = _call(
         functools.partial(_lowest_kernel, picks=picks),
         "lowest_places",
         (wide, wide, 1, 1),
-        state,
-        pos,
-        order,
-        seen,
+        (state, pos, order, seen),
         options,
         interpret,
         dtypes=(jnp.int32, jnp.float32, jnp.int32, jnp.int32),
@@ -169,10 +139,12 @@ def lowest_places_gpu(
     return reference.Lowest(place[..., :picks], key[..., :picks], count[..., 0], protected[..., 0])
 
 
-def _call(body, name, widths, state, pos, order, seen, options, interpret, dtypes=(jnp.int32,)):
-    """The grid (B, Hk) over ``body``, whose outputs are [B, Hk, width] for each of ``widths``
-    (powers of 2) in ``dtypes``; each program holds its head's S slots at once, in up to 16 warps
-    (more registers for wider rows: the 8B's AdaKV has 6,576 slots a head)."""
+def _call(body, name, widths, args, options, interpret, dtypes=(jnp.int32,)):
+    """The grid (B, Hk) over ``body`` of ``args`` = (state, pos, order, seen), whose outputs are
+    [B, Hk, width] for each of ``widths`` (powers of 2) in ``dtypes``; each program holds its
+    head's S slots at once, in up to 16 warps (more registers for wider rows: the 8B's AdaKV has
+    6,576 slots a head)."""
+    state, pos, order, seen = args
     B, Hk, G, S = state.shape
     if options["how"] not in KERNEL_AGGREGATES:
         raise ValueError(f"aggregate={options['how']!r}: the GPU kernel takes {KERNEL_AGGREGATES}")

@@ -259,17 +259,7 @@ class BudgetCache(SlotsView):
         """[B, Hk] the place in ``order`` of each head's lowest key (``keys_by_position``), the
         earliest of equal ones: ``kvjax.kernels.lowest_place``."""
         (place,) = per_shard(
-            lambda *a: (
-                lowest_place(
-                    *a,
-                    n_sink=p.n_sink,
-                    window=p.window,
-                    aggregate=p.aggregate,
-                    pool=p.pool,
-                    kernel=p.kernel,
-                    impl=p.impl,
-                ),
-            ),
+            lambda *a: (lowest_place(*a, **p.key_options),),
             (self.state, self.pos, self.order, seen),
             (KV, KV, KV, ("batch",)),
             (KV,),

@@ -481,8 +481,7 @@ class PagedCache(SlotsView):
         if max_evict <= FEW_FIRST:
             gone, places = self._listed(valid & ~keep, max_evict)
             return self._compact_few(p, gone, places, count, self._add_moments(gone), reset)
-        gone = true_first(valid & ~keep, max_evict)
-        gone = jnp.where(jnp.arange(max_evict) < (valid & ~keep).sum(-1)[..., None], gone, C)
+        gone = self._first(valid & ~keep, max_evict)
         return self._compact(p, keep, gone, self._add_moments(gone), max_evict, reset)
 
     def _lowest(self, p: Policy, seen: jax.Array, picks: int) -> Lowest:
@@ -492,19 +491,8 @@ class PagedCache(SlotsView):
         def run(state, pos, order, seen):  # [L, B, Hk, ...] on each device: its rows and heads
             L, B = pos.shape[:2]
             flat = lambda x: x.reshape((L * B,) + x.shape[2:])  # noqa: E731
-            low = lowest_places(
-                flat(state),
-                flat(pos),
-                flat(order),
-                jnp.tile(seen, L),
-                picks=picks,
-                n_sink=p.n_sink,
-                window=p.window,
-                aggregate=p.aggregate,
-                pool=p.pool,
-                kernel=p.kernel,
-                impl=p.impl,
-            )
+            args = (flat(state), flat(pos), flat(order), jnp.tile(seen, L))
+            low = lowest_places(*args, picks=picks, **p.key_options)
             return tuple(x.reshape((L, B) + x.shape[1:]) for x in low)
 
         layers = (None, *KV)
@@ -528,20 +516,23 @@ class PagedCache(SlotsView):
         )
         return set_slots(jnp.zeros_like(x), before.sum(-1), x, lead=3, unique=True)
 
+    def _first(self, mask: jax.Array, width: int) -> jax.Array:
+        """[L, B, Hk, width] the True entries of mask [L, B, Hk, C] ascending, C past them (at
+        most ``width`` of them)."""
+        n = mask.sum(-1)[..., None]
+        return jnp.where(jnp.arange(width) < n, true_first(mask, width), self.slots)
+
     def _ranked_lists(self, dropped: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
         """``_listed`` from the dropped places [L, B, Hk, C] of ``order`` (a sorted ranking's)."""
-        n = dropped.sum(-1)[..., None]
-        places = jnp.where(jnp.arange(width) < n, true_first(dropped, width), self.slots)
+        places = self._first(dropped, width)
         slots = jnp.take_along_axis(self.order, jnp.minimum(places, self.slots - 1), -1)
         return self._ascending(jnp.where(places < self.slots, slots, -1), width), places
 
     def _listed(self, dropped: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
         """The ``dropped`` [L, B, Hk, C] slots ascending and their places in ``order`` ascending,
         [L, B, Hk, width] each, C past them (at most ``width`` <= ``FEW_FIRST`` dropped)."""
-        n = dropped.sum(-1)[..., None]
-        fill = lambda x: jnp.where(jnp.arange(width) < n, x, self.slots)  # noqa: E731
         in_order = jnp.take_along_axis(dropped, self.order, -1)
-        return fill(true_first(dropped, width)), fill(true_first(in_order, width))
+        return self._first(dropped, width), self._first(in_order, width)
 
     def _add_moments(self, gone: jax.Array) -> Moments:
         """The moments with the tokens of the ``gone`` [L, B, Hk, E] slots added (C: none)."""
@@ -549,10 +540,10 @@ class PagedCache(SlotsView):
         k_out, v_out = self._rows(jnp.minimum(gone, self.slots - 1))
         return jax.vmap(Moments.add)(self.moments, weight, k_out, v_out)
 
-    def _move(self, holes, tails, moving, n) -> dict:
-        """The fields that the compaction's row copies and page release change: each ``moving``
-        [L, B, Hk, E] tail's keys and values into its hole's, and the pages past ⌈n / P⌉ of each
-        head (n [L, B, Hk] its new count) returned to the pool."""
+    def _laid_out(self, holes, tails, moving, n, **fields) -> PagedCache:
+        """The compaction's end: the cache with ``fields`` (positions, state, order, moments)
+        replaced, each ``moving`` [L, B, Hk, E] tail's keys and values copied into its hole's, and
+        the pages past ⌈n / P⌉ of each head (n [L, B, Hk] its new count) returned to the pool."""
         L, B, Hk, C = self.pos.shape
         P, N, E = self.page_size, self.free.shape[1], holes.shape[-1]
         page_of = lambda s: jnp.take_along_axis(self.table, jnp.minimum(s, C - 1) // P, -1)  # noqa: E731
@@ -581,11 +572,12 @@ class PagedCache(SlotsView):
         free = per_row(
             lambda f, r: f.at[r].set(True, mode="drop"), self.free, returned, axes=(0, 0)
         )
-        return dict(
+        return self.replace(
             k_pages=move(self.k_pages),
             v_pages=move(self.v_pages),
             n_pages=n_pages.astype(jnp.int32),
             free=free,
+            **fields,
         )
 
     def _compact_few(
@@ -653,12 +645,15 @@ class PagedCache(SlotsView):
             hit = (order == tails[..., i : i + 1]) & moving[..., i : i + 1]
             order = jnp.where(hit, holes[..., i : i + 1], order)
         order = jnp.where(q < n[..., None], order, q)  # the empty slots, ascending
-        return self.replace(
+        return self._laid_out(
+            holes,
+            tails,
+            moving,
+            n,
             pos=pos,
             state=state,
             order=order.astype(jnp.int32),
             moments=moments,
-            **self._move(holes, tails, moving, n),
         )
 
     def _compact(
@@ -705,12 +700,15 @@ class PagedCache(SlotsView):
         order = set_slots(
             identity, rank, jnp.take_along_axis(new_slot, self.order, -1), lead=3, mode="drop"
         )
-        return self.replace(
+        return self._laid_out(
+            holes,
+            tails,
+            moving,
+            n,
             pos=pos.astype(jnp.int32),
             state=state,
             order=order.astype(jnp.int32),
             moments=moments,
-            **self._move(holes, tails, moving, n),
         )
 
     def resize(self, pages_per_head: int, n_pool: int, spare: int) -> PagedCache:

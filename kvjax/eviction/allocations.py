@@ -246,7 +246,12 @@ class Allocation:
         one_head = lambda x: x[..., None, :]  # noqa: E731  each head a budget of its own
 
         def dropped():  # shared_drops over one head: its lowest key, then earliest position
-            low1 = Lowest(*(x[..., None] if x.ndim == 3 else one_head(x) for x in low))
+            low1 = Lowest(
+                one_head(low.place),
+                one_head(low.key),
+                low.count[..., None],
+                low.protected[..., None],
+            )
             gone = shared_drops(
                 low1, one_head(pos), one_head(order), limit[..., None], 0, limit[..., None]
             )

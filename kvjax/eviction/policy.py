@@ -90,6 +90,19 @@ class Policy:
         )
 
     @property
+    def key_options(self) -> dict:
+        """The keywords of ``kvjax.kernels.lowest_place`` and ``lowest_places`` that say how a
+        pooled aggregate's keys are made (``pooled_aggregate``), and its ``impl``."""
+        return dict(
+            n_sink=self.n_sink,
+            window=self.window,
+            aggregate=self.aggregate,
+            pool=self.pool,
+            kernel=self.kernel,
+            impl=self.impl,
+        )
+
+    @property
     def state_form(self) -> str:
         """How the per-slot state keeps the query heads: "heads", one value each; or "sum" or
         "mean", one value per KV head, each column aggregated as it is added (``fold``). A sum or
