@@ -158,12 +158,16 @@ KINDS = (  # (kind, name fragments), first match wins
 )
 
 
+SHORT_OP_US = 5.0  # a kernel this short is mostly its launch and ramp (a few µs on an H200)
+
+
 def device_profile(run: Callable[[], Any], steps: int, top: int = 8) -> dict:
     """Where one call of ``run`` (``steps`` decode steps) spends device time, from JAX's profiler (a
     Perfetto trace): ms per step per kind of op (``KINDS``, else "other"), ops per step (with the
-    timed step, the gap each kernel launch leaves) and the ``top`` names by time (None: all; also
-    read by ``benchmarks/batch_decode.py``). On a GPU the kernels of the device's stream threads
-    (the "XLA Ops" line if there are none); on a CPU, XLA's thunks."""
+    timed step, the gap each kernel launch leaves), the ops shorter than ``SHORT_OP_US`` (per step:
+    how many, and their ms: the time that fewer, fused ops could save) and the ``top`` names by
+    time (None: all; also read by ``benchmarks/batch_decode.py``). On a GPU the kernels of the
+    device's stream threads (the "XLA Ops" line if there are none); on a CPU, XLA's thunks."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             jax.block_until_ready(run())
@@ -183,7 +187,7 @@ def device_profile(run: Callable[[], Any], steps: int, top: int = 8) -> dict:
     lines = [t for t, n in threads.items() if "stream" in n.lower()] or [
         t for t, n in threads.items() if n == "XLA Ops"
     ]
-    per_name, ops = collections.Counter(), 0
+    per_name, ops, short, short_ms = collections.Counter(), 0, 0, 0.0
     for e in events:
         name = e.get("name", "")
         if e.get("ph") != "X":
@@ -195,6 +199,9 @@ def device_profile(run: Callable[[], Any], steps: int, top: int = 8) -> dict:
             continue
         per_name[name] += e.get("dur", 0) / 1e3 / steps
         ops += 1
+        if e.get("dur", 0) < SHORT_OP_US:
+            short += 1
+            short_ms += e.get("dur", 0) / 1e3
     kinds = collections.Counter()
     for name, ms in per_name.items():
         lower = name.lower()
@@ -202,6 +209,8 @@ def device_profile(run: Callable[[], Any], steps: int, top: int = 8) -> dict:
     return {
         "ms_per_step": sum(per_name.values()),
         "ops_per_step": ops / steps,
+        "short_ops_per_step": short / steps,
+        "short_ops_ms": short_ms / steps,
         "kinds": dict(kinds),
         "top": [[name, ms] for name, ms in per_name.most_common(top)],
         # the trace lines counted (none on a device: every device line's name, to see why)

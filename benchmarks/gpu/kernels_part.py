@@ -35,7 +35,8 @@ eviction's ``lowest_place`` is timed as one decoding step of the 8B's 32 layers 
 (32 and 2,048 rows of 8 heads, 1,025 slots: budget 1024), against the XLA form it replaces;
 ``lowest_places`` the same at AdaKV 1024's capacity (6,576 slots a head, 8 picks). The
 dense decode kernel is also timed at a budget cache's batches 64 and 512 (1,025 slots) with 1, 2 and
-4 flash-decoding splits beside the default's (``gpu_common.decode_splits``: 8 there).
+4 flash-decoding splits beside the default's (``gpu_common.decode_splits``: 8 there), and at batch 1
+(the full cache's 4,352 slots at 4K, and 1,025) with 16 and 32.
 """
 
 from __future__ import annotations
@@ -123,9 +124,29 @@ WIDE = "pallas_gpu_128"
 WIDE_OPS = (MOMENT_RESIDUALS, EXPECTED_LOGITS)
 # The dense decode kernel at a budget cache's large batches (budget 1024 + the new token) with fewer
 # flash-decoding splits than the default's 8: B · Hk programs alone fill the card there, and every
-# split writes partial outputs that a merge reads back (gpu/NOTES.md, eighth session)
-SPLITS = {f"pallas_gpu_splits{n}": n for n in (1, 2, 4)}
+# split writes partial outputs that a merge reads back (gpu/NOTES.md, eighth session). At batch 1
+# with more: the default gives the full cache at 4K (4,352 slots) 8 splits, 64 programs on 132
+# SMs, and SnapKV 1024 (1,025 slots) 6 (gpu/NOTES.md, nineteenth session).
+SPLITS = {f"pallas_gpu_splits{n}": n for n in (1, 2, 4, 16, 32)}
 SPLIT_BATCHES = (64, 512)
+FEWER_SPLITS, MORE_SPLITS = (1, 2, 4), (16, 32)
+FULL_4K = (
+    4352  # the full cache's slots at a 4K context (``round_capacity``), as the model part runs it
+)
+
+
+def split_impls(case: Case) -> list[str]:
+    """The ``SPLITS`` variants timed for a dense decode case: fewer splits at the large batches,
+    more at batch 1, every one in the smoke's case of 129 slots (none for other cases)."""
+    if case.op != "decode" or case.slots not in (129, 1025, FULL_4K):
+        return []
+    if case.slots == 129:
+        return list(SPLITS)
+    return [
+        impl
+        for impl, n in SPLITS.items()
+        if n in (MORE_SPLITS if case.batch == 1 else FEWER_SPLITS)
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,6 +435,14 @@ def timing_cases(smoke: bool) -> list[Case]:
             Case("decode", "attn", shape, "bfloat16", 129 if smoke else 1025, b)
             for b in ((1,) if smoke else SPLIT_BATCHES)
         ]
+        + (
+            []
+            if smoke
+            else [  # and at batch 1: the full cache at 4K (no scores), SnapKV 1024
+                Case("decode", "none", shape, "bfloat16", FULL_4K, 1),
+                Case("decode", "attn", shape, "bfloat16", 1025, 1),
+            ]
+        )
         + [  # a decoding step's eviction of every layer: budget 1024 + the new token
             Case(LOWEST_PLACE, "attn", shape, "float32", 129 if smoke else 1025, rows)
             for rows in ((1,) if smoke else (PLACE_LAYERS, 64 * PLACE_LAYERS))
@@ -518,9 +547,8 @@ def submit_timings(compiler: Compiler, smoke: bool) -> dict:
         futures[c, "xla"] = compiler.submit(kernel_fn(c, "xla", False), *args)
         if c.op in WIDE_OPS:
             futures[c, WIDE] = compiler.submit(kernel_fn(c, WIDE, smoke), *args)
-        if c.op == "decode" and c.slots in (129, 1025):
-            for impl in SPLITS:
-                futures[c, impl] = compiler.submit(kernel_fn(c, impl, smoke), *args)
+        for impl in split_impls(c):
+            futures[c, impl] = compiler.submit(kernel_fn(c, impl, smoke), *args)
         if c.score == "none" and not OPS[c.op][0]:
             q, k = args[0], args[1]
             kt = jax.ShapeDtypeStruct((k.shape[0], k.shape[2], k.shape[1], k.shape[3]), k.dtype)

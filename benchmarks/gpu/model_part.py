@@ -918,10 +918,10 @@ def tables(results: Results) -> list[str]:
         lines += [
             "### Where a decode step's device time goes (JAX's profiler, ms per step)",
             "",
-            "| cache | impl | context | batch | step ms | device ms | "
+            "| cache | impl | context | batch | step ms | device ms | ops | ops < 5 µs: n, ms | "
             + " | ".join(kinds)
             + " | largest |",
-            "| --- | --- | ---: | ---: | ---: | ---: | "
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | "
             + " | ".join("---:" for _ in kinds)
             + " | --- |",
         ]
@@ -932,10 +932,17 @@ def tables(results: Results) -> list[str]:
                 f"| {r['ms_per_step']:.2f} |"
             )
             if "error" in p:
-                lines.append(f"{head} {p['error'][:200]} |" + " |" * (len(kinds) + 1))
+                lines.append(f"{head} {p['error'][:200]} |" + " |" * (len(kinds) + 3))
                 continue
             cells = " | ".join(f"{p['kinds'].get(k, 0):.2f}" for k in kinds)
             largest = "; ".join(f"{name[:48]} {ms:.2f}" for name, ms in p["top"][:3])
-            lines.append(f"{head} {p['ms_per_step']:.2f} | {cells} | {largest} |")
+            # calls 3c and 4a counted fewer of these (3c no ops, 4a no short ones)
+            ops = f"{p['ops_per_step']:.0f}" if "ops_per_step" in p else ""
+            short = (
+                f"{p['short_ops_per_step']:.0f}, {p['short_ops_ms']:.2f}"
+                if "short_ops_ms" in p
+                else ""
+            )
+            lines.append(f"{head} {p['ms_per_step']:.2f} | {ops} | {short} | {cells} | {largest} |")
         lines.append("")
     return lines
