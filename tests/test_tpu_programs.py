@@ -55,13 +55,14 @@ def test_every_scorer_lowers_for_tpu(index):
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4", "float8_e4m3fn"])
 def test_quantized_caches_lower_for_tpu(kv_dtype):
     """The dense cache's kernels take every kind of codes. The paged cache's TPU kernels take them
-    in pages of 32 or more (8-bit codes fill a 32-row sublane tile, docs/kernels.md): at its
-    default pages of 16 its attention is the XLA reference on TPU, in pages of 32 the kernels."""
-    for programs in (
-        lowered("snapkv", "blockwise", kv_dtype=kv_dtype),
-        lowered("adakv", "blockwise", kv_dtype=kv_dtype, page_size=32),
-    ):
-        assert all("tpu_custom_call" in text for text in programs)
+    in pages of 32 or more (8-bit codes fill a 32-row sublane tile, docs/kernels.md): its quantized
+    pools' default pages; in pages of 16 its attention is the XLA reference on TPU."""
+    assert eviction_from(budget=BUDGET, scorer="adakv", kv_dtype=kv_dtype).page_size == 32
+    for scorer in ("snapkv", "adakv"):
+        assert all(
+            "tpu_custom_call" in text for text in lowered(scorer, "blockwise", kv_dtype=kv_dtype)
+        )
     assert not any(
-        "tpu_custom_call" in text for text in lowered("adakv", "blockwise", kv_dtype=kv_dtype)
+        "tpu_custom_call" in text
+        for text in lowered("adakv", "blockwise", kv_dtype=kv_dtype, page_size=16)
     )

@@ -145,8 +145,8 @@ class EvictionKeywords:
     )
     page_size: int | None = _option(
         None,
-        "tokens per page of the paged cache (None: 16 for non-uniform "
-        "allocations, which are paged; uniform keeps one dense block per head)",
+        "tokens per page of the paged cache (None: 16 for the non-uniform allocations, which "
+        "are paged, or 32 with a quantized kv_dtype; uniform keeps one dense block per head)",
     )
     repeat: str | None = _option(
         None,

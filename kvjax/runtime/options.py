@@ -30,7 +30,7 @@ from kvjax.eviction.keywords import EvictionKeywords
 from kvjax.kernels.quantized import KV_DTYPES, bytes_per_token
 from kvjax.runtime.inputs import plain_numbers
 from kvjax.runtime.kvzip_pass import load_head_scores
-from kvjax.runtime.protocol import PAGE_SIZE, Eviction
+from kvjax.runtime.protocol import Eviction, default_page_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +134,9 @@ class EvictionOptions(EvictionKeywords):
                 f"protocol='prefill' (got {protocol!r}) and decode_evict=False "
                 f"(got {decode_evict!r})"
             )
-        page_size = (
-            self.page_size if self.page_size is not None else (PAGE_SIZE if policy.paged else None)
-        )
+        page_size = self.page_size
+        if page_size is None and policy.paged:
+            page_size = default_page_size(self.kv_dtype)
         return Eviction(
             policy,
             protocol=protocol,

@@ -24,6 +24,15 @@ from kvjax.runtime.inputs import round_capacity
 # internal protocol: feed tokens without any eviction point (``Eviction.without_eviction``)
 APPEND = "append"
 PAGE_SIZE = 16  # tokens per page of the paged cache, unless chosen
+# ... and of quantized pools (``kv_dtype``): a TPU sublane tile of 8-bit codes holds 32 rows, so the
+# TPU paged kernels take them in pages of 32 (in pages of 16 the reference runs there)
+CODE_PAGE_SIZE = 32
+
+
+def default_page_size(kv_dtype: str | None) -> int:
+    """The paged cache's pages when none is chosen: ``PAGE_SIZE``, or ``CODE_PAGE_SIZE`` for a
+    quantized ``kv_dtype``."""
+    return PAGE_SIZE if kv_dtype is None else CODE_PAGE_SIZE
 
 
 @dataclasses.dataclass(frozen=True)
