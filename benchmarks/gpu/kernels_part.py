@@ -130,9 +130,8 @@ WIDE_OPS = (MOMENT_RESIDUALS, EXPECTED_LOGITS)
 SPLITS = {f"pallas_gpu_splits{n}": n for n in (1, 2, 4, 16, 32)}
 SPLIT_BATCHES = (64, 512)
 FEWER_SPLITS, MORE_SPLITS = (1, 2, 4), (16, 32)
-FULL_4K = (
-    4352  # the full cache's slots at a 4K context (``round_capacity``), as the model part runs it
-)
+# the full cache's slots at a 4K context (``round_capacity``), as the model part runs it
+FULL_4K = 4352
 
 
 def split_impls(case: Case) -> list[str]:
