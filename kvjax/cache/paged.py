@@ -540,6 +540,13 @@ class PagedCache(SlotsView):
         k_out, v_out = self._rows(jnp.minimum(gone, self.slots - 1))
         return jax.vmap(Moments.add)(self.moments, weight, k_out, v_out)
 
+    def _state_after(self, p: Policy, reset: bool, moved) -> jax.Array:
+        """The compacted state: reset (or, unreset, left for the next step to overwrite) where the
+        scorer resets it after an eviction, else ``moved()``, its entries laid out as the slots."""
+        if p.scorer.reset_after_evict:
+            return reset_state(self.state) if reset else self.state
+        return moved()
+
     def _laid_out(self, holes, tails, moving, n, **fields) -> PagedCache:
         """The compaction's end: the cache with ``fields`` (positions, state, order, moments)
         replaced, each ``moving`` [L, B, Hk, E] tail's keys and values copied into its hole's, and
@@ -600,8 +607,7 @@ class PagedCache(SlotsView):
         n = count - k  # [L, B, Hk]
         window = n[..., None] + jnp.arange(E)  # [L, B, Hk, E]: the tails lie among these
         tail = (window < count[..., None]) & ~(window[..., None] == gone[..., None, :]).any(-1)
-        tails = jnp.take_along_axis(window, true_first(tail), -1)  # ascending
-        moving = jnp.arange(E) < tail.sum(-1)[..., None]
+        tails, moving = _tails(window, tail)
         holes = gone  # ascending: the first ``tail.sum(-1)`` of them are below n
         # the tails' entries into the holes, every slot from n on emptied (E of them at most):
         # distinct slots, those out of range (C + i, also distinct) dropped
@@ -626,10 +632,7 @@ class PagedCache(SlotsView):
             return set_slots(x, idx, new, lead=lead, mode="drop", unique=True)
 
         pos = moved(self.pos, -1)
-        if p.scorer.reset_after_evict:  # unreset, the next step overwrites it
-            state = reset_state(self.state) if reset else self.state
-        else:
-            state = moved(self.state, 0.0, lead=4)
+        state = self._state_after(p, reset, lambda: moved(self.state, 0.0, lead=4))
         # place q < n takes the entry of place q + s, s the dropped places that q's entry passed
         # (places ascending: the i-th lies at or below q + i exactly where it is passed)
         q = jnp.arange(C)
@@ -679,8 +682,7 @@ class PagedCache(SlotsView):
         window = n[..., None] + jnp.arange(max_moves)  # [L, B, Hk, E]
         tail = jnp.take_along_axis(keep, jnp.minimum(window, C - 1), -1) & (window < C)
         holes = dropped  # ascending: the first ``tail.sum(-1)`` of them are below n
-        tails = jnp.take_along_axis(window, true_first(tail), -1)  # [L, B, Hk, E] ascending
-        moving = jnp.arange(max_moves) < tail.sum(-1)[..., None]
+        tails, moving = _tails(window, tail)
         identity = jnp.broadcast_to(slot, keep.shape)
         source = set_slots(identity, jnp.where(moving, holes, C), tails, lead=3, mode="drop")
         new_slot = set_slots(identity, jnp.where(moving, tails, C), holes, lead=3, mode="drop")
@@ -691,10 +693,9 @@ class PagedCache(SlotsView):
 
         live = slot < n[..., None]
         pos = jnp.where(live, from_tails(self.pos), -1)
-        if p.scorer.reset_after_evict:  # unreset, the next step overwrites it
-            state = reset_state(self.state) if reset else self.state
-        else:
-            state = jnp.where(live[..., None, :], from_tails(self.state), 0.0)
+        state = self._state_after(
+            p, reset, lambda: jnp.where(live[..., None, :], from_tails(self.state), 0.0)
+        )
         kept_in_order = jnp.take_along_axis(keep, self.order, -1)
         rank = jnp.where(kept_in_order, jnp.cumsum(kept_in_order, -1) - 1, C)
         order = set_slots(
@@ -769,3 +770,13 @@ class PagedCache(SlotsView):
             order=order.astype(jnp.int32),
             spare=spare,
         )
+
+
+def _tails(window: jax.Array, tail: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The kept slots a compaction moves, from the E slots ``window`` [L, B, Hk, E] past each
+    head's new count and which of them hold a kept token (``tail``): those slots ascending, first
+    (the rest arbitrary), and which entries are real ([L, B, Hk, E] each)."""
+    return (
+        jnp.take_along_axis(window, true_first(tail), -1),
+        jnp.arange(tail.shape[-1]) < tail.sum(-1)[..., None],
+    )
