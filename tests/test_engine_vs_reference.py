@@ -12,6 +12,7 @@ import pytest
 from helpers import distinct_prompts as prompts_of
 from helpers import kept_positions as kept
 from reference_eviction import assert_kept_sums, run_reference
+from reference_quantized import resolved
 
 import kvjax
 from kvjax.eviction.expected_attention import QUERY_BUFFER
@@ -318,37 +319,35 @@ def check_against_reference(model, case, protocol, evict_every, prompts, new_tok
     settings = (
         dict(budget=BUDGET, protocol=protocol, block_size=BLOCK, evict_every=evict_every) | case
     )
-    refs = [
-        run_reference(
-            model, p, new_tokens, **{k: v for k, v in settings.items() if k != "page_size"}
-        )
-        for p in prompts
-    ]
-    # Exact agreement is only well posed without float-noise near ties (exact ties follow the tie
-    # rule).
-    assert [r["near_ties"] - r["exact_ties"] for r in refs] == [0, 0]
-
     ev = eviction_from(**settings)
     gen = Generation.from_prompts(model, prompts, new_tokens, Sampling(), 0, (), ev)
-    state = gen.state
-    for row, ref in enumerate(refs):
-        assert kept(np.asarray(state.cache.pos), row) == ref["kept_after_prefill"]
-        np.testing.assert_allclose(np.asarray(state.logits[row]), ref["prefill_logits"], **LOGITS)
-    for step in range(new_tokens):
-        new = gen.run(1)
+    runs = [dict(kept=[], logits=[], tokens=[]) for _ in prompts]  # the engine's, row by row
+    for step in range(new_tokens + 1):
+        new = gen.run(1) if step else None
         pos, logits = np.asarray(gen.state.cache.pos), np.asarray(gen.state.logits)
-        for row, ref in enumerate(refs):
-            assert int(new[row][0]) == ref["tokens"][step]
-            assert kept(pos, row) == ref["kept_after_steps"][step], (
-                f"row {row} after decode step {step + 1}"
-            )
-            np.testing.assert_allclose(logits[row], ref["step_logits"][step], **LOGITS)
+        for row, run in enumerate(runs):
+            run["kept"].append(kept(pos, row))
+            run["logits"].append(logits[row])
+            if step:
+                run["tokens"].append(int(new[row][0]))
     moments = gen.state.cache.moments
     sums = assert_kept_sums(moments, settings["scorer"])  # only what MomentKV reads
-    for row, ref in enumerate(refs):
+
+    def compare(row, ref):
+        # Exact agreement is only well posed without float-noise near ties (exact ties follow the
+        # tie rule).
+        assert ref["near_ties"] - ref["exact_ties"] == 0, f"row {row}: near ties"
+        run = runs[row]
+        assert run["kept"][0] == ref["kept_after_prefill"], f"row {row} after the prefill"
+        np.testing.assert_allclose(run["logits"][0], ref["prefill_logits"], **LOGITS)
+        for step in range(new_tokens):
+            assert run["tokens"][step] == ref["tokens"][step], f"row {row} token {step + 1}"
+            assert run["kept"][step + 1] == ref["kept_after_steps"][step], (
+                f"row {row} after decode step {step + 1}"
+            )
+            np.testing.assert_allclose(run["logits"][step + 1], ref["step_logits"][step], **LOGITS)
         np.testing.assert_array_equal(np.asarray(moments.count[:, row]), ref["moments"]["count"])
-        # float32: relative to the largest
-        for name in sums:
+        for name in sums:  # float32: relative to the largest
             expected = ref["moments"][name]
             np.testing.assert_allclose(
                 np.asarray(getattr(moments, name)[:, row]),
@@ -356,6 +355,15 @@ def check_against_reference(model, case, protocol, evict_every, prompts, new_tok
                 atol=1e-5 * max(1.0, np.abs(expected).max()),
                 rtol=1e-4,
             )
+
+    options = {k: v for k, v in settings.items() if k != "page_size"}
+    refs = [
+        resolved(
+            lambda p=p: run_reference(model, p, new_tokens, **options),
+            lambda ref, row=row: compare(row, ref),
+        )
+        for row, p in enumerate(prompts)
+    ]
     assert sum(r["moments"]["count"].sum() for r in refs) > 0  # evictions did happen
     return refs
 

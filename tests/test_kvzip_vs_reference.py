@@ -11,6 +11,7 @@ import pytest
 from helpers import distinct_prompts
 from helpers import kept_positions as kept
 from reference_eviction import assert_kept_sums, full_forward, run_kvzip_reference
+from reference_quantized import resolved
 
 import kvjax
 import kvjax.runtime.kvzip_pass
@@ -44,16 +45,15 @@ def check(model, settings: dict, *, generate: bool = False, head_scores=None) ->
         options |= dict(head_scores=head_scores)
     if head_scores is not None or isinstance(settings["budget"], float):
         options |= dict(context=max(len(p) for p in PROMPTS))
-    refs = [
-        run_kvzip_reference(model, p, NEW, question=q, chunk=CHUNK, **options)
-        for p, q in zip(PROMPTS, QUESTIONS, strict=True)
-    ]
-    # exact agreement is only well posed away from near ties (exact ones follow the tie rule)
-    assert [r["near_ties"] - r["exact_ties"] for r in refs] == [0, 0]
     context = kvjax.prefill(model, PROMPTS, **settings)
     pos, moments = np.asarray(context.cache.sorted_pos), context.cache.moments
     sums = assert_kept_sums(moments, settings["scorer"])  # only what MomentKV reads
-    for row, ref in enumerate(refs):
+    answers = kvjax.decode(model, context, QUESTIONS, NEW, evict=False, stop_ids=())
+    got = kvjax.generate(model, PROMPTS, NEW, stop_ids=(), **settings) if generate else None
+
+    def compare(row, ref):
+        # exact agreement is only well posed away from near ties (exact ones follow the tie rule)
+        assert ref["near_ties"] - ref["exact_ties"] == 0, f"row {row}: near ties"
         assert kept(pos, row) == ref["kept_after_prefill"], f"row {row}"
         logits, count = np.asarray(context.logits[row]), np.asarray(moments.count[:, row])
         np.testing.assert_allclose(logits, ref["prefill_logits"], **LOGITS)
@@ -66,15 +66,26 @@ def check(model, settings: dict, *, generate: bool = False, head_scores=None) ->
                 atol=1e-5 * max(1.0, np.abs(expected).max()),
                 rtol=1e-4,
             )
-    answers = kvjax.decode(model, context, QUESTIONS, NEW, evict=False, stop_ids=())
-    assert [a.tolist() for a in answers] == [r["tokens"] for r in refs]
+        assert answers[row].tolist() == ref["tokens"], f"row {row}: the answer's tokens"
+
+    refs = [
+        resolved(
+            lambda p=p, q=q: run_kvzip_reference(model, p, NEW, question=q, chunk=CHUNK, **options),
+            lambda ref, row=row: compare(row, ref),
+        )
+        for row, (p, q) in enumerate(zip(PROMPTS, QUESTIONS, strict=True))
+    ]
     if generate:
-        plain = [
-            run_kvzip_reference(model, p, NEW, chunk=CHUNK, **options)["tokens"] for p in PROMPTS
-        ]
-        got = kvjax.generate(model, PROMPTS, NEW, stop_ids=(), **settings)
-        assert [a.tolist() for a in got] == plain
+        for row, p in enumerate(PROMPTS):
+            resolved(
+                lambda p=p: run_kvzip_reference(model, p, NEW, chunk=CHUNK, **options),
+                lambda ref, row=row: _equal(got[row].tolist(), ref["tokens"]),
+            )
     return refs
+
+
+def _equal(got, want):
+    assert got == want, (got, want)
 
 
 # Left out for time (each NC scorer compiles its own decoding, ~5 s): kvzip+momentkv-nc (kvzip's
