@@ -10,11 +10,11 @@ lies that close to a rounding midpoint may round the other way in the engine (me
 EPYC, 2026-12-01: an int4 row's scale 2.1e-6 from its bfloat16 midpoint rounded up in the engine
 and down here, and the logits differed by 2e-3). A row is *ambiguous* when its scale lies within
 ``TIE_RTOL`` of its bfloat16 midpoint, or an int4 code within ``TIE_RTOL × qmax`` of its own, or a
-normal float8 code within ``TIE_RTOL × |code|`` of its own. int8's codes are left out: one step
-moves one element by 1/127 of the row's largest, and with steps so fine about one row in five
-lies that close to some midpoint. Under ``resolving(flipped)`` every row quantized is numbered in
-the order the reference quantizes them, ambiguous rows are recorded, and rows whose number is in
-``flipped`` round each of their ambiguous roundings the other way."""
+normal float8 code within ``TIE_RTOL × |code|`` of its own. int8's codes are left out: with steps
+of 1/127 of the row's largest value about 4% of rows of 8 lie that close to some midpoint, too many
+to try, and one code off moves one element by one such step. Under ``resolving(flipped)`` every
+row quantized is numbered in the order the reference quantizes them, ambiguous rows are recorded,
+and rows whose number is in ``flipped`` round each of their ambiguous roundings the other way."""
 
 import contextlib
 import itertools

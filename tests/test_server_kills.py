@@ -77,7 +77,11 @@ def stored_files(root: Path) -> list[str]:
 
 
 @pytest.fixture
-def root(tmp_path):
+def root(tmp_path, monkeypatch):
+    """The contexts' directory. The servers share a compilation cache, as a user's restarts do
+    (the CLI's default, kvjax.runtime.compilation_cache): later servers load what the first
+    compiled."""
+    monkeypatch.setenv("KVJAX_COMPILATION_CACHE", str(tmp_path / "jax-cache"))
     return tmp_path / "contexts"
 
 
