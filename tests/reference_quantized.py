@@ -91,42 +91,42 @@ def quantize(x, kind: str) -> tuple[np.ndarray, np.ndarray]:
     absmax = np.max(np.abs(x), axis=-1, keepdims=True)
     exact = (absmax / qmax).astype(np.float32)
     scale = exact.astype(ml_dtypes.bfloat16).astype(np.float32)
-    other = _step_toward(scale, exact, ml_dtypes.bfloat16)
-    tie = (exact > 0) & _near(scale, other, exact, TIE_RTOL * exact)
-    flip = _flips(x.shape[:-1])
-    if flip is not None:
-        scale = np.where(flip[..., None] & tie, other, scale)
+    resolution, numbers = _RESOLUTION, _next_rows(x.shape[:-1])
+    if resolution is not None:
+        other = _step_toward(scale, exact, ml_dtypes.bfloat16)
+        tie = (exact > 0) & _near(scale, other, exact, TIE_RTOL * exact)
+        flip = np.isin(numbers, list(resolution.flipped))[..., None]
+        scale = np.where(flip & tie, other, scale)
 
     with np.errstate(divide="ignore", invalid="ignore"):
         scaled = np.where(scale > 0, x / np.where(scale > 0, scale, np.float32(1)), np.float32(0))
     scaled = scaled.astype(np.float32)
     if kind == "float8_e4m3fn":
         codes = np.clip(scaled, -qmax, qmax).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-        alt = _step_toward(codes, scaled, ml_dtypes.float8_e4m3fn)
-        normal = np.abs(codes) >= 2.0**-6
-        ties = normal & (np.abs(alt) <= qmax) & _near(codes, alt, scaled, TIE_RTOL * np.abs(codes))
     else:
         codes = np.clip(np.rint(scaled), -qmax, qmax).astype(np.float32)
-        alt = np.clip(codes + np.sign(scaled - codes), -qmax, qmax).astype(np.float32)
-        ties = (kind == "int4") & (alt != codes) & _near(codes, alt, scaled, TIE_RTOL * qmax)
-    if flip is not None:
-        codes = np.where(flip[..., None] & ties, alt, codes)
-        _record(tie[..., 0] | ties.any(axis=-1))
+    if resolution is not None:
+        if kind == "float8_e4m3fn":
+            alt = _step_toward(codes, scaled, ml_dtypes.float8_e4m3fn)
+            normal = np.abs(codes) >= 2.0**-6
+            ties = normal & (np.abs(alt) <= qmax)
+            ties &= _near(codes, alt, scaled, TIE_RTOL * np.abs(codes))
+        else:
+            alt = np.clip(codes + np.sign(scaled - codes), -qmax, qmax).astype(np.float32)
+            ties = (kind == "int4") & (alt != codes) & _near(codes, alt, scaled, TIE_RTOL * qmax)
+        codes = np.where(flip & ties, alt, codes)
+        resolution.ambiguous.extend(int(n) for n in numbers[tie[..., 0] | ties.any(axis=-1)])
     return codes, scale
 
 
-def _flips(rows: tuple) -> np.ndarray | None:
-    """Under ``resolving``: which of these rows (numbered next) are flipped; None outside."""
+def _next_rows(rows: tuple) -> np.ndarray | None:
+    """Under ``resolving``: the numbers [*rows] of the rows quantized next (counted as seen);
+    None outside."""
     if _RESOLUTION is None:
         return None
     numbers = _RESOLUTION.seen + np.arange(int(np.prod(rows))).reshape(rows)
-    return np.isin(numbers, list(_RESOLUTION.flipped))
-
-
-def _record(ambiguous: np.ndarray) -> None:
-    numbers = _RESOLUTION.seen + np.arange(ambiguous.size)
-    _RESOLUTION.ambiguous.extend(int(n) for n in numbers[ambiguous.ravel()])
-    _RESOLUTION.seen += ambiguous.size
+    _RESOLUTION.seen += numbers.size
+    return numbers
 
 
 def round_trip(x, kind: str | None) -> np.ndarray:
